@@ -1,0 +1,220 @@
+//! `vfioctl`: the command-line client of vfiod. See `vfioctl --help`.
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+use vfiod::client::{self, ClientError, ManagerProxy};
+use vfiod::dbus::BusTarget;
+
+/// Inspect and control vfiod, the PCI accelerator manager.
+#[derive(Parser, Debug)]
+#[command(version)]
+struct Args {
+    /// Bus where vfiod runs: system, session, or a D-Bus address. Default: $VFIOD_BUS, else
+    /// the system bus.
+    #[arg(long, global = true)]
+    bus: Option<BusTarget>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// List every PCI function vfiod knows.
+    List {
+        /// Print JSON (an array of objects) instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// Only devices of this kind (gpu, fpga, crypto, nvme, nic, other).
+        #[arg(long)]
+        kind: Option<vfiod::device::Kind>,
+    },
+    /// Show one device in detail.
+    Show {
+        /// PCI address, DDDD:BB:SS.F (or BB:SS.F).
+        address: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Daemon version, scenario and counts.
+    Status {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Inventory history (devices appearing, disappearing, breaking, config reloads).
+    Events {
+        /// Only events of this device.
+        address: Option<String>,
+        #[arg(long, default_value_t = 100)]
+        limit: u32,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Re-read the configuration (needs authorization).
+    Reload,
+    /// Rescan the PCI devices now (needs authorization).
+    Rescan,
+}
+
+fn bus(args: &Args) -> Result<BusTarget, String> {
+    if let Some(b) = &args.bus {
+        return Ok(b.clone());
+    }
+    match std::env::var("VFIOD_BUS") {
+        Ok(v) if !v.is_empty() => v.parse().map_err(|e| format!("VFIOD_BUS: {e}")),
+        _ => Ok(BusTarget::System),
+    }
+}
+
+fn describe(e: ClientError) -> String {
+    match e {
+        ClientError::Call(zbus::Error::MethodError(name, Some(msg), _)) => {
+            format!("{msg} ({name})")
+        }
+        other => vfiod::error_chain(&other),
+    }
+}
+
+fn print_json<T: serde::Serialize>(v: &T) -> Result<(), String> {
+    println!(
+        "{}",
+        serde_json::to_string_pretty(v).map_err(|e| e.to_string())?
+    );
+    Ok(())
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(args).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("vfioctl: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: Args) -> Result<(), String> {
+    let target = bus(&args)?;
+    let conn = client::connect(&target).await.map_err(describe)?;
+    match args.command {
+        Command::List { json, kind } => {
+            let mut devices = client::list_devices(&conn).await.map_err(describe)?;
+            if let Some(k) = kind {
+                devices.retain(|d| d.kind == k.as_str());
+            }
+            if json {
+                print_json(&devices)?;
+            } else {
+                print!("{}", client::render_table(&devices));
+            }
+        }
+        Command::Show { address, json } => {
+            let d = client::show_device(&conn, &address)
+                .await
+                .map_err(describe)?;
+            if json {
+                print_json(&d)?;
+            } else {
+                print!("{}", client::render_details(&d));
+            }
+        }
+        Command::Status { json } => {
+            let m = ManagerProxy::new(&conn)
+                .await
+                .map_err(|e| describe(e.into()))?;
+            let get = async {
+                Ok::<_, zbus::Error>(serde_json::json!({
+                    "version": m.version().await?,
+                    "scenario": m.scenario().await?,
+                    "simulated": m.simulated().await?,
+                    "devices": m.device_count().await?,
+                    "usable": m.usable_count().await?,
+                    "protected": m.protected_count().await?,
+                    "broken": m.broken_count().await?,
+                    "config_sources": m.config_sources().await?,
+                }))
+            };
+            let s = get.await.map_err(|e| describe(e.into()))?;
+            if json {
+                print_json(&s)?;
+            } else {
+                if s["simulated"] == true {
+                    println!("SIMULATION: this vfiod runs on a simulated host");
+                }
+                println!(
+                    "vfiod {}  scenario {}",
+                    s["version"].as_str().unwrap_or(""),
+                    s["scenario"].as_str().unwrap_or("")
+                );
+                println!(
+                    "devices: {} ({} usable, {} protected, {} broken)",
+                    s["devices"], s["usable"], s["protected"], s["broken"]
+                );
+            }
+        }
+        Command::Events {
+            address,
+            limit,
+            json,
+        } => {
+            let m = ManagerProxy::new(&conn)
+                .await
+                .map_err(|e| describe(e.into()))?;
+            let events = m
+                .get_events(address.as_deref().unwrap_or(""), 0, limit)
+                .await
+                .map_err(|e| describe(e.into()))?;
+            if json {
+                let v: Vec<_> = events
+                    .iter()
+                    .map(|(id, t, a, k, msg)| serde_json::json!({"id": id, "time_ms": t, "address": a, "kind": k, "message": msg}))
+                    .collect();
+                print_json(&v)?;
+            } else {
+                for (id, t, _a, k, msg) in events {
+                    println!("{id:>6}  {}  {k:<10} {msg}", format_time(t));
+                }
+            }
+        }
+        Command::Reload => {
+            let m = ManagerProxy::new(&conn)
+                .await
+                .map_err(|e| describe(e.into()))?;
+            m.reload().await.map_err(|e| describe(e.into()))?;
+            println!("configuration reloaded");
+        }
+        Command::Rescan => {
+            let m = ManagerProxy::new(&conn)
+                .await
+                .map_err(|e| describe(e.into()))?;
+            m.rescan().await.map_err(|e| describe(e.into()))?;
+            println!("rescan done");
+        }
+    }
+    Ok(())
+}
+
+/// UTC time of day and date from epoch milliseconds, without pulling in a date crate.
+fn format_time(ms: i64) -> String {
+    let secs = ms.div_euclid(1000);
+    let days = secs.div_euclid(86_400);
+    let rem = secs.rem_euclid(86_400);
+    // Civil-from-days (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let y = yoe + era * 400;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = if m <= 2 { y + 1 } else { y };
+    format!(
+        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}

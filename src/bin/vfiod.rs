@@ -1,0 +1,349 @@
+//! `vfiod`: the daemon. See `vfiod --help`.
+
+use clap::Parser;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use vfiod::config::{self, Settings};
+use vfiod::daemon::{ConfigSource, Engine, Service};
+use vfiod::dbus::{self, auth::Authorizer, BusTarget};
+use vfiod::private_bus::PrivateBus;
+use vfiod::simkernel::{HostModel, SimKernel};
+use vfiod::store::Store;
+use vfiod::sysfs::Sysfs;
+use vfiod::{error_chain, uevent};
+
+/// Manages PCI accelerators (GPUs, FPGAs, QAT, NVMe, SR-IOV NICs) for libvirt/QEMU VMs and
+/// serves their inventory on D-Bus as org.vfiod.Vfiod1.
+#[derive(Parser, Debug)]
+#[command(version)]
+struct Args {
+    /// Main configuration file (default /etc/vfiod/vfiod.toml; missing = defaults, which
+    /// manage nothing).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Drop-in directory read after the main file.
+    #[arg(long, default_value = config::DEFAULT_DROPIN_DIR)]
+    conf_dir: PathBuf,
+    /// Bus to serve on: system, session, or a D-Bus address.
+    #[arg(long, default_value = "system")]
+    bus: BusTarget,
+    /// Validate the configuration, print the settings in effect, and exit.
+    #[arg(long)]
+    check_config: bool,
+    /// Run on a simulated host (no hardware is read or touched) on a private bus started for
+    /// the purpose. Authorization is relaxed there: every caller may use every method.
+    #[arg(long)]
+    simulate: bool,
+    /// With --simulate: build the simulated tree here instead of a temporary directory.
+    #[arg(long, requires = "simulate")]
+    sim_root: Option<PathBuf>,
+    /// With --simulate: run this command with VFIOD_BUS pointing at the simulation, then stop
+    /// and exit with its status (e.g. `vfiod --simulate -- vfioctl list`).
+    #[arg(last = true, requires = "simulate")]
+    command: Vec<String>,
+}
+
+/// Called once the API is served; may start the `--simulate -- COMMAND` child.
+type ReadyHook = Box<dyn FnOnce() -> Result<Option<tokio::process::Child>, String> + Send>;
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("VFIOD_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // Under systemd the journal adds timestamps; elsewhere keep them.
+    let journal = std::env::var_os("JOURNAL_STREAM").is_some();
+    let b = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_target(false);
+    if journal {
+        b.without_time().init();
+    } else {
+        b.init();
+    }
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let args = Args::parse();
+    init_logging();
+    match run(args).await {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("vfiod: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
+    tokio::select! {
+        _ = term.recv() => {},
+        _ = int.recv() => {},
+    }
+}
+
+async fn run(args: Args) -> Result<ExitCode, String> {
+    if args.simulate {
+        return simulate(args).await;
+    }
+    let source = ConfigSource {
+        main: args
+            .config
+            .clone()
+            .unwrap_or_else(|| config::DEFAULT_CONFIG_PATH.into()),
+        dropin_dir: Some(args.conf_dir.clone()),
+        main_required: args.config.is_some(),
+        pin_sysfs_root: None,
+        pin_state_dir: None,
+    };
+    let settings = source.load().map_err(|e| error_chain(&e))?;
+    if args.check_config {
+        print_settings(&settings);
+        return Ok(ExitCode::SUCCESS);
+    }
+    let sysfs = Sysfs::host(&settings.sysfs_root);
+    // Kernel events describe the real /sys; with another root they would name devices that
+    // are not in the tree we read, so only polling applies there.
+    let events = if settings.sysfs_root == std::path::Path::new("/") {
+        match uevent::netlink_source() {
+            Ok(rx) => Some(rx),
+            Err(e) => {
+                tracing::warn!("cannot listen to kernel uevents ({e}); relying on polling");
+                None
+            }
+        }
+    } else {
+        None
+    };
+    serve(
+        settings,
+        Some(source),
+        sysfs,
+        events,
+        args.bus,
+        Authorizer::Polkit,
+        false,
+        None,
+    )
+    .await
+}
+
+fn print_settings(s: &Settings) {
+    println!(
+        "configuration OK, read from: {}",
+        s.sources
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    println!("scenario = {}", s.scenario.as_str());
+    println!("poll_interval = {}s", s.poll_interval.as_secs());
+    println!("state_dir = {}", s.state_dir.display());
+    println!("sysfs_root = {}", s.sysfs_root.display());
+    println!("select: {} rule(s)", s.select.len());
+    for r in &s.select {
+        println!("  {}", r.selector);
+    }
+    println!("protect: {} selector(s)", s.protect.len());
+    for p in &s.protect {
+        println!("  {p}");
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn serve(
+    settings: Settings,
+    source: Option<ConfigSource>,
+    sysfs: Sysfs,
+    events: Option<uevent::EventReceiver>,
+    bus: BusTarget,
+    authorizer: Authorizer,
+    simulated: bool,
+    on_ready: Option<ReadyHook>,
+) -> Result<ExitCode, String> {
+    tracing::info!(
+        "vfiod {} starting: config from [{}], scenario {}, sysfs root {}, state in {}",
+        env!("CARGO_PKG_VERSION"),
+        settings
+            .sources
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", "),
+        settings.scenario.as_str(),
+        settings.sysfs_root.display(),
+        settings.state_dir.display()
+    );
+    let store = Arc::new(Store::open(&settings.state_dir).map_err(|e| error_chain(&e))?);
+    let engine = Arc::new(Engine::new(settings, source, sysfs, store));
+    // The first pass commits before the name is taken: when clients can see vfiod, they see
+    // the whole inventory.
+    {
+        let e = Arc::clone(&engine);
+        let pass = tokio::task::spawn_blocking(move || e.refresh())
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| error_chain(&e))?;
+        let c = engine.counts().map_err(|e| error_chain(&e))?;
+        tracing::info!(
+            "inventory: {} functions ({} usable, {} protected, {} broken), {} change(s) since last run",
+            c.total, c.usable, c.protected, c.broken, pass.changes.len()
+        );
+    }
+    let (conn, service) = dbus::serve(
+        &bus,
+        |p| Arc::new(Service::new(Arc::clone(&engine), p)),
+        authorizer,
+        simulated,
+    )
+    .await
+    .map_err(|e| error_chain(&e))?;
+    tracing::info!("serving {} on {:?}", dbus::BUS_NAME, bus);
+    let mut child = match on_ready {
+        Some(f) => f()?,
+        None => None,
+    };
+    let svc = Arc::clone(&service);
+    let loop_task = async move {
+        match child.as_mut() {
+            Some(c) => {
+                let status = c.wait().await;
+                status.ok().and_then(|s| s.code()).unwrap_or(1)
+            }
+            None => {
+                shutdown_signal().await;
+                0
+            }
+        }
+    };
+    let (code_tx, code_rx) = tokio::sync::oneshot::channel();
+    let stopper = async move {
+        let code = loop_task.await;
+        let _ = code_tx.send(code);
+    };
+    svc.run(events, stopper).await;
+    drop(conn);
+    tracing::info!("vfiod stopped");
+    let code = code_rx.await.unwrap_or(0);
+    Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)))
+}
+
+async fn simulate(args: Args) -> Result<ExitCode, String> {
+    let tmp;
+    let base = match &args.sim_root {
+        Some(dir) => dir.clone(),
+        None => {
+            tmp = tempfile::Builder::new()
+                .prefix("vfiod-sim.")
+                .tempdir()
+                .map_err(|e| e.to_string())?;
+            tmp.path().to_path_buf()
+        }
+    };
+    let root = base.join("root");
+    if root.join("sys").exists() {
+        return Err(format!(
+            "{} already holds a simulated tree; give an empty --sim-root",
+            root.display()
+        ));
+    }
+    let kernel = SimKernel::build(&root, &HostModel::reference())
+        .map_err(|e| format!("cannot build the simulated host: {e}"))?;
+    let (settings, source) = match &args.config {
+        Some(path) => {
+            let source = ConfigSource {
+                main: path.clone(),
+                dropin_dir: None,
+                main_required: true,
+                pin_sysfs_root: Some(kernel.root().to_path_buf()),
+                pin_state_dir: Some(base.join("state")),
+            };
+            (source.load().map_err(|e| error_chain(&e))?, Some(source))
+        }
+        None => {
+            let mut s = Settings::from_toml_str(
+                include_str!("../../conf/simulate.toml"),
+                std::path::Path::new("<built-in conf/simulate.toml>"),
+            )
+            .map_err(|e| error_chain(&e))?;
+            s.sysfs_root = kernel.root().to_path_buf();
+            s.state_dir = base.join("state");
+            (s, None)
+        }
+    };
+    if args.check_config {
+        print_settings(&settings);
+        return Ok(ExitCode::SUCCESS);
+    }
+    let (bus_guard, bus) = match args.bus {
+        BusTarget::System => {
+            let b = PrivateBus::start(&base.join("bus"), "").map_err(|e| error_chain(&e))?;
+            let addr = b.address().to_string();
+            (Some(b), BusTarget::Address(addr))
+        }
+        other => (None, other),
+    };
+    let address = match &bus {
+        BusTarget::Address(a) => a.clone(),
+        BusTarget::Session => "session".into(),
+        BusTarget::System => unreachable!(),
+    };
+    let events = Some(kernel.subscribe());
+    let command = args.command.clone();
+    let banner_addr = address.clone();
+    let root_display = kernel.root().display().to_string();
+    let on_ready: ReadyHook = Box::new(move || {
+        eprintln!();
+        eprintln!("=== vfiod SIMULATION ===================================================");
+        eprintln!(" This is a simulated host: no real device is read or touched.");
+        eprintln!(" Simulated sysfs:  {root_display}");
+        eprintln!(" Private bus:      {banner_addr}");
+        eprintln!(" Authorization is relaxed here: every caller may use every method.");
+        eprintln!(" Point vfioctl at it:");
+        eprintln!("   export VFIOD_BUS='{banner_addr}'");
+        eprintln!("   vfioctl list");
+        eprintln!("========================================================================");
+        eprintln!();
+        if command.is_empty() {
+            return Ok(None);
+        }
+        let mut path = std::env::var_os("PATH").unwrap_or_default();
+        if let Some(dir) = std::env::current_exe()
+            .ok()
+            .and_then(|p| p.parent().map(|p| p.to_path_buf()))
+        {
+            let mut dirs = vec![dir];
+            dirs.extend(std::env::split_paths(&path));
+            path = std::env::join_paths(dirs).unwrap_or(path);
+        }
+        match tokio::process::Command::new(&command[0])
+            .args(&command[1..])
+            .env("VFIOD_BUS", &banner_addr)
+            .env("PATH", path)
+            .spawn()
+        {
+            Ok(c) => Ok(Some(c)),
+            Err(e) => Err(format!("cannot run {:?}: {e}", command[0])),
+        }
+    });
+    let code = serve(
+        settings,
+        source,
+        kernel.sysfs(),
+        events,
+        bus,
+        Authorizer::AllowAll,
+        true,
+        Some(on_ready),
+    )
+    .await;
+    drop(bus_guard);
+    drop(kernel);
+    code
+}

@@ -1,0 +1,319 @@
+//! Client side of the D-Bus API, used by `vfioctl` and the tests: proxies, the JSON view of a
+//! device, and the table `vfioctl list` prints.
+
+use crate::dbus::{BusTarget, BUS_NAME, ROOT_PATH};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use zbus::{Connection, OwnedVariant};
+
+#[zbus::proxy(
+    interface = "org.vfiod.Vfiod1.Manager",
+    default_service = "org.vfiod.Vfiod1",
+    default_path = "/org/vfiod/Vfiod1"
+)]
+pub trait Manager {
+    #[zbus(property)]
+    fn version(&self) -> zbus::Result<String>;
+    #[zbus(property)]
+    fn scenario(&self) -> zbus::Result<String>;
+    #[zbus(property)]
+    fn simulated(&self) -> zbus::Result<bool>;
+    #[zbus(property)]
+    fn device_count(&self) -> zbus::Result<u32>;
+    #[zbus(property)]
+    fn usable_count(&self) -> zbus::Result<u32>;
+    #[zbus(property)]
+    fn protected_count(&self) -> zbus::Result<u32>;
+    #[zbus(property)]
+    fn broken_count(&self) -> zbus::Result<u32>;
+    #[zbus(property)]
+    fn config_sources(&self) -> zbus::Result<Vec<String>>;
+    fn get_device(&self, address: &str) -> zbus::Result<zbus::OwnedObjectPath>;
+    #[allow(clippy::type_complexity)]
+    fn get_events(
+        &self,
+        address: &str,
+        after_id: i64,
+        limit: u32,
+    ) -> zbus::Result<Vec<(i64, i64, String, String, String)>>;
+    fn reload(&self) -> zbus::Result<()>;
+    fn rescan(&self) -> zbus::Result<()>;
+}
+
+/// One device as `vfioctl list --json` prints it: ids as lowercase hex strings (as lspci and
+/// libvirt show them), absent values as null.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceView {
+    pub address: String,
+    pub vendor_id: String,
+    pub device_id: String,
+    pub subsystem_vendor_id: String,
+    pub subsystem_device_id: String,
+    pub revision: String,
+    pub class: String,
+    pub vendor_name: String,
+    pub device_name: String,
+    pub kind: String,
+    pub driver: Option<String>,
+    pub driver_override: Option<String>,
+    pub numa_node: Option<i32>,
+    pub iommu_group: Option<u32>,
+    pub role: String,
+    pub separable: bool,
+    pub mode: String,
+    pub total_vfs: u32,
+    pub num_vfs: u32,
+    pub parent_pf: Option<String>,
+    pub managed: bool,
+    pub state: String,
+    pub state_reason: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("cannot connect to the bus")]
+    Connect(#[source] zbus::Error),
+    #[error("vfiod is not running on this bus (no owner for {BUS_NAME})")]
+    NotRunning,
+    #[error("{0}")]
+    Call(#[source] zbus::Error),
+    #[error("device object {path} lacks property {property} or has the wrong type")]
+    BadProperty { path: String, property: String },
+}
+
+impl From<zbus::fdo::Error> for ClientError {
+    fn from(e: zbus::fdo::Error) -> Self {
+        zbus::Error::from(e).into()
+    }
+}
+
+impl From<zbus::Error> for ClientError {
+    fn from(e: zbus::Error) -> Self {
+        match &e {
+            zbus::Error::MethodError(name, _, _)
+                if name.as_str() == "org.freedesktop.DBus.Error.ServiceUnknown"
+                    || name.as_str() == "org.freedesktop.DBus.Error.NameHasNoOwner" =>
+            {
+                ClientError::NotRunning
+            }
+            _ => ClientError::Call(e),
+        }
+    }
+}
+
+pub async fn connect(bus: &BusTarget) -> Result<Connection, ClientError> {
+    bus.builder().build().await.map_err(ClientError::Connect)
+}
+
+fn prop<T: TryFrom<OwnedVariant>>(
+    props: &HashMap<String, OwnedVariant>,
+    path: &str,
+    name: &str,
+) -> Result<T, ClientError> {
+    props
+        .get(name)
+        .and_then(|v| v.try_clone().ok())
+        .and_then(|v| T::try_from(v).ok())
+        .ok_or_else(|| ClientError::BadProperty {
+            path: path.to_string(),
+            property: name.to_string(),
+        })
+}
+
+/// Builds the view from a device object's properties.
+pub fn view_from_properties(
+    path: &str,
+    p: &HashMap<String, OwnedVariant>,
+) -> Result<DeviceView, ClientError> {
+    let s = |n: &str| prop::<String>(p, path, n);
+    let opt = |v: String| (!v.is_empty()).then_some(v);
+    let numa: i32 = prop(p, path, "NumaNode")?;
+    let group: i64 = prop(p, path, "IommuGroup")?;
+    Ok(DeviceView {
+        address: s("Address")?,
+        vendor_id: format!("{:04x}", prop::<u16>(p, path, "VendorId")?),
+        device_id: format!("{:04x}", prop::<u16>(p, path, "DeviceId")?),
+        subsystem_vendor_id: format!("{:04x}", prop::<u16>(p, path, "SubsystemVendorId")?),
+        subsystem_device_id: format!("{:04x}", prop::<u16>(p, path, "SubsystemDeviceId")?),
+        revision: format!("{:02x}", prop::<u8>(p, path, "Revision")?),
+        class: format!("0x{:06x}", prop::<u32>(p, path, "Class")?),
+        vendor_name: s("VendorName")?,
+        device_name: s("DeviceName")?,
+        kind: s("Kind")?,
+        driver: opt(s("Driver")?),
+        driver_override: opt(s("DriverOverride")?),
+        numa_node: (numa >= 0).then_some(numa),
+        iommu_group: u32::try_from(group).ok(),
+        role: s("Role")?,
+        separable: prop(p, path, "Separable")?,
+        mode: s("Mode")?,
+        total_vfs: prop(p, path, "TotalVfs")?,
+        num_vfs: prop(p, path, "NumVfs")?,
+        parent_pf: opt(s("ParentPf")?),
+        managed: prop(p, path, "Managed")?,
+        state: s("State")?,
+        state_reason: s("StateReason")?,
+    })
+}
+
+/// Every device object, sorted by address, from one GetManagedObjects call.
+pub async fn list_devices(conn: &Connection) -> Result<Vec<DeviceView>, ClientError> {
+    let om = zbus::fdo::ObjectManagerProxy::builder(conn)
+        .destination(BUS_NAME)
+        .path(ROOT_PATH)
+        .build()
+        .await?;
+    let objects = om.get_managed_objects().await?;
+    let mut out = Vec::new();
+    for (path, ifaces) in objects {
+        if let Some(props) = ifaces
+            .iter()
+            .find(|(name, _)| name.as_str() == crate::dbus::device::INTERFACE)
+            .map(|(_, p)| p)
+        {
+            out.push(view_from_properties(path.as_str(), props)?);
+        }
+    }
+    out.sort_by_key(|d| d.address.parse::<crate::pci::PciAddress>().ok());
+    Ok(out)
+}
+
+/// One device by address (NoSuchDevice comes back as the daemon's named error).
+pub async fn show_device(conn: &Connection, address: &str) -> Result<DeviceView, ClientError> {
+    let manager = ManagerProxy::new(conn).await?;
+    let path = manager.get_device(address).await?;
+    let props = zbus::fdo::PropertiesProxy::builder(conn)
+        .destination(BUS_NAME)
+        .path(path.clone())
+        .build()
+        .await?;
+    let all = props
+        .get_all(
+            crate::dbus::device::INTERFACE
+                .try_into()
+                .map_err(zbus::Error::from)?,
+        )
+        .await?;
+    view_from_properties(path.as_str(), &all.into_iter().collect())
+}
+
+fn truncate(s: &str, max: usize) -> String {
+    if s.chars().count() <= max {
+        s.to_string()
+    } else {
+        let t: String = s.chars().take(max.saturating_sub(1)).collect();
+        format!("{t}…")
+    }
+}
+
+/// The `vfioctl list` table.
+pub fn render_table(devices: &[DeviceView]) -> String {
+    let header = [
+        "ADDRESS", "KIND", "NAME", "DRIVER", "MODE", "VFS", "GROUP", "NUMA", "STATE",
+    ];
+    let rows: Vec<[String; 9]> = devices
+        .iter()
+        .map(|d| {
+            let name = if d.device_name.is_empty() {
+                format!("[{}:{}]", d.vendor_id, d.device_id)
+            } else {
+                let vendor = d.vendor_name.split_whitespace().next().unwrap_or("");
+                truncate(&format!("{vendor} {}", d.device_name), 44)
+            };
+            let vfs = match d.role.as_str() {
+                "pf" => format!("{}/{}", d.num_vfs, d.total_vfs),
+                "vf" => format!("vf of {}", d.parent_pf.as_deref().unwrap_or("?")),
+                _ => "-".into(),
+            };
+            let mode = match d.mode.as_str() {
+                "none" => "-".to_string(),
+                m => m.to_string(),
+            };
+            let mut state = d.state.clone();
+            if d.managed {
+                state.push_str(" (managed)");
+            }
+            [
+                d.address.clone(),
+                d.kind.clone(),
+                name,
+                d.driver.clone().unwrap_or_else(|| "-".into()),
+                mode,
+                vfs,
+                d.iommu_group.map_or("-".into(), |g| g.to_string()),
+                d.numa_node.map_or("-".into(), |n| n.to_string()),
+                state,
+            ]
+        })
+        .collect();
+    let mut widths = header.map(|h| h.chars().count());
+    for r in &rows {
+        for (i, c) in r.iter().enumerate() {
+            widths[i] = widths[i].max(c.chars().count());
+        }
+    }
+    let line = |cells: &[String]| -> String {
+        let mut s = String::new();
+        for (i, c) in cells.iter().enumerate() {
+            if i + 1 == cells.len() {
+                s.push_str(c);
+            } else {
+                s.push_str(c);
+                s.push_str(&" ".repeat(widths[i] - c.chars().count() + 2));
+            }
+        }
+        s.trim_end().to_string() + "\n"
+    };
+    let mut out = line(&header.map(String::from));
+    for r in &rows {
+        out.push_str(&line(r));
+    }
+    out
+}
+
+/// `vfioctl show` as text: one `key: value` per line.
+pub fn render_details(d: &DeviceView) -> String {
+    let or_none = |o: &Option<String>| o.clone().unwrap_or_else(|| "none".into());
+    let mut s = String::new();
+    let mut kv = |k: &str, v: String| s.push_str(&format!("{k:<18}{v}\n"));
+    kv("address:", d.address.clone());
+    kv("vendor:", format!("{} [{}]", d.vendor_name, d.vendor_id));
+    kv("device:", format!("{} [{}]", d.device_name, d.device_id));
+    kv(
+        "subsystem:",
+        format!("{}:{}", d.subsystem_vendor_id, d.subsystem_device_id),
+    );
+    kv("class:", format!("{} (rev {})", d.class, d.revision));
+    kv("kind:", d.kind.clone());
+    kv("driver:", or_none(&d.driver));
+    kv("driver_override:", or_none(&d.driver_override));
+    kv(
+        "numa node:",
+        d.numa_node.map_or("none".into(), |n| n.to_string()),
+    );
+    kv(
+        "iommu group:",
+        d.iommu_group.map_or("none".into(), |g| g.to_string()),
+    );
+    kv("role:", d.role.clone());
+    kv(
+        "separable:",
+        if d.separable {
+            "yes (SR-IOV)".into()
+        } else {
+            "no".into()
+        },
+    );
+    kv("mode:", d.mode.clone());
+    kv("vfs:", format!("{} of {}", d.num_vfs, d.total_vfs));
+    kv("parent pf:", or_none(&d.parent_pf));
+    kv(
+        "managed:",
+        if d.managed { "yes".into() } else { "no".into() },
+    );
+    kv("state:", d.state.clone());
+    if !d.state_reason.is_empty() {
+        kv("reason:", d.state_reason.clone());
+    }
+    s
+}

@@ -1,0 +1,191 @@
+//! The D-Bus face of the daemon: thin adapters over the engine. Objects are published from the
+//! store after each committed pass; errors are mapped in [`error`]; mutating calls are
+//! authorized in [`auth`].
+
+pub mod auth;
+pub mod device;
+pub mod error;
+pub mod manager;
+
+use crate::daemon::{Pass, Publish, Service};
+use crate::pci::PciAddress;
+use crate::store::DeviceChange;
+use device::DeviceObject;
+use std::collections::HashMap;
+use std::sync::Arc;
+use zbus::{Connection, OwnedObjectPath};
+
+pub const BUS_NAME: &str = "org.vfiod.Vfiod1";
+pub const ROOT_PATH: &str = "/org/vfiod/Vfiod1";
+
+/// `/org/vfiod/Vfiod1/device/pci_DDDD_BB_SS_F`.
+pub fn device_path(address: PciAddress) -> OwnedObjectPath {
+    OwnedObjectPath::try_from(format!("{ROOT_PATH}/device/{}", address.nodedev_name()))
+        .expect("valid object path")
+}
+
+/// Which bus to serve on or talk to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum BusTarget {
+    System,
+    Session,
+    Address(String),
+}
+
+impl std::str::FromStr for BusTarget {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "system" => Ok(BusTarget::System),
+            "session" => Ok(BusTarget::Session),
+            a if a.contains(':') && a.contains('=') => Ok(BusTarget::Address(a.to_string())),
+            other => Err(format!(
+                "bus must be system, session or a D-Bus address like unix:path=/run/x.sock, not {other:?}"
+            )),
+        }
+    }
+}
+
+impl BusTarget {
+    pub fn builder(&self) -> zbus::connection::Builder<'static> {
+        match self {
+            BusTarget::System => zbus::connection::Builder::system(),
+            BusTarget::Session => zbus::connection::Builder::session(),
+            BusTarget::Address(a) => zbus::connection::Builder::address(a.as_str()),
+        }
+    }
+}
+
+/// Publishes each pass on the bus: objects appear (InterfacesAdded), disappear
+/// (InterfacesRemoved) and change (PropertiesChanged) as the store did.
+#[derive(Clone)]
+pub struct DbusPublisher {
+    pub conn: Connection,
+}
+
+impl Publish for DbusPublisher {
+    async fn publish(&self, pass: &Pass) {
+        for change in &pass.changes {
+            if let Err(e) = self.apply(change).await {
+                tracing::error!(address = %change.address(), "cannot publish change on D-Bus: {e}");
+            }
+        }
+        if !pass.changes.is_empty() {
+            if let Err(e) = self.counts_changed().await {
+                tracing::error!("cannot signal manager counts: {e}");
+            }
+        }
+    }
+}
+
+impl DbusPublisher {
+    async fn apply(&self, change: &DeviceChange) -> zbus::Result<()> {
+        let server = self.conn.object_server();
+        match change {
+            DeviceChange::Added(d) => {
+                let path = device_path(d.address);
+                // A stale object (should not happen) is replaced rather than kept.
+                server.remove::<DeviceObject, _>(&path).await.ok();
+                server.at(&path, DeviceObject { device: d.clone() }).await?;
+            }
+            DeviceChange::Removed(d) => {
+                server
+                    .remove::<DeviceObject, _>(device_path(d.address))
+                    .await?;
+            }
+            DeviceChange::Changed { old, new } => {
+                let path = device_path(new.address);
+                let iface = server.interface::<_, DeviceObject>(&path).await?;
+                iface.get_mut().await.device = new.clone();
+                let changed = device::changed_properties(old, new);
+                if !changed.is_empty() {
+                    let map: HashMap<&str, zbus::Variant<'_>> = changed
+                        .into_iter()
+                        .map(|(k, v)| (k, zbus::Variant::from(v)))
+                        .collect();
+                    zbus::fdo::Properties::properties_changed(
+                        iface.signal_emitter(),
+                        device::INTERFACE.try_into()?,
+                        map,
+                        std::borrow::Cow::Borrowed(&[]),
+                    )
+                    .await?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn counts_changed(&self) -> zbus::Result<()> {
+        let iface = self
+            .conn
+            .object_server()
+            .interface::<_, manager::Manager>(ROOT_PATH)
+            .await?;
+        let m = iface.get().await;
+        let em = iface.signal_emitter();
+        m.device_count_changed(em).await?;
+        m.usable_count_changed(em).await?;
+        m.protected_count_changed(em).await?;
+        m.broken_count_changed(em).await?;
+        m.scenario_changed(em).await?;
+        m.config_sources_changed(em).await?;
+        Ok(())
+    }
+}
+
+/// Serves the API on `bus`: builds the connection, exports the root (Manager +
+/// ObjectManager) and one object per stored device, then takes the bus name, so that a client
+/// that sees the name also sees the whole inventory.
+pub async fn serve(
+    bus: &BusTarget,
+    build_service: impl FnOnce(DbusPublisher) -> Arc<Service<DbusPublisher>>,
+    authorizer: auth::Authorizer,
+    simulated: bool,
+) -> Result<(Connection, Arc<Service<DbusPublisher>>), ServeError> {
+    let conn = bus.builder().build().await.map_err(ServeError::Connect)?;
+    let service = build_service(DbusPublisher { conn: conn.clone() });
+    let server = conn.object_server();
+    server
+        .at(ROOT_PATH, zbus::fdo::ObjectManager)
+        .await
+        .map_err(ServeError::Export)?;
+    server
+        .at(
+            ROOT_PATH,
+            manager::Manager {
+                service: Arc::clone(&service),
+                authorizer,
+                simulated,
+            },
+        )
+        .await
+        .map_err(ServeError::Export)?;
+    let devices = service
+        .engine
+        .store()
+        .devices()
+        .map_err(|e| ServeError::Store(crate::error_chain(&e)))?;
+    for d in devices {
+        server
+            .at(device_path(d.address), DeviceObject { device: d })
+            .await
+            .map_err(ServeError::Export)?;
+    }
+    conn.request_name_with_flags(BUS_NAME, zbus::fdo::RequestNameFlags::DO_NOT_QUEUE)
+        .await
+        .map_err(ServeError::Name)?;
+    Ok((conn, service))
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("cannot connect to the D-Bus bus")]
+    Connect(#[source] zbus::Error),
+    #[error("cannot export objects")]
+    Export(#[source] zbus::Error),
+    #[error("cannot read the store: {0}")]
+    Store(String),
+    #[error("cannot own the bus name {BUS_NAME} (is another vfiod running, or does the bus policy forbid it?)")]
+    Name(#[source] zbus::Error),
+}

@@ -1,0 +1,327 @@
+//! Inventory: turns what sysfs shows into device records, and what changed since the last pass
+//! into store changes and events.
+//!
+//! Classification and diffing are pure functions (tested as tables); [`scan`] is the only part
+//! that reads sysfs.
+
+use crate::config::Settings;
+use crate::device::{Device, Kind, Mode, Role, State};
+use crate::pci::{ClassCode, PciAddress};
+use crate::store::{DeviceChange, NewEvent};
+use crate::sysfs::{hostuse, RawFunction, Sysfs, SysfsError};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Accelerator kind from the class code.
+pub fn kind_from_class(class: ClassCode) -> Kind {
+    match (class.base(), class.sub()) {
+        (0x03, _) => Kind::Gpu,
+        // Mass storage / non-volatile memory (NVMe is prog-if 0x02; any NVM controller counts).
+        (0x01, 0x08) => Kind::Nvme,
+        (0x02, _) => Kind::Nic,
+        // Co-processors (QAT) and encryption controllers.
+        (0x0b, 0x40) | (0x10, _) => Kind::Crypto,
+        // Processing accelerators: FPGA cards present themselves this way.
+        (0x12, _) => Kind::Fpga,
+        _ => Kind::Other,
+    }
+}
+
+/// Names from the pci.ids database compiled into the binary; empty when unknown.
+pub fn names(vendor: u16, device: u16) -> (String, String) {
+    use pci_ids::FromId;
+    let v = pci_ids::Vendor::from_id(vendor).map(|v| v.name().to_string());
+    let d = pci_ids::Device::from_vid_pid(vendor, device).map(|d| d.name().to_string());
+    (v.unwrap_or_default(), d.unwrap_or_default())
+}
+
+/// Why the host or the operator forbids touching a function; `None` = not protected.
+#[derive(Clone, Debug, Default)]
+pub struct Protection {
+    pub reasons: BTreeMap<PciAddress, String>,
+}
+
+/// Builds the record for a function that was read completely.
+pub fn classify(
+    raw: &RawFunction,
+    kind_override: Option<Kind>,
+    managed: bool,
+    protection: Option<&str>,
+) -> Device {
+    let (vendor_name, device_name) = names(raw.vendor_id, raw.device_id);
+    let (role, separable, total_vfs, num_vfs) = match (&raw.sriov, raw.physfn) {
+        (_, Some(_)) => (Role::Vf, false, 0, 0),
+        (Some(s), None) if s.total_vfs > 0 => (Role::Pf, true, s.total_vfs, s.num_vfs),
+        _ => (Role::Function, false, 0, 0),
+    };
+    let mode = match role {
+        Role::Vf => Mode::None,
+        Role::Pf if num_vfs > 0 => Mode::Vf,
+        _ => Mode::Pf,
+    };
+    let (state, state_reason) = match protection {
+        Some(why) => (State::Protected, why.to_string()),
+        None => (State::Usable, String::new()),
+    };
+    Device {
+        address: raw.address,
+        vendor_id: raw.vendor_id,
+        device_id: raw.device_id,
+        subsystem_vendor_id: raw.subsystem_vendor_id,
+        subsystem_device_id: raw.subsystem_device_id,
+        revision: raw.revision,
+        class: raw.class,
+        vendor_name,
+        device_name,
+        kind: kind_override.unwrap_or_else(|| kind_from_class(raw.class)),
+        driver: raw.driver.clone(),
+        driver_override: raw.driver_override.clone(),
+        numa_node: raw.numa_node,
+        iommu_group: raw.iommu_group,
+        role,
+        separable,
+        mode,
+        total_vfs,
+        num_vfs,
+        parent_pf: raw.physfn,
+        managed,
+        state,
+        state_reason,
+    }
+}
+
+/// The record for a function whose information could not be read completely. What was known
+/// before is kept (so the operator still sees which card it is); only the state changes.
+pub fn broken(address: PciAddress, previous: Option<&Device>, error: &SysfsError) -> Device {
+    let reason = crate::error_chain(error);
+    match previous {
+        Some(p) => Device {
+            state: State::Broken,
+            state_reason: reason,
+            ..p.clone()
+        },
+        None => Device {
+            address,
+            vendor_id: 0,
+            device_id: 0,
+            subsystem_vendor_id: 0,
+            subsystem_device_id: 0,
+            revision: 0,
+            class: ClassCode(0),
+            vendor_name: String::new(),
+            device_name: String::new(),
+            kind: Kind::Other,
+            driver: None,
+            driver_override: None,
+            numa_node: None,
+            iommu_group: None,
+            role: Role::Function,
+            separable: false,
+            mode: Mode::Pf,
+            total_vfs: 0,
+            num_vfs: 0,
+            parent_pf: None,
+            managed: false,
+            state: State::Broken,
+            state_reason: reason,
+        },
+    }
+}
+
+/// Reads every function under the sysfs root and classifies it. `previous` is what the store
+/// holds, used to keep a broken device's identity. Only a failure to list the bus is an error:
+/// a single unreadable function becomes a broken record.
+pub fn scan(
+    sysfs: &Sysfs,
+    settings: &Settings,
+    previous: &BTreeMap<PciAddress, Device>,
+) -> Result<Vec<Device>, SysfsError> {
+    let addresses = sysfs.list_functions()?;
+    let host_use = hostuse::detect(sysfs);
+    let mut raws: BTreeMap<PciAddress, Result<RawFunction, SysfsError>> = BTreeMap::new();
+    for a in &addresses {
+        raws.insert(*a, sysfs.read_function(*a));
+    }
+
+    // Direct protection: host use, then the config's protect list.
+    let mut protected: BTreeMap<PciAddress, String> = BTreeMap::new();
+    for (a, whys) in &host_use {
+        protected.insert(*a, format!("used by the host: {}", whys.join("; ")));
+    }
+    for (a, raw) in &raws {
+        let Ok(raw) = raw else { continue };
+        if protected.contains_key(a) {
+            continue;
+        }
+        if let Some(sel) =
+            settings.is_protected_by_config(*a, raw.vendor_id, raw.device_id, raw.class)
+        {
+            protected.insert(*a, format!("protected by config ({sel})"));
+        }
+    }
+    // An IOMMU group moves as a whole, so a group-mate of a protected endpoint is protected
+    // too. Bridges in a group do not move and neither cause nor receive this.
+    let mut group_of: BTreeMap<u32, Vec<PciAddress>> = BTreeMap::new();
+    for (a, raw) in &raws {
+        if let Ok(r) = raw {
+            if let (Some(g), false) = (r.iommu_group, r.class.is_bridge()) {
+                group_of.entry(g).or_default().push(*a);
+            }
+        }
+    }
+    let direct: BTreeSet<PciAddress> = protected.keys().copied().collect();
+    for members in group_of.values() {
+        if let Some(src) = members.iter().find(|m| direct.contains(m)) {
+            for m in members {
+                protected.entry(*m).or_insert_with(|| {
+                    format!("shares its IOMMU group with protected device {src}")
+                });
+            }
+        }
+    }
+
+    let mut out = Vec::with_capacity(addresses.len());
+    for (a, raw) in raws {
+        match raw {
+            Ok(raw) => {
+                let rule = settings.rule_for(a, raw.vendor_id, raw.device_id, raw.class);
+                let managed = rule.is_some() && !protected.contains_key(&a);
+                let kind = rule.and_then(|r| r.kind);
+                out.push(classify(
+                    &raw,
+                    kind,
+                    managed,
+                    protected.get(&a).map(String::as_str),
+                ));
+            }
+            // Gone between listing and reading: not broken, just removed; the next pass (or
+            // the uevent) settles it.
+            Err(e) if e.is_not_found() && !sysfs.device_dir(a).exists() => continue,
+            Err(e) => out.push(broken(a, previous.get(&a), &e)),
+        }
+    }
+    Ok(out)
+}
+
+/// What changed between two passes, as store changes plus an event for each (never silent).
+pub fn diff(
+    old: &BTreeMap<PciAddress, Device>,
+    new: &[Device],
+) -> (Vec<DeviceChange>, Vec<NewEvent>) {
+    let mut changes = Vec::new();
+    let mut events = Vec::new();
+    let ev = |a: PciAddress, kind: &str, message: String| NewEvent {
+        address: Some(a),
+        kind: kind.to_string(),
+        message,
+    };
+    let new_addrs: BTreeSet<PciAddress> = new.iter().map(|d| d.address).collect();
+    for d in new {
+        match old.get(&d.address) {
+            None => {
+                events.push(ev(
+                    d.address,
+                    "added",
+                    format!("{} {} appeared ({})", d.kind, d.address, describe(d)),
+                ));
+                if d.state == State::Broken {
+                    events.push(ev(
+                        d.address,
+                        "broken",
+                        format!("{} is broken: {}", d.address, d.state_reason),
+                    ));
+                }
+                changes.push(DeviceChange::Added(d.clone()));
+            }
+            Some(o) if o != d => {
+                if o.state != d.state {
+                    let kind = match (o.state, d.state) {
+                        (_, State::Broken) => "broken",
+                        (State::Broken, _) => "recovered",
+                        (_, State::Protected) => "protected",
+                        _ => "unprotected",
+                    };
+                    let why = if d.state_reason.is_empty() {
+                        String::new()
+                    } else {
+                        format!(": {}", d.state_reason)
+                    };
+                    events.push(ev(
+                        d.address,
+                        kind,
+                        format!("{} is now {}{}", d.address, d.state, why),
+                    ));
+                }
+                let fields = changed_fields(o, d);
+                if !fields.is_empty() {
+                    events.push(ev(
+                        d.address,
+                        "changed",
+                        format!("{} changed: {}", d.address, fields.join(", ")),
+                    ));
+                }
+                changes.push(DeviceChange::Changed {
+                    old: o.clone(),
+                    new: d.clone(),
+                });
+            }
+            Some(_) => {}
+        }
+    }
+    for (a, o) in old {
+        if !new_addrs.contains(a) {
+            events.push(ev(*a, "removed", format!("{} {} disappeared", o.kind, a)));
+            changes.push(DeviceChange::Removed(o.clone()));
+        }
+    }
+    (changes, events)
+}
+
+fn describe(d: &Device) -> String {
+    let name = if d.device_name.is_empty() {
+        format!("{:04x}:{:04x}", d.vendor_id, d.device_id)
+    } else {
+        format!("{} {}", d.vendor_name, d.device_name)
+    };
+    format!("{name}, driver {}", d.driver.as_deref().unwrap_or("none"))
+}
+
+/// Human-readable "field: old -> new" list, excluding state (reported separately).
+fn changed_fields(o: &Device, n: &Device) -> Vec<String> {
+    let mut out = Vec::new();
+    let opt = |v: &Option<String>| v.clone().unwrap_or_else(|| "none".into());
+    if o.driver != n.driver {
+        out.push(format!("driver {} -> {}", opt(&o.driver), opt(&n.driver)));
+    }
+    if o.driver_override != n.driver_override {
+        out.push(format!(
+            "driver_override {} -> {}",
+            opt(&o.driver_override),
+            opt(&n.driver_override)
+        ));
+    }
+    if o.num_vfs != n.num_vfs {
+        out.push(format!("VFs {} -> {}", o.num_vfs, n.num_vfs));
+    }
+    if o.mode != n.mode {
+        out.push(format!("mode {} -> {}", o.mode, n.mode));
+    }
+    if o.iommu_group != n.iommu_group {
+        out.push(format!(
+            "IOMMU group {:?} -> {:?}",
+            o.iommu_group, n.iommu_group
+        ));
+    }
+    if o.managed != n.managed {
+        out.push(format!("managed {} -> {}", o.managed, n.managed));
+    }
+    if (o.vendor_id, o.device_id, o.class) != (n.vendor_id, n.device_id, n.class) {
+        out.push(format!(
+            "identity {:04x}:{:04x} {} -> {:04x}:{:04x} {}",
+            o.vendor_id, o.device_id, o.class, n.vendor_id, n.device_id, n.class
+        ));
+    }
+    if o.kind != n.kind {
+        out.push(format!("kind {} -> {}", o.kind, n.kind));
+    }
+    out
+}

@@ -1,0 +1,27 @@
+//! vfiod: a host daemon that manages PCI accelerators for libvirt/QEMU virtual machines.
+//!
+//! The map, one module per concept:
+pub mod config; // typed settings from conf/vfiod.toml and conf.d drop-ins, validated once at load
+pub mod device; // the device record: one PCI function as vfiod knows it
+pub mod inventory;
+pub mod pci; // PciAddress and class codes
+pub mod simkernel; // the simulated kernel: a sysfs tree that reacts to writes like Linux
+pub mod store; // SQLite state store (WAL), schema migrations: the single source of truth
+pub mod sysfs; // every sysfs read and write, all paths under one root
+pub mod uevent; // kernel hot-plug events (netlink or simulated), one channel type // classification and change detection of PCI functions
+
+/// An error and all its causes on one line ("a: b: c"), for logs and D-Bus error messages.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+pub mod client;
+pub mod daemon; // the engine and the loop that keeps the store in step with the kernel
+pub mod dbus; // the D-Bus API: objects, named errors, polkit
+pub mod private_bus; // a private dbus-daemon, for --simulate and tests // D-Bus client side: proxies, the JSON device view, vfioctl tables

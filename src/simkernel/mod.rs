@@ -1,0 +1,886 @@
+//! The simulated kernel: a sysfs tree under a temporary root that reacts to writes the way
+//! Linux does, synchronously, so tests check the resulting state and not the bytes written.
+//!
+//! It renders real files (so `lspci -A linux-sysfs` can read the same tree), implements the
+//! sysfs [`Backend`] (reads come from the files; writes are interpreted), emits uevents through
+//! the same channel type as the real netlink source, and injects faults: a write that fails
+//! with a chosen errno, a write that hangs, an attribute that becomes unreadable, a device
+//! that vanishes or whose config space reads all-ones.
+//!
+//! It backs both the tests and `vfiod --simulate`, so it lives in the library.
+
+pub mod models;
+mod render;
+
+pub use models::{
+    DriverSpec, FunctionSpec, GroupSpec, HostModel, InterfaceSpec, MountSpec, SriovSpec,
+};
+
+use crate::pci::PciAddress;
+use crate::sysfs::{Backend, Sysfs};
+use crate::uevent::{Action, EventReceiver, Uevent};
+use std::collections::{BTreeMap, BTreeSet};
+use std::ffi::OsString;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Duration;
+use tokio::sync::mpsc;
+
+/// What a fault does to a matching write.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FaultAction {
+    /// Fail with this errno; the kernel state does not change.
+    Errno(i32),
+    /// Block until [`SimKernel::release_hangs`] or the duration passes, then fail with EINTR
+    /// (so a write that outlives vfiod's timeout still ends without effect).
+    Hang(Duration),
+    /// Let the write happen, then make this device vanish (surprise removal).
+    VanishAfter(PciAddress),
+}
+
+/// Which writes a fault applies to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FaultTarget {
+    /// `<device>/<attr>`, e.g. `(0000:3b:00.0, "sriov_numvfs")`.
+    DeviceAttr(PciAddress, String),
+    /// `drivers/<driver>/<attr>`, e.g. `("vfio-pci", "bind")`; `None` driver = any driver.
+    DriverAttr(Option<String>, String),
+    /// `sys/bus/pci/<attr>`, e.g. `drivers_probe`.
+    BusAttr(String),
+    /// A write naming this device anywhere (bind/unbind/drivers_probe value, or its own attrs).
+    AnyFor(PciAddress),
+}
+
+#[derive(Clone, Debug)]
+struct Fault {
+    target: FaultTarget,
+    action: FaultAction,
+    /// `None` = every matching write; `Some(n)` = the next n.
+    remaining: Option<u32>,
+}
+
+/// One function's live state.
+#[derive(Clone, Debug)]
+struct SimDevice {
+    spec: FunctionSpec,
+    /// Path relative to the root, e.g. `sys/devices/pci0000:00/0000:00:01.0/0000:17:00.0`.
+    dir: PathBuf,
+    driver: Option<String>,
+    driver_override: Option<String>,
+    group: Option<u32>,
+    num_vfs: u32,
+    autoprobe: bool,
+    physfn: Option<PciAddress>,
+    config_all_ones: bool,
+    aer: [u64; 3],
+}
+
+#[derive(Debug, Default)]
+struct State {
+    devices: BTreeMap<PciAddress, SimDevice>,
+    /// Removed through `remove` (or vanished): what a rescan brings back.
+    removed: BTreeMap<PciAddress, SimDevice>,
+    drivers: BTreeMap<String, DriverSpec>,
+    next_group: u32,
+    faults: Vec<Fault>,
+    /// Absolute path -> errno for reads.
+    read_faults: BTreeMap<PathBuf, i32>,
+    seqnum: u64,
+    /// Every accepted write, in order: (path relative to root, value). For tests that must
+    /// prove "zero writes".
+    write_log: Vec<(PathBuf, String)>,
+}
+
+/// A simulated kernel rooted at a directory.
+pub struct SimKernel {
+    root: PathBuf,
+    state: Mutex<State>,
+    hang_gate: (Mutex<u64>, Condvar),
+    subscribers: Mutex<Vec<mpsc::UnboundedSender<Uevent>>>,
+}
+
+impl std::fmt::Debug for SimKernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SimKernel")
+            .field("root", &self.root)
+            .finish()
+    }
+}
+
+fn err(errno: i32) -> io::Error {
+    io::Error::from_raw_os_error(errno)
+}
+
+impl SimKernel {
+    /// Builds the model's tree under `root` (which should be an empty directory) and boots it:
+    /// native drivers bind, initial VFs are enabled.
+    pub fn build(root: &Path, model: &HostModel) -> io::Result<Arc<SimKernel>> {
+        std::fs::create_dir_all(root)?;
+        let root = std::fs::canonicalize(root)?;
+        let k = SimKernel {
+            root,
+            state: Mutex::new(State::default()),
+            hang_gate: (Mutex::new(0), Condvar::new()),
+            subscribers: Mutex::new(Vec::new()),
+        };
+        {
+            let mut st = k.lock();
+            for d in &model.drivers {
+                st.drivers.insert(d.name.clone(), d.clone());
+            }
+            render::skeleton(&k.root, &st)?;
+            // Parents first so child directories nest under them.
+            let mut specs = model.functions.clone();
+            specs.sort_by_key(|s| (s.parent.is_some(), s.address));
+            let mut pending: Vec<FunctionSpec> = specs;
+            let mut guard = 0;
+            while !pending.is_empty() {
+                guard += 1;
+                if guard > 64 {
+                    return Err(io::Error::other(
+                        "model has a parent cycle or a missing parent",
+                    ));
+                }
+                let mut rest = Vec::new();
+                for spec in pending {
+                    if spec.parent.is_none_or(|p| st.devices.contains_key(&p)) {
+                        k.add_device(&mut st, spec, None, None, false)?;
+                    } else {
+                        rest.push(spec);
+                    }
+                }
+                pending = rest;
+            }
+            let pfs: Vec<(PciAddress, u32)> = st
+                .devices
+                .values()
+                .filter_map(|d| Some((d.spec.address, d.spec.sriov.as_ref()?.initial_vfs)))
+                .filter(|(_, n)| *n > 0)
+                .collect();
+            for (pf, n) in pfs {
+                k.enable_vfs(&mut st, pf, n)?;
+            }
+            render::host_use(&k.root, &st, model)?;
+            st.write_log.clear();
+        }
+        Ok(Arc::new(k))
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// A sysfs handle backed by this kernel.
+    pub fn sysfs(self: &Arc<Self>) -> Sysfs {
+        Sysfs::new(self.root.clone(), Arc::clone(self) as Arc<dyn Backend>)
+    }
+
+    /// A uevent stream, like the netlink source.
+    pub fn subscribe(&self) -> EventReceiver {
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.subscribers.lock().unwrap().push(tx);
+        rx
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    // ----- fault injection -------------------------------------------------------------
+
+    pub fn inject(&self, target: FaultTarget, action: FaultAction, times: Option<u32>) {
+        self.lock().faults.push(Fault {
+            target,
+            action,
+            remaining: times,
+        });
+    }
+
+    pub fn clear_faults(&self) {
+        let mut st = self.lock();
+        st.faults.clear();
+        st.read_faults.clear();
+    }
+
+    /// Wakes every hanging write.
+    pub fn release_hangs(&self) {
+        let (m, c) = &self.hang_gate;
+        *m.lock().unwrap() += 1;
+        c.notify_all();
+    }
+
+    /// Makes `<device>/<attr>` fail to read with `errno` (e.g. EIO), as a dying device does.
+    pub fn make_unreadable(&self, address: PciAddress, attr: &str, errno: i32) {
+        let path = self
+            .root
+            .join("sys/bus/pci/devices")
+            .join(address.to_string())
+            .join(attr);
+        self.lock().read_faults.insert(path, errno);
+    }
+
+    pub fn make_readable(&self, address: PciAddress, attr: &str) {
+        let path = self
+            .root
+            .join("sys/bus/pci/devices")
+            .join(address.to_string())
+            .join(attr);
+        self.lock().read_faults.remove(&path);
+    }
+
+    /// The device's config space reads all-ones (link down) or comes back.
+    pub fn set_config_all_ones(&self, address: PciAddress, gone: bool) -> io::Result<()> {
+        let mut st = self.lock();
+        let dev = st
+            .devices
+            .get_mut(&address)
+            .ok_or_else(|| err(libc::ENODEV))?;
+        dev.config_all_ones = gone;
+        let dev = dev.clone();
+        render::device_config(&self.root, &st, &dev)
+    }
+
+    /// Surprise removal: the device and its VFs disappear without any driver cooperation.
+    /// A rescan brings it back.
+    pub fn vanish(&self, address: PciAddress) -> io::Result<()> {
+        let mut st = self.lock();
+        self.remove_device(&mut st, address)
+    }
+
+    /// Hot-adds a new function (its parent must exist).
+    pub fn hot_add(&self, spec: FunctionSpec) -> io::Result<()> {
+        let mut st = self.lock();
+        self.add_device(&mut st, spec, None, None, true)
+    }
+
+    /// An AER error on the device: bumps its counters and emits the recovery uevents the
+    /// kernel's AER driver sends.
+    pub fn aer_error(&self, address: PciAddress, fatal: bool, recovered: bool) -> io::Result<()> {
+        let mut st = self.lock();
+        let dev = st
+            .devices
+            .get_mut(&address)
+            .ok_or_else(|| err(libc::ENODEV))?;
+        dev.aer[if fatal { 2 } else { 1 }] += 1;
+        let dev = dev.clone();
+        render::device_attrs(&self.root, &st, &dev)?;
+        self.emit(
+            &mut st,
+            Action::Change,
+            &dev,
+            &[("ERROR_EVENT", "BEGIN_RECOVERY"), ("DEVICE_ONLINE", "0")],
+        );
+        let (ev, online) = if recovered {
+            ("SUCCESSFUL_RECOVERY", "1")
+        } else {
+            ("FAILED_RECOVERY", "0")
+        };
+        self.emit(
+            &mut st,
+            Action::Change,
+            &dev,
+            &[("ERROR_EVENT", ev), ("DEVICE_ONLINE", online)],
+        );
+        Ok(())
+    }
+
+    /// Every write the kernel accepted since boot (or the last [`SimKernel::take_write_log`]).
+    pub fn take_write_log(&self) -> Vec<(PathBuf, String)> {
+        std::mem::take(&mut self.lock().write_log)
+    }
+
+    // ----- read-only views for tests ------------------------------------------------------
+
+    pub fn addresses(&self) -> Vec<PciAddress> {
+        self.lock().devices.keys().copied().collect()
+    }
+
+    pub fn driver_of(&self, address: PciAddress) -> Option<String> {
+        self.lock().devices.get(&address)?.driver.clone()
+    }
+
+    pub fn num_vfs(&self, address: PciAddress) -> Option<u32> {
+        Some(self.lock().devices.get(&address)?.num_vfs)
+    }
+
+    // ----- the kernel's behaviour ---------------------------------------------------------
+
+    fn emit(&self, st: &mut State, action: Action, dev: &SimDevice, extra: &[(&str, &str)]) {
+        st.seqnum += 1;
+        let devpath = format!(
+            "/{}",
+            dev.dir.strip_prefix("sys").unwrap_or(&dev.dir).display()
+        );
+        let mut vars = BTreeMap::new();
+        vars.insert("ACTION".into(), action.as_str().into());
+        vars.insert("DEVPATH".into(), devpath.clone());
+        vars.insert("SUBSYSTEM".into(), "pci".into());
+        vars.insert("PCI_SLOT_NAME".into(), dev.spec.address.to_string());
+        vars.insert(
+            "PCI_ID".into(),
+            format!("{:04X}:{:04X}", dev.spec.vendor_id, dev.spec.device_id),
+        );
+        vars.insert("SEQNUM".into(), st.seqnum.to_string());
+        if let Some(d) = &dev.driver {
+            vars.insert("DRIVER".into(), d.clone());
+        }
+        for (k, v) in extra {
+            vars.insert((*k).into(), (*v).into());
+        }
+        let ev = Uevent {
+            action,
+            devpath,
+            vars,
+        };
+        self.subscribers
+            .lock()
+            .unwrap()
+            .retain(|tx| tx.send(ev.clone()).is_ok());
+    }
+
+    fn alloc_group(st: &mut State) -> u32 {
+        let g = st.next_group;
+        st.next_group += 1;
+        g
+    }
+
+    fn add_device(
+        &self,
+        st: &mut State,
+        spec: FunctionSpec,
+        physfn: Option<PciAddress>,
+        group: Option<u32>,
+        announce: bool,
+    ) -> io::Result<()> {
+        if st.devices.contains_key(&spec.address) {
+            return Err(err(libc::EEXIST));
+        }
+        let parent_dir = match spec.parent {
+            Some(p) => st
+                .devices
+                .get(&p)
+                .ok_or_else(|| err(libc::ENODEV))?
+                .dir
+                .clone(),
+            None => PathBuf::from(format!(
+                "sys/devices/pci{:04x}:{:02x}",
+                spec.address.domain, spec.address.bus
+            )),
+        };
+        let group = match (&spec.group, group) {
+            (_, Some(g)) => Some(g),
+            (GroupSpec::None, None) => None,
+            (GroupSpec::Own, None) => Some(Self::alloc_group(st)),
+            (GroupSpec::With(peer), None) => match st.devices.get(peer).and_then(|d| d.group) {
+                Some(g) => Some(g),
+                None => Some(Self::alloc_group(st)),
+            },
+        };
+        let dev = SimDevice {
+            dir: parent_dir.join(spec.address.to_string()),
+            driver: None,
+            driver_override: None,
+            group,
+            num_vfs: 0,
+            autoprobe: true,
+            physfn,
+            config_all_ones: false,
+            aer: [0; 3],
+            spec,
+        };
+        let addr = dev.spec.address;
+        render::device(&self.root, st, &dev)?;
+        st.devices.insert(addr, dev.clone());
+        if announce || physfn.is_some() {
+            self.emit(st, Action::Add, &dev, &[]);
+        }
+        // The bus's own autoprobe; a VF is probed only when its PF allows it.
+        let may_probe = match physfn {
+            Some(pf) => st.devices.get(&pf).is_some_and(|p| p.autoprobe),
+            None => true,
+        };
+        if may_probe {
+            self.probe(st, addr)?;
+        }
+        Ok(())
+    }
+
+    fn remove_device(&self, st: &mut State, address: PciAddress) -> io::Result<()> {
+        let dev = st
+            .devices
+            .get(&address)
+            .cloned()
+            .ok_or_else(|| err(libc::ENODEV))?;
+        // Children first: VFs of a PF, functions behind a bridge.
+        if dev.num_vfs > 0 {
+            self.disable_vfs(st, address)?;
+        }
+        let children: Vec<PciAddress> = st
+            .devices
+            .values()
+            .filter(|d| d.spec.parent == Some(address))
+            .map(|d| d.spec.address)
+            .collect();
+        for c in children {
+            self.remove_device(st, c)?;
+        }
+        if dev.driver.is_some() {
+            self.unbind(st, address)?;
+        }
+        let dev = st.devices.remove(&address).expect("present");
+        render::remove_device(&self.root, st, &dev)?;
+        self.emit(st, Action::Remove, &dev, &[]);
+        if dev.physfn.is_none() {
+            st.removed.insert(address, dev);
+        }
+        render::refresh_vfio_nodes(&self.root, st)?;
+        Ok(())
+    }
+
+    fn rescan(&self, st: &mut State) -> io::Result<()> {
+        let mut back: Vec<SimDevice> = std::mem::take(&mut st.removed).into_values().collect();
+        back.sort_by_key(|d| (d.dir.components().count(), d.spec.address));
+        for d in back {
+            if d.spec.parent.is_some_and(|p| !st.devices.contains_key(&p)) {
+                st.removed.insert(d.spec.address, d);
+                continue;
+            }
+            self.add_device(st, d.spec.clone(), None, d.group, true)?;
+        }
+        Ok(())
+    }
+
+    /// Whether `driver` may bind `dev` (the kernel's driver_match_device).
+    fn matches(st: &State, dev: &SimDevice, driver: &str) -> bool {
+        match &dev.driver_override {
+            Some(o) => o == driver,
+            None => st
+                .drivers
+                .get(driver)
+                .is_some_and(|d| d.ids.contains(&(dev.spec.vendor_id, dev.spec.device_id))),
+        }
+    }
+
+    fn bind(&self, st: &mut State, address: PciAddress, driver: &str) -> io::Result<()> {
+        let dev = st.devices.get(&address).ok_or_else(|| err(libc::ENODEV))?;
+        if dev.driver.is_some() {
+            return Err(err(libc::EBUSY));
+        }
+        // pci_device_can_probe(): a VF whose PF has autoprobe off binds only via override.
+        if let Some(pf) = dev.physfn {
+            let pf_auto = st.devices.get(&pf).is_some_and(|p| p.autoprobe);
+            if !pf_auto && dev.driver_override.is_none() {
+                return Err(err(libc::ENODEV));
+            }
+        }
+        if !st.drivers.contains_key(driver) || !Self::matches(st, dev, driver) {
+            return Err(err(libc::ENODEV));
+        }
+        let dev = st.devices.get_mut(&address).expect("present");
+        dev.driver = Some(driver.to_string());
+        let dev = dev.clone();
+        render::device_driver(&self.root, st, &dev)?;
+        self.emit(st, Action::Bind, &dev, &[]);
+        render::refresh_vfio_nodes(&self.root, st)?;
+        Ok(())
+    }
+
+    fn unbind(&self, st: &mut State, address: PciAddress) -> io::Result<()> {
+        let dev = st.devices.get(&address).ok_or_else(|| err(libc::ENODEV))?;
+        let Some(old) = dev.driver.clone() else {
+            return Err(err(libc::ENODEV));
+        };
+        // Unbinding a PF driver tears its VFs down, as sriov drivers do in remove().
+        if dev.num_vfs > 0 {
+            self.disable_vfs(st, address)?;
+        }
+        let dev = st.devices.get_mut(&address).expect("present");
+        dev.driver = None;
+        let mut dev = dev.clone();
+        render::device_driver_removed(&self.root, &dev, &old)?;
+        dev.driver = Some(old);
+        self.emit(st, Action::Unbind, &dev, &[]);
+        render::refresh_vfio_nodes(&self.root, st)?;
+        Ok(())
+    }
+
+    /// drivers_probe / autoprobe: bind to the override driver, else the first native match.
+    /// Finding no driver is not an error, as in Linux.
+    fn probe(&self, st: &mut State, address: PciAddress) -> io::Result<()> {
+        let dev = st.devices.get(&address).ok_or_else(|| err(libc::ENODEV))?;
+        if dev.driver.is_some() {
+            return Ok(());
+        }
+        let candidates: Vec<String> = match &dev.driver_override {
+            Some(o) => vec![o.clone()],
+            None => {
+                let mut c: Vec<String> = Vec::new();
+                if let Some(d) = &dev.spec.driver {
+                    c.push(d.clone());
+                }
+                c.extend(st.drivers.keys().cloned());
+                c
+            }
+        };
+        for d in candidates {
+            if st.drivers.contains_key(&d) && Self::matches(st, dev, &d) {
+                return match self.bind(st, address, &d) {
+                    Err(e) if e.raw_os_error() == Some(libc::ENODEV) => Ok(()),
+                    other => other,
+                };
+            }
+        }
+        Ok(())
+    }
+
+    fn vf_address(pf: PciAddress, offset: u16, stride: u16, index: u32) -> Option<PciAddress> {
+        let rid = (u32::from(pf.bus) << 8) | (u32::from(pf.slot) << 3) | u32::from(pf.function);
+        let vf = rid + u32::from(offset) + u32::from(stride) * index;
+        if vf > 0xffff {
+            return None;
+        }
+        Some(PciAddress::new(
+            pf.domain,
+            (vf >> 8) as u8,
+            ((vf >> 3) & 0x1f) as u8,
+            (vf & 7) as u8,
+        ))
+    }
+
+    fn enable_vfs(&self, st: &mut State, pf: PciAddress, n: u32) -> io::Result<()> {
+        let pfdev = st
+            .devices
+            .get(&pf)
+            .cloned()
+            .ok_or_else(|| err(libc::ENODEV))?;
+        let sriov = pfdev.spec.sriov.clone().ok_or_else(|| err(libc::ENOENT))?;
+        let mut created = Vec::new();
+        for i in 0..n {
+            let addr = Self::vf_address(pf, sriov.offset, sriov.stride, i)
+                .ok_or_else(|| err(libc::ERANGE))?;
+            let mut spec = FunctionSpec::new(
+                &addr.to_string(),
+                pfdev.spec.vendor_id,
+                sriov.vf_device_id,
+                pfdev.spec.class.0,
+            );
+            spec.subsystem_vendor_id = pfdev.spec.subsystem_vendor_id;
+            spec.subsystem_device_id = pfdev.spec.subsystem_device_id;
+            spec.revision = pfdev.spec.revision;
+            spec.numa_node = pfdev.spec.numa_node;
+            spec.driver = sriov.vf_driver.clone();
+            spec.parent = pfdev.spec.parent;
+            spec.reset_methods = vec!["flr".into()];
+            spec.aer = false;
+            spec.group = if pfdev.group.is_some() {
+                GroupSpec::Own
+            } else {
+                GroupSpec::None
+            };
+            if let Err(e) = self.add_device(st, spec, Some(pf), None, true) {
+                // Roll back what was created, as sriov_enable() does.
+                for a in created.iter().rev() {
+                    let _ = self.remove_device(st, *a);
+                }
+                return Err(e);
+            }
+            created.push(addr);
+            let d = st.devices.get_mut(&pf).expect("pf");
+            d.num_vfs = i + 1;
+            render::virtfn_link(&self.root, &pfdev.dir, i, addr, true)?;
+        }
+        let d = st.devices.get(&pf).expect("pf").clone();
+        render::device_attrs(&self.root, st, &d)?;
+        Ok(())
+    }
+
+    fn disable_vfs(&self, st: &mut State, pf: PciAddress) -> io::Result<()> {
+        let pfdev = st
+            .devices
+            .get(&pf)
+            .cloned()
+            .ok_or_else(|| err(libc::ENODEV))?;
+        let sriov = pfdev.spec.sriov.clone().ok_or_else(|| err(libc::ENOENT))?;
+        for i in (0..pfdev.num_vfs).rev() {
+            if let Some(addr) = Self::vf_address(pf, sriov.offset, sriov.stride, i) {
+                if st.devices.contains_key(&addr) {
+                    self.remove_device(st, addr)?;
+                }
+            }
+            render::virtfn_link(&self.root, &pfdev.dir, i, pf, false)?;
+        }
+        let d = st.devices.get_mut(&pf).expect("pf");
+        d.num_vfs = 0;
+        let d = d.clone();
+        render::device_attrs(&self.root, st, &d)?;
+        Ok(())
+    }
+
+    /// `sriov_numvfs` store, with the kernel's checks in the kernel's order.
+    fn set_numvfs(&self, st: &mut State, pf: PciAddress, value: &str) -> io::Result<()> {
+        let n: u32 = parse_int(value)?;
+        let dev = st.devices.get(&pf).ok_or_else(|| err(libc::ENODEV))?;
+        let sriov = dev.spec.sriov.as_ref().ok_or_else(|| err(libc::EACCES))?;
+        if n > sriov.total_vfs {
+            return Err(err(libc::ERANGE));
+        }
+        if n == dev.num_vfs {
+            return Ok(());
+        }
+        let Some(driver) = &dev.driver else {
+            return Err(err(libc::ENOENT));
+        };
+        if !st.drivers.get(driver).is_some_and(|d| d.sriov_configure) {
+            return Err(err(libc::ENOENT));
+        }
+        if n == 0 {
+            return self.disable_vfs(st, pf);
+        }
+        if dev.num_vfs != 0 {
+            return Err(err(libc::EBUSY));
+        }
+        self.enable_vfs(st, pf, n)
+    }
+
+    fn check_faults(&self, rel: &Path, target: &WriteTarget, value: &str) -> Option<FaultAction> {
+        let mut st = self.lock();
+        let value_addr: Option<PciAddress> = value.trim().parse().ok();
+        let idx = st.faults.iter().position(|f| match (&f.target, target) {
+            (FaultTarget::DeviceAttr(a, at), WriteTarget::Device(b, bt)) => a == b && at == bt,
+            (FaultTarget::DriverAttr(d, at), WriteTarget::Driver(bd, bt)) => {
+                d.as_ref().is_none_or(|d| d == bd) && at == bt
+            }
+            (FaultTarget::BusAttr(at), WriteTarget::Bus(bt)) => at == bt,
+            (FaultTarget::AnyFor(a), WriteTarget::Device(b, _)) => a == b,
+            (FaultTarget::AnyFor(a), _) => value_addr == Some(*a),
+            _ => false,
+        })?;
+        let f = &mut st.faults[idx];
+        let action = f.action.clone();
+        if let Some(n) = f.remaining.as_mut() {
+            *n -= 1;
+            if *n == 0 {
+                st.faults.remove(idx);
+            }
+        }
+        tracing::debug!(path = %rel.display(), ?action, "simulated fault");
+        Some(action)
+    }
+
+    fn resolve(&self, path: &Path) -> io::Result<(PathBuf, WriteTarget)> {
+        // Follow links in the directory part (bus/pci/devices/X -> devices/..., driver -> ...),
+        // as the VFS would, then classify what the file belongs to.
+        let parent = path.parent().ok_or_else(|| err(libc::ENOENT))?;
+        let name = path.file_name().ok_or_else(|| err(libc::ENOENT))?;
+        let canon = std::fs::canonicalize(parent)?.join(name);
+        let rel = canon
+            .strip_prefix(&self.root)
+            .map_err(|_| err(libc::EXDEV))?
+            .to_path_buf();
+        let comps: Vec<&str> = rel.iter().filter_map(|c| c.to_str()).collect();
+        let target = match comps.as_slice() {
+            ["sys", "bus", "pci", attr] => WriteTarget::Bus(attr.to_string()),
+            ["sys", "bus", "pci", "drivers", d, attr] => {
+                WriteTarget::Driver(d.to_string(), attr.to_string())
+            }
+            [.., dev, attr] if dev.parse::<PciAddress>().is_ok() => {
+                WriteTarget::Device(dev.parse().expect("checked"), attr.to_string())
+            }
+            _ => WriteTarget::Other,
+        };
+        Ok((rel, target))
+    }
+
+    fn apply_write(&self, target: &WriteTarget, value: &str) -> io::Result<()> {
+        let mut st = self.lock();
+        let addr_value =
+            || -> io::Result<PciAddress> { value.trim().parse().map_err(|_| err(libc::ENODEV)) };
+        match target {
+            WriteTarget::Bus(a) if a == "drivers_probe" => {
+                let addr = addr_value()?;
+                self.probe(&mut st, addr)
+            }
+            WriteTarget::Bus(a) if a == "rescan" => {
+                parse_int(value)?;
+                self.rescan(&mut st)
+            }
+            WriteTarget::Driver(d, a) if a == "bind" => {
+                let addr = addr_value()?;
+                self.bind(&mut st, addr, d)
+            }
+            WriteTarget::Driver(d, a) if a == "unbind" => {
+                let addr = addr_value()?;
+                if st.devices.get(&addr).and_then(|x| x.driver.as_deref()) != Some(d.as_str()) {
+                    return Err(err(libc::ENODEV));
+                }
+                self.unbind(&mut st, addr)
+            }
+            WriteTarget::Driver(d, a) if a == "new_id" => {
+                // "VVVV DDDD": add the id, then probe every unbound match, exactly the
+                // collateral binding that makes new_id dangerous.
+                let mut it = value.split_whitespace();
+                let (Some(v), Some(dv)) = (it.next(), it.next()) else {
+                    return Err(err(libc::EINVAL));
+                };
+                let v = u16::from_str_radix(v, 16).map_err(|_| err(libc::EINVAL))?;
+                let dv = u16::from_str_radix(dv, 16).map_err(|_| err(libc::EINVAL))?;
+                let drv = st.drivers.get_mut(d).ok_or_else(|| err(libc::ENODEV))?;
+                drv.ids.push((v, dv));
+                let matching: Vec<PciAddress> = st
+                    .devices
+                    .values()
+                    .filter(|x| {
+                        x.driver.is_none() && x.spec.vendor_id == v && x.spec.device_id == dv
+                    })
+                    .map(|x| x.spec.address)
+                    .collect();
+                for a in matching {
+                    let _ = self.bind(&mut st, a, d);
+                }
+                Ok(())
+            }
+            WriteTarget::Device(a, attr) => match attr.as_str() {
+                "sriov_numvfs" => self.set_numvfs(&mut st, *a, value),
+                "sriov_drivers_autoprobe" => {
+                    let v = parse_int(value)?;
+                    let dev = st.devices.get_mut(a).ok_or_else(|| err(libc::ENODEV))?;
+                    if dev.spec.sriov.is_none() {
+                        return Err(err(libc::EACCES));
+                    }
+                    dev.autoprobe = v != 0;
+                    let dev = dev.clone();
+                    render::device_attrs(&self.root, &st, &dev)
+                }
+                "driver_override" => {
+                    let v = value.trim_end_matches('\n');
+                    if v.len() >= 4096 {
+                        return Err(err(libc::EINVAL));
+                    }
+                    let dev = st.devices.get_mut(a).ok_or_else(|| err(libc::ENODEV))?;
+                    dev.driver_override = (!v.is_empty()).then(|| v.to_string());
+                    let dev = dev.clone();
+                    render::device_attrs(&self.root, &st, &dev)
+                }
+                "remove" => {
+                    if parse_int(value)? != 0 {
+                        self.remove_device(&mut st, *a)?;
+                    }
+                    Ok(())
+                }
+                "rescan" => {
+                    parse_int(value)?;
+                    self.rescan(&mut st)
+                }
+                "reset" => {
+                    let dev = st.devices.get(a).ok_or_else(|| err(libc::ENODEV))?;
+                    if dev.spec.reset_methods.is_empty() {
+                        return Err(err(libc::ENOTTY));
+                    }
+                    Ok(())
+                }
+                _ => Err(err(libc::EACCES)),
+            },
+            _ => Err(err(libc::EACCES)),
+        }
+    }
+
+    fn wait_hang(&self, dur: Duration) {
+        let (m, c) = &self.hang_gate;
+        let guard = m.lock().unwrap();
+        let start = *guard;
+        let _unused = c
+            .wait_timeout_while(guard, dur, |gen| *gen == start)
+            .unwrap();
+    }
+}
+
+fn parse_int(value: &str) -> io::Result<u32> {
+    let v = value.trim();
+    let parsed = match v.strip_prefix("0x") {
+        Some(h) => u32::from_str_radix(h, 16),
+        None => v.parse(),
+    };
+    parsed.map_err(|_| err(libc::EINVAL))
+}
+
+#[derive(Debug)]
+enum WriteTarget {
+    Bus(String),
+    Driver(String, String),
+    Device(PciAddress, String),
+    Other,
+}
+
+impl Backend for SimKernel {
+    fn read(&self, path: &Path) -> io::Result<Vec<u8>> {
+        if let Some(errno) = self.lock().read_faults.get(path) {
+            return Err(err(*errno));
+        }
+        std::fs::read(path)
+    }
+
+    fn write(&self, path: &Path, data: &[u8]) -> io::Result<()> {
+        let value = String::from_utf8_lossy(data).into_owned();
+        let (rel, target) = self.resolve(path)?;
+        let mut vanish = None;
+        match self.check_faults(&rel, &target, &value) {
+            Some(FaultAction::Errno(e)) => return Err(err(e)),
+            Some(FaultAction::Hang(d)) => {
+                self.wait_hang(d);
+                return Err(err(libc::EINTR));
+            }
+            Some(FaultAction::VanishAfter(a)) => vanish = Some(a),
+            None => {}
+        }
+        self.apply_write(&target, &value)?;
+        {
+            let mut st = self.lock();
+            st.write_log.push((rel, value));
+            if let Some(a) = vanish {
+                let _ = self.remove_device(&mut st, a);
+            }
+        }
+        Ok(())
+    }
+
+    fn read_link(&self, path: &Path) -> io::Result<PathBuf> {
+        if let Some(errno) = self.lock().read_faults.get(path) {
+            return Err(err(*errno));
+        }
+        std::fs::read_link(path)
+    }
+
+    fn read_dir(&self, path: &Path) -> io::Result<Vec<OsString>> {
+        std::fs::read_dir(path)?
+            .map(|e| e.map(|e| e.file_name()))
+            .collect()
+    }
+
+    fn canonicalize(&self, path: &Path) -> io::Result<PathBuf> {
+        std::fs::canonicalize(path)
+    }
+}
+
+/// Groups whose every non-bridge member is on vfio-pci, pci-stub or no driver, with at least
+/// one on vfio-pci: those get a `/dev/vfio/N` node, as the kernel's VFIO does.
+fn viable_groups(st: &State) -> BTreeSet<u32> {
+    let mut groups: BTreeMap<u32, (bool, bool)> = BTreeMap::new();
+    for d in st.devices.values() {
+        let Some(g) = d.group else { continue };
+        let e = groups.entry(g).or_insert((true, false));
+        if d.spec.class.is_bridge() {
+            continue;
+        }
+        match d.driver.as_deref() {
+            Some("vfio-pci") => e.1 = true,
+            Some("pci-stub") | None => {}
+            Some(_) => e.0 = false,
+        }
+    }
+    groups
+        .into_iter()
+        .filter(|(_, (ok, any))| *ok && *any)
+        .map(|(g, _)| g)
+        .collect()
+}

@@ -1,0 +1,314 @@
+//! Host models for the simulated kernel: what functions a host has, which drivers are loaded,
+//! what the host itself has mounted and up.
+
+use crate::pci::{ClassCode, PciAddress};
+
+/// SR-IOV capability of a physical function.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SriovSpec {
+    pub total_vfs: u32,
+    pub vf_device_id: u16,
+    /// Native host driver for the VFs (bound when `sriov_drivers_autoprobe` is 1).
+    pub vf_driver: Option<String>,
+    /// Routing-id offset and stride of the first VF, as in the SR-IOV capability.
+    pub offset: u16,
+    pub stride: u16,
+    /// VFs enabled when the model boots.
+    pub initial_vfs: u32,
+}
+
+/// Which IOMMU group a function lands in.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum GroupSpec {
+    /// A group of its own (ACS-isolated).
+    Own,
+    /// The same group as another function (e.g. a GPU's HDMI audio).
+    With(PciAddress),
+    /// No IOMMU group (IOMMU off for it).
+    None,
+}
+
+/// One PCI function of the model.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FunctionSpec {
+    pub address: PciAddress,
+    pub vendor_id: u16,
+    pub device_id: u16,
+    pub subsystem_vendor_id: u16,
+    pub subsystem_device_id: u16,
+    pub class: ClassCode,
+    pub revision: u8,
+    pub numa_node: i32,
+    /// Native driver, bound at boot when loaded.
+    pub driver: Option<String>,
+    pub sriov: Option<SriovSpec>,
+    /// Upstream bridge (root port); `None` for functions on the root bus.
+    pub parent: Option<PciAddress>,
+    pub group: GroupSpec,
+    pub reset_methods: Vec<String>,
+    pub aer: bool,
+    /// For bridges: the secondary bus number.
+    pub secondary_bus: Option<u8>,
+}
+
+impl FunctionSpec {
+    pub fn new(address: &str, vendor_id: u16, device_id: u16, class: u32) -> Self {
+        FunctionSpec {
+            address: address.parse().expect("model address"),
+            vendor_id,
+            device_id,
+            subsystem_vendor_id: vendor_id,
+            subsystem_device_id: 0,
+            class: ClassCode(class),
+            revision: 1,
+            numa_node: 0,
+            driver: None,
+            sriov: None,
+            parent: None,
+            group: GroupSpec::Own,
+            reset_methods: vec!["flr".into(), "bus".into()],
+            aer: true,
+            secondary_bus: None,
+        }
+    }
+    pub fn subsystem(mut self, vendor: u16, device: u16) -> Self {
+        self.subsystem_vendor_id = vendor;
+        self.subsystem_device_id = device;
+        self
+    }
+    pub fn revision(mut self, r: u8) -> Self {
+        self.revision = r;
+        self
+    }
+    pub fn driver(mut self, d: &str) -> Self {
+        self.driver = Some(d.to_string());
+        self
+    }
+    pub fn numa(mut self, n: i32) -> Self {
+        self.numa_node = n;
+        self
+    }
+    pub fn under(mut self, parent: &str) -> Self {
+        self.parent = Some(parent.parse().expect("model parent"));
+        self
+    }
+    pub fn group_with(mut self, other: &str) -> Self {
+        self.group = GroupSpec::With(other.parse().expect("model group peer"));
+        self
+    }
+    pub fn no_iommu(mut self) -> Self {
+        self.group = GroupSpec::None;
+        self
+    }
+    pub fn sriov(
+        mut self,
+        total_vfs: u32,
+        vf_device_id: u16,
+        vf_driver: &str,
+        offset: u16,
+    ) -> Self {
+        self.sriov = Some(SriovSpec {
+            total_vfs,
+            vf_device_id,
+            vf_driver: Some(vf_driver.to_string()),
+            offset,
+            stride: 1,
+            initial_vfs: 0,
+        });
+        self
+    }
+    pub fn initial_vfs(mut self, n: u32) -> Self {
+        if let Some(s) = self.sriov.as_mut() {
+            s.initial_vfs = n;
+        }
+        self
+    }
+    pub fn bridge_to(mut self, secondary_bus: u8) -> Self {
+        self.secondary_bus = Some(secondary_bus);
+        self
+    }
+}
+
+/// A kernel driver the model has loaded.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DriverSpec {
+    pub name: String,
+    /// vendor:device pairs it binds to by itself. `vfio-pci` has none: it binds only through
+    /// `driver_override` (or `new_id`).
+    pub ids: Vec<(u16, u16)>,
+    /// Whether it implements `sriov_configure` (else `sriov_numvfs` writes fail with ENOENT).
+    pub sriov_configure: bool,
+}
+
+impl DriverSpec {
+    pub fn new(name: &str, ids: &[(u16, u16)], sriov_configure: bool) -> Self {
+        DriverSpec {
+            name: name.to_string(),
+            ids: ids.to_vec(),
+            sriov_configure,
+        }
+    }
+}
+
+/// A block device the host has mounted (or uses as swap), on a modelled NVMe controller.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MountSpec {
+    pub controller: PciAddress,
+    /// Controller instance, e.g. 0 for nvme0.
+    pub instance: u32,
+    /// Partition number, mount point ("swap" for swap).
+    pub partitions: Vec<(u32, String)>,
+}
+
+/// A network interface on a modelled NIC.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InterfaceSpec {
+    pub device: PciAddress,
+    pub name: String,
+    pub up: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct HostModel {
+    pub functions: Vec<FunctionSpec>,
+    pub drivers: Vec<DriverSpec>,
+    pub mounts: Vec<MountSpec>,
+    pub interfaces: Vec<InterfaceSpec>,
+}
+
+const INTEL: u16 = 0x8086;
+const NVIDIA: u16 = 0x10de;
+const SAMSUNG: u16 = 0x144d;
+
+impl HostModel {
+    /// The realistic reference host: a GPU with its HDMI audio function in one IOMMU group, an
+    /// SR-IOV NIC (64 VFs), a QAT accelerator (16 VFs), an FPGA card with SR-IOV (4 VFs), a data
+    /// NVMe drive, and the host's own boot NVMe (mounted) and NIC (up). The QAT boots split.
+    pub fn reference() -> HostModel {
+        let port = |addr: &str, bus: u8| {
+            FunctionSpec::new(addr, INTEL, 0x347a, 0x060400)
+                .driver("pcieport")
+                .revision(4)
+                .bridge_to(bus)
+        };
+        let functions = vec![
+            FunctionSpec::new("0000:00:00.0", INTEL, 0x09a2, 0x080700).revision(4),
+            port("0000:00:01.0", 0x17),
+            port("0000:00:02.0", 0x3b),
+            port("0000:00:03.0", 0x5e),
+            port("0000:00:04.0", 0xaf),
+            port("0000:00:05.0", 0xd8),
+            port("0000:00:1c.0", 0x02),
+            port("0000:00:1d.0", 0x3d),
+            // Host NIC, up: protected.
+            FunctionSpec::new("0000:02:00.0", INTEL, 0x15f3, 0x020000)
+                .subsystem(INTEL, 0x0000)
+                .revision(3)
+                .driver("igc")
+                .under("0000:00:1c.0"),
+            // GPU + HDMI audio: one IOMMU group, no SR-IOV.
+            FunctionSpec::new("0000:17:00.0", NVIDIA, 0x2204, 0x030000)
+                .subsystem(0x1458, 0x403b)
+                .revision(0xa1)
+                .driver("nouveau")
+                .under("0000:00:01.0"),
+            FunctionSpec::new("0000:17:00.1", NVIDIA, 0x1aef, 0x040300)
+                .subsystem(0x1458, 0x403b)
+                .revision(0xa1)
+                .driver("snd_hda_intel")
+                .under("0000:00:01.0")
+                .group_with("0000:17:00.0"),
+            // SR-IOV NIC: Intel X710, 64 VFs (iavf on the host when autoprobed).
+            FunctionSpec::new("0000:3b:00.0", INTEL, 0x1572, 0x020000)
+                .subsystem(INTEL, 0x0001)
+                .revision(2)
+                .driver("i40e")
+                .under("0000:00:02.0")
+                .sriov(64, 0x154c, "iavf", 16),
+            // QAT: Intel C62x, 16 VFs, already split at boot (as a distribution's qat
+            // service does), its VFs on the host's c6xxvf driver.
+            FunctionSpec::new("0000:5e:00.0", INTEL, 0x37c8, 0x0b4000)
+                .subsystem(INTEL, 0x35cf)
+                .revision(4)
+                .driver("c6xx")
+                .under("0000:00:03.0")
+                .sriov(16, 0x37c9, "c6xxvf", 1)
+                .initial_vfs(16),
+            // FPGA: Intel PAC D5005 with SR-IOV, 4 VFs, on NUMA node 1.
+            FunctionSpec::new("0000:af:00.0", INTEL, 0x0b2b, 0x120000)
+                .subsystem(INTEL, 0x0000)
+                .driver("dfl-pci")
+                .numa(1)
+                .under("0000:00:04.0")
+                .sriov(4, 0x0b2c, "dfl-pci", 1),
+            // Data NVMe drive (non-separable).
+            FunctionSpec::new("0000:d8:00.0", SAMSUNG, 0xa824, 0x010802)
+                .subsystem(SAMSUNG, 0xa809)
+                .driver("nvme")
+                .numa(1)
+                .under("0000:00:05.0"),
+            // The host's boot NVMe: mounted at / and /boot, protected.
+            FunctionSpec::new("0000:3d:00.0", SAMSUNG, 0xa80a, 0x010802)
+                .subsystem(SAMSUNG, 0xa801)
+                .driver("nvme")
+                .under("0000:00:1d.0"),
+        ];
+        HostModel {
+            functions,
+            drivers: Self::standard_drivers(),
+            mounts: vec![MountSpec {
+                controller: "0000:3d:00.0".parse().unwrap(),
+                instance: 0,
+                partitions: vec![(1, "/boot/efi".into()), (2, "/".into()), (3, "swap".into())],
+            }],
+            interfaces: vec![InterfaceSpec {
+                device: "0000:02:00.0".parse().unwrap(),
+                name: "enp2s0".into(),
+                up: true,
+            }],
+        }
+    }
+
+    fn standard_drivers() -> Vec<DriverSpec> {
+        vec![
+            DriverSpec::new("pcieport", &[(INTEL, 0x347a)], false),
+            DriverSpec::new("igc", &[(INTEL, 0x15f3)], false),
+            DriverSpec::new("nouveau", &[(NVIDIA, 0x2204)], false),
+            DriverSpec::new("snd_hda_intel", &[(NVIDIA, 0x1aef)], false),
+            DriverSpec::new("i40e", &[(INTEL, 0x1572)], true),
+            DriverSpec::new("iavf", &[(INTEL, 0x154c)], false),
+            DriverSpec::new("c6xx", &[(INTEL, 0x37c8)], true),
+            DriverSpec::new("c6xxvf", &[(INTEL, 0x37c9)], false),
+            DriverSpec::new("dfl-pci", &[(INTEL, 0x0b2b), (INTEL, 0x0b2c)], true),
+            DriverSpec::new("nvme", &[(SAMSUNG, 0xa824), (SAMSUNG, 0xa80a)], true),
+            // vfio-pci binds only by driver_override; it can enable VFs of a PF it owns.
+            DriverSpec::new("vfio-pci", &[], true),
+            DriverSpec::new("pci-stub", &[], false),
+        ]
+    }
+
+    /// A large host for benchmarks: the reference host plus `nics` X710 PFs (one per root
+    /// port) each with all 64 VFs enabled. `nics = 15` gives just over 1,000 functions.
+    pub fn large(nics: u8) -> HostModel {
+        let mut m = HostModel::reference();
+        for i in 0..nics {
+            let bus = 0x60 + i;
+            let port_addr = format!("0000:00:{:02x}.0", 0x06 + i);
+            m.functions.push(
+                FunctionSpec::new(&port_addr, INTEL, 0x347a, 0x060400)
+                    .driver("pcieport")
+                    .bridge_to(bus),
+            );
+            m.functions.push(
+                FunctionSpec::new(&format!("0000:{bus:02x}:00.0"), INTEL, 0x1572, 0x020000)
+                    .subsystem(INTEL, 0x0001)
+                    .driver("i40e")
+                    .numa(i32::from(i % 2))
+                    .under(&port_addr)
+                    .sriov(64, 0x154c, "iavf", 16)
+                    .initial_vfs(64),
+            );
+        }
+        m
+    }
+}

@@ -1,0 +1,434 @@
+//! Renders the simulated kernel's state as files and relative symlinks, laid out like Linux's
+//! sysfs, so that real tools (lspci, virsh's nodedev code paths, shell scripts) can read it.
+
+use super::{viable_groups, SimDevice, State};
+use crate::pci::PciAddress;
+use std::fs;
+use std::io;
+use std::os::unix::fs::symlink;
+use std::path::{Path, PathBuf};
+
+/// Creates `root/link` pointing at `root/target` with a relative path, replacing any old link.
+fn rel_link(root: &Path, link: &Path, target: &Path) -> io::Result<()> {
+    let depth = link.parent().map_or(0, |p| p.components().count());
+    let mut rel = PathBuf::new();
+    for _ in 0..depth {
+        rel.push("..");
+    }
+    rel.push(target);
+    let abs = root.join(link);
+    if let Some(p) = abs.parent() {
+        fs::create_dir_all(p)?;
+    }
+    match fs::remove_file(&abs) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    symlink(rel, abs)
+}
+
+fn remove_if_exists(path: &Path) -> io::Result<()> {
+    match fs::remove_file(path) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
+}
+
+fn write(path: &Path, content: impl AsRef<[u8]>) -> io::Result<()> {
+    fs::write(path, content)
+}
+
+pub(super) fn skeleton(root: &Path, st: &State) -> io::Result<()> {
+    let bus = root.join("sys/bus/pci");
+    fs::create_dir_all(bus.join("devices"))?;
+    fs::create_dir_all(bus.join("slots"))?;
+    fs::create_dir_all(root.join("sys/kernel/iommu_groups"))?;
+    fs::create_dir_all(root.join("sys/class/block"))?;
+    fs::create_dir_all(root.join("sys/class/net"))?;
+    fs::create_dir_all(root.join("dev/vfio"))?;
+    fs::create_dir_all(root.join("proc"))?;
+    write(&root.join("dev/vfio/vfio"), "")?;
+    for f in ["drivers_probe", "rescan", "resource_alignment"] {
+        write(&bus.join(f), "")?;
+    }
+    write(&bus.join("drivers_autoprobe"), "1\n")?;
+    for name in st.drivers.keys() {
+        let d = bus.join("drivers").join(name);
+        fs::create_dir_all(&d)?;
+        for f in ["bind", "unbind", "new_id", "remove_id", "uevent"] {
+            write(&d.join(f), "")?;
+        }
+    }
+    Ok(())
+}
+
+/// The 256-byte configuration space the kernel exposes as `config` (what lspci reads).
+fn config_space(st: &State, dev: &SimDevice) -> Vec<u8> {
+    let mut c = vec![0u8; 256];
+    if dev.config_all_ones {
+        return vec![0xff; 256];
+    }
+    let s = &dev.spec;
+    // A VF's vendor and device registers read 0xffff in hardware; the kernel takes the ids
+    // from the PF's SR-IOV capability instead.
+    let (v, d) = if dev.physfn.is_some() {
+        (0xffff, 0xffff)
+    } else {
+        (s.vendor_id, s.device_id)
+    };
+    c[0..2].copy_from_slice(&v.to_le_bytes());
+    c[2..4].copy_from_slice(&d.to_le_bytes());
+    let command: u16 = if dev.driver.is_some() { 0x0406 } else { 0x0000 };
+    c[4..6].copy_from_slice(&command.to_le_bytes());
+    c[6..8].copy_from_slice(&0x0010u16.to_le_bytes()); // status: capability list
+    c[8] = s.revision;
+    c[9] = s.class.prog_if();
+    c[10] = s.class.sub();
+    c[11] = s.class.base();
+    let multifunction = st
+        .devices
+        .keys()
+        .chain(std::iter::once(&s.address))
+        .any(|a| {
+            a.domain == s.address.domain
+                && a.bus == s.address.bus
+                && a.slot == s.address.slot
+                && a.function != s.address.function
+        })
+        && dev.physfn.is_none();
+    let header_type: u8 = if s.secondary_bus.is_some() { 1 } else { 0 };
+    c[0x0e] = header_type | if multifunction { 0x80 } else { 0 };
+    if let Some(sec) = s.secondary_bus {
+        c[0x18] = s.address.bus;
+        c[0x19] = sec;
+        c[0x1a] = sec;
+    } else {
+        c[0x2c..0x2e].copy_from_slice(&s.subsystem_vendor_id.to_le_bytes());
+        c[0x2e..0x30].copy_from_slice(&s.subsystem_device_id.to_le_bytes());
+    }
+    // One capability: PCI Express (id 0x10), endpoint or root port, then end of list.
+    c[0x34] = 0x40;
+    c[0x40] = 0x10;
+    c[0x41] = 0x00;
+    let port_type: u8 = if s.secondary_bus.is_some() { 0x4 } else { 0x0 };
+    c[0x42] = 0x02 | (port_type << 4);
+    c
+}
+
+fn uevent_text(dev: &SimDevice) -> String {
+    let s = &dev.spec;
+    let mut t = String::new();
+    if let Some(d) = &dev.driver {
+        t.push_str(&format!("DRIVER={d}\n"));
+    }
+    t.push_str(&format!(
+        "PCI_CLASS={:X}\nPCI_ID={:04X}:{:04X}\nPCI_SUBSYS_ID={:04X}:{:04X}\nPCI_SLOT_NAME={}\n\
+MODALIAS=pci:v{:08X}d{:08X}sv{:08X}sd{:08X}bc{:02X}sc{:02X}i{:02X}\n",
+        s.class.0,
+        s.vendor_id,
+        s.device_id,
+        s.subsystem_vendor_id,
+        s.subsystem_device_id,
+        s.address,
+        s.vendor_id,
+        s.device_id,
+        s.subsystem_vendor_id,
+        s.subsystem_device_id,
+        s.class.base(),
+        s.class.sub(),
+        s.class.prog_if()
+    ));
+    t
+}
+
+fn aer_text(names: &[&str], total_name: &str, total: u64) -> String {
+    let mut t = String::new();
+    for n in names {
+        t.push_str(&format!("{n} 0\n"));
+    }
+    t.push_str(&format!("{total_name} {total}\n"));
+    t
+}
+
+/// Rewrites every attribute whose content depends on live state.
+pub(super) fn device_attrs(root: &Path, st: &State, dev: &SimDevice) -> io::Result<()> {
+    let dir = root.join(&dev.dir);
+    write(&dir.join("uevent"), uevent_text(dev))?;
+    write(
+        &dir.join("driver_override"),
+        format!("{}\n", dev.driver_override.as_deref().unwrap_or("(null)")),
+    )?;
+    write(
+        &dir.join("enable"),
+        if dev.driver.is_some() { "1\n" } else { "0\n" },
+    )?;
+    if let Some(sriov) = &dev.spec.sriov {
+        write(
+            &dir.join("sriov_totalvfs"),
+            format!("{}\n", sriov.total_vfs),
+        )?;
+        write(&dir.join("sriov_numvfs"), format!("{}\n", dev.num_vfs))?;
+        write(
+            &dir.join("sriov_drivers_autoprobe"),
+            if dev.autoprobe { "1\n" } else { "0\n" },
+        )?;
+        write(&dir.join("sriov_offset"), format!("{}\n", sriov.offset))?;
+        write(&dir.join("sriov_stride"), format!("{}\n", sriov.stride))?;
+        write(
+            &dir.join("sriov_vf_device"),
+            format!("{:04x}\n", sriov.vf_device_id),
+        )?;
+    }
+    if dev.spec.aer {
+        write(
+            &dir.join("aer_dev_correctable"),
+            aer_text(
+                &["RxErr", "BadTLP", "BadDLLP", "Rollover", "Timeout"],
+                "TOTAL_ERR_COR",
+                dev.aer[0],
+            ),
+        )?;
+        write(
+            &dir.join("aer_dev_nonfatal"),
+            aer_text(
+                &["Undefined", "DLP", "PoisonedTLP", "CompleterAbort"],
+                "TOTAL_ERR_NONFATAL",
+                dev.aer[1],
+            ),
+        )?;
+        write(
+            &dir.join("aer_dev_fatal"),
+            aer_text(
+                &["Undefined", "DLP", "SDES", "MalfTLP"],
+                "TOTAL_ERR_FATAL",
+                dev.aer[2],
+            ),
+        )?;
+    }
+    device_config(root, st, dev)
+}
+
+pub(super) fn device_config(root: &Path, st: &State, dev: &SimDevice) -> io::Result<()> {
+    write(&root.join(&dev.dir).join("config"), config_space(st, dev))
+}
+
+/// Creates a function's directory with every attribute and link the kernel shows.
+pub(super) fn device(root: &Path, st: &State, dev: &SimDevice) -> io::Result<()> {
+    let s = &dev.spec;
+    let dir = root.join(&dev.dir);
+    fs::create_dir_all(&dir)?;
+    write(&dir.join("vendor"), format!("0x{:04x}\n", s.vendor_id))?;
+    write(&dir.join("device"), format!("0x{:04x}\n", s.device_id))?;
+    write(
+        &dir.join("subsystem_vendor"),
+        format!("0x{:04x}\n", s.subsystem_vendor_id),
+    )?;
+    write(
+        &dir.join("subsystem_device"),
+        format!("0x{:04x}\n", s.subsystem_device_id),
+    )?;
+    write(&dir.join("class"), format!("0x{:06x}\n", s.class.0))?;
+    write(&dir.join("revision"), format!("0x{:02x}\n", s.revision))?;
+    write(&dir.join("numa_node"), format!("{}\n", s.numa_node))?;
+    write(&dir.join("local_cpulist"), "0-1\n")?;
+    write(&dir.join("irq"), "0\n")?;
+    write(
+        &dir.join("modalias"),
+        uevent_text(dev)
+            .lines()
+            .find_map(|l| l.strip_prefix("MODALIAS="))
+            .unwrap_or("")
+            .to_string()
+            + "\n",
+    )?;
+    write(
+        &dir.join("resource"),
+        "0x0000000000000000 0x0000000000000000 0x0000000000000000\n".repeat(7),
+    )?;
+    write(&dir.join("remove"), "")?;
+    write(&dir.join("rescan"), "")?;
+    if !s.reset_methods.is_empty() {
+        write(&dir.join("reset"), "")?;
+        write(
+            &dir.join("reset_method"),
+            format!("{}\n", s.reset_methods.join(" ")),
+        )?;
+    }
+    rel_link(root, &dev.dev_rel("subsystem"), Path::new("sys/bus/pci"))?;
+    rel_link(
+        root,
+        &Path::new("sys/bus/pci/devices").join(s.address.to_string()),
+        &dev.dir,
+    )?;
+    if let Some(g) = dev.group {
+        let gdir = PathBuf::from(format!("sys/kernel/iommu_groups/{g}"));
+        fs::create_dir_all(root.join(&gdir).join("devices"))?;
+        write(&root.join(&gdir).join("type"), "DMA\n")?;
+        write(&root.join(&gdir).join("reserved_regions"), "")?;
+        rel_link(root, &dev.dev_rel("iommu_group"), &gdir)?;
+        rel_link(
+            root,
+            &gdir.join("devices").join(s.address.to_string()),
+            &dev.dir,
+        )?;
+    }
+    if let Some(pf) = dev.physfn {
+        let pf_dir = st
+            .devices
+            .get(&pf)
+            .map(|p| p.dir.clone())
+            .unwrap_or_default();
+        rel_link(root, &dev.dev_rel("physfn"), &pf_dir)?;
+    }
+    device_attrs(root, st, dev)
+}
+
+pub(super) fn device_driver(root: &Path, st: &State, dev: &SimDevice) -> io::Result<()> {
+    if let Some(d) = &dev.driver {
+        let ddir = PathBuf::from("sys/bus/pci/drivers").join(d);
+        rel_link(root, &dev.dev_rel("driver"), &ddir)?;
+        rel_link(root, &ddir.join(dev.spec.address.to_string()), &dev.dir)?;
+    }
+    device_attrs(root, st, dev)
+}
+
+pub(super) fn device_driver_removed(root: &Path, dev: &SimDevice, old: &str) -> io::Result<()> {
+    remove_if_exists(&root.join(dev.dev_rel("driver")))?;
+    remove_if_exists(
+        &root
+            .join("sys/bus/pci/drivers")
+            .join(old)
+            .join(dev.spec.address.to_string()),
+    )?;
+    let dir = root.join(&dev.dir);
+    write(
+        &dir.join("uevent"),
+        uevent_text(dev)
+            .lines()
+            .filter(|l| !l.starts_with("DRIVER="))
+            .map(|l| format!("{l}\n"))
+            .collect::<String>(),
+    )?;
+    write(&dir.join("enable"), "0\n")
+}
+
+pub(super) fn remove_device(root: &Path, st: &State, dev: &SimDevice) -> io::Result<()> {
+    let addr = dev.spec.address.to_string();
+    remove_if_exists(&root.join("sys/bus/pci/devices").join(&addr))?;
+    if let Some(g) = dev.group {
+        let gdir = root.join(format!("sys/kernel/iommu_groups/{g}"));
+        remove_if_exists(&gdir.join("devices").join(&addr))?;
+        let still_used = st.devices.values().any(|d| d.group == Some(g));
+        if !still_used {
+            let _ = fs::remove_dir_all(&gdir);
+        }
+    }
+    fs::remove_dir_all(root.join(&dev.dir))
+}
+
+pub(super) fn virtfn_link(
+    root: &Path,
+    pf_dir: &Path,
+    index: u32,
+    vf: PciAddress,
+    create: bool,
+) -> io::Result<()> {
+    let link = pf_dir.join(format!("virtfn{index}"));
+    if create {
+        let vf_dir = pf_dir
+            .parent()
+            .unwrap_or(Path::new(""))
+            .join(vf.to_string());
+        rel_link(root, &link, &vf_dir)
+    } else {
+        remove_if_exists(&root.join(link))
+    }
+}
+
+pub(super) fn refresh_vfio_nodes(root: &Path, st: &State) -> io::Result<()> {
+    let dir = root.join("dev/vfio");
+    let viable = viable_groups(st);
+    for entry in fs::read_dir(&dir)? {
+        let entry = entry?;
+        if let Some(g) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        {
+            if !viable.contains(&g) {
+                fs::remove_file(entry.path())?;
+            }
+        }
+    }
+    for g in viable {
+        let p = dir.join(g.to_string());
+        if !p.exists() {
+            write(&p, "")?;
+        }
+    }
+    Ok(())
+}
+
+/// The host's own use of its devices: mounted NVMe partitions, swap, interfaces that are up.
+pub(super) fn host_use(root: &Path, st: &State, model: &super::HostModel) -> io::Result<()> {
+    let mut mounts = String::new();
+    let mut swaps = String::from("Filename\t\t\t\tType\t\tSize\t\tUsed\t\tPriority\n");
+    mounts.push_str("proc /proc proc rw,nosuid,nodev,noexec,relatime 0 0\n");
+    mounts.push_str("sysfs /sys sysfs rw,nosuid,nodev,noexec,relatime 0 0\n");
+    mounts.push_str("tmpfs /run tmpfs rw,nosuid,nodev,size=3273516k,mode=755 0 0\n");
+    for m in &model.mounts {
+        let Some(ctrl) = st.devices.get(&m.controller) else {
+            continue;
+        };
+        let ctrl_name = format!("nvme{}", m.instance);
+        let disk = format!("nvme{}n1", m.instance);
+        let disk_dir = ctrl.dir.join("nvme").join(&ctrl_name).join(&disk);
+        fs::create_dir_all(root.join(&disk_dir))?;
+        rel_link(root, &Path::new("sys/class/block").join(&disk), &disk_dir)?;
+        for (n, target) in &m.partitions {
+            let part = format!("{disk}p{n}");
+            let part_dir = disk_dir.join(&part);
+            fs::create_dir_all(root.join(&part_dir))?;
+            write(&root.join(&part_dir).join("partition"), format!("{n}\n"))?;
+            rel_link(root, &Path::new("sys/class/block").join(&part), &part_dir)?;
+            if target == "swap" {
+                swaps.push_str(&format!(
+                    "/dev/{part}\t\t\t\tpartition\t8388604\t\t0\t\t-2\n"
+                ));
+            } else {
+                mounts.push_str(&format!("/dev/{part} {target} ext4 rw,relatime 0 0\n"));
+            }
+        }
+    }
+    write(&root.join("proc/mounts"), mounts)?;
+    write(&root.join("proc/swaps"), swaps)?;
+    for i in &model.interfaces {
+        let Some(dev) = st.devices.get(&i.device) else {
+            continue;
+        };
+        let ndir = dev.dir.join("net").join(&i.name);
+        fs::create_dir_all(root.join(&ndir))?;
+        write(
+            &root.join(&ndir).join("operstate"),
+            if i.up { "up\n" } else { "down\n" },
+        )?;
+        write(
+            &root.join(&ndir).join("flags"),
+            if i.up { "0x1003\n" } else { "0x1002\n" },
+        )?;
+        rel_link(root, &Path::new("sys/class/net").join(&i.name), &ndir)?;
+    }
+    // The loopback interface: up, but no PCI device behind it.
+    let lo = Path::new("sys/devices/virtual/net/lo");
+    fs::create_dir_all(root.join(lo))?;
+    write(&root.join(lo).join("flags"), "0x9\n")?;
+    write(&root.join(lo).join("operstate"), "unknown\n")?;
+    rel_link(root, Path::new("sys/class/net/lo"), lo)?;
+    Ok(())
+}
+
+impl SimDevice {
+    fn dev_rel(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+}

@@ -1,0 +1,582 @@
+//! The state store: vfiod's single source of truth, a SQLite database at `<state_dir>/vfiod.db`.
+//!
+//! It holds the device inventory (one row per PCI function present), the history of events, and
+//! the tables claims, tasks and driver restore will fill. The D-Bus API reads from here, and a
+//! mutating request commits here before it replies, so what a client was told survives a crash or
+//! a power cut.
+//!
+//! Every call blocks on SQLite (and on fsync when it writes): async code calls it from
+//! `spawn_blocking`. One connection behind a mutex serves the whole daemon: vfiod is the only
+//! writer, SQLite serialises writers anyway, and one connection keeps the per-connection settings
+//! (`synchronous`, `foreign_keys`, `busy_timeout`) in one place.
+
+mod device_row;
+mod migrations;
+
+use crate::device::{Device, State};
+use crate::pci::PciAddress;
+use device_row::{DecodeError, Fields};
+use rusqlite::{params, Connection, ErrorCode, TransactionBehavior};
+use serde::Serialize;
+use std::fs::DirBuilder;
+use std::os::unix::fs::DirBuilderExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// The schema version this build creates and understands: the number of migration steps.
+pub const SCHEMA_VERSION: u32 = migrations::MIGRATIONS.len() as u32;
+const _: () = assert!(
+    SCHEMA_VERSION >= 1,
+    "the schema needs at least one migration"
+);
+
+/// File name of the database inside the state directory.
+pub const DB_FILE_NAME: &str = "vfiod.db";
+
+/// How long a statement waits for another process's lock (a `sqlite3` shell, a backup, a second
+/// vfiod that is starting) before failing with "database is locked".
+const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Errors of the store. Each message names the database file; SQLite's own error is the source.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("cannot create state directory {}", .path.display())]
+    StateDir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot open state database {}", .path.display())]
+    Open {
+        path: PathBuf,
+        #[source]
+        source: rusqlite::Error,
+    },
+    #[error("state database {} is not an SQLite database, or is corrupt", .path.display())]
+    NotADatabase {
+        path: PathBuf,
+        #[source]
+        source: rusqlite::Error,
+    },
+    #[error("{} is an SQLite database but not a vfiod state database: {reason}", .path.display())]
+    Foreign { path: PathBuf, reason: String },
+    #[error(
+        "state database {} has schema version {found}, newer than the {supported} this vfiod \
+         knows; refusing to use it (run the newer vfiod, or restore a backup)",
+        .path.display()
+    )]
+    TooNew {
+        path: PathBuf,
+        found: u32,
+        supported: u32,
+    },
+    #[error("cannot migrate state database {} to schema version {version}", .path.display())]
+    Migration {
+        path: PathBuf,
+        version: u32,
+        #[source]
+        source: rusqlite::Error,
+    },
+    #[error("state database {}: cannot {action}", .path.display())]
+    Sqlite {
+        path: PathBuf,
+        action: &'static str,
+        #[source]
+        source: rusqlite::Error,
+    },
+    #[error(
+        "state database {}: cannot decode column {column} of {table} row {key}",
+        .path.display()
+    )]
+    Decode {
+        path: PathBuf,
+        table: &'static str,
+        key: String,
+        column: &'static str,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    #[error(
+        "state database {}: a change from {old} to {new} is not a change of one device; \
+         send Removed and Added",
+        .path.display()
+    )]
+    AddressChanged {
+        path: PathBuf,
+        old: PciAddress,
+        new: PciAddress,
+    },
+}
+
+/// One entry of the history, as stored.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Event {
+    /// Increasing with every event, never reused: the order of the history and the paging cursor
+    /// (`time_ms` can go backwards with the wall clock).
+    pub id: i64,
+    /// Unix time in milliseconds when the event was committed.
+    pub time_ms: i64,
+    /// The device it is about; `None` for daemon-wide events (configuration, start-up).
+    pub address: Option<PciAddress>,
+    /// What happened: "added", "removed", "changed", "broken", "recovered", "protected",
+    /// "config", ...
+    pub kind: String,
+    pub message: String,
+}
+
+/// An event to record; the store assigns its id and time.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NewEvent {
+    pub address: Option<PciAddress>,
+    /// Must not be empty.
+    pub kind: String,
+    pub message: String,
+}
+
+impl NewEvent {
+    pub fn new(
+        address: Option<PciAddress>,
+        kind: impl Into<String>,
+        message: impl Into<String>,
+    ) -> Self {
+        NewEvent {
+            address,
+            kind: kind.into(),
+            message: message.into(),
+        }
+    }
+}
+
+/// One difference between the stored inventory and what the kernel shows.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DeviceChange {
+    /// A function appeared. Stored as an upsert, so replaying a pass is harmless.
+    Added(Device),
+    /// A function's record changed; `old` and `new` have the same address.
+    Changed { old: Device, new: Device },
+    /// A function is gone. Removing an address the store does not hold is a no-op.
+    Removed(Device),
+}
+
+impl DeviceChange {
+    pub fn address(&self) -> PciAddress {
+        match self {
+            DeviceChange::Added(d) | DeviceChange::Removed(d) => d.address,
+            DeviceChange::Changed { new, .. } => new.address,
+        }
+    }
+}
+
+/// Number of devices present, in total and per state.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Counts {
+    pub total: u32,
+    pub usable: u32,
+    pub protected: u32,
+    pub broken: u32,
+}
+
+/// The open state database. `Send + Sync`: share it as `Arc<Store>`.
+#[derive(Debug)]
+pub struct Store {
+    conn: Mutex<Connection>,
+    path: PathBuf,
+}
+
+impl Store {
+    /// Opens `<state_dir>/vfiod.db`, creating the directory (mode 0700) and the database if
+    /// missing, and migrates it to [`SCHEMA_VERSION`].
+    ///
+    /// Refuses, without modifying it, a file that is not SQLite, another program's database, or a
+    /// vfiod database newer than this build: an older vfiod must never "downgrade" state it does
+    /// not understand.
+    pub fn open(state_dir: &Path) -> Result<Store, StoreError> {
+        // An existing directory keeps its mode: systemd's StateDirectory= or the packager chose it.
+        DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(state_dir)
+            .map_err(|source| StoreError::StateDir {
+                path: state_dir.to_path_buf(),
+                source,
+            })?;
+        let path = state_dir.join(DB_FILE_NAME);
+        let mut conn = Connection::open(&path).map_err(|source| StoreError::Open {
+            path: path.clone(),
+            source,
+        })?;
+        // Before the first read, so that even that read waits for another process's lock. The
+        // pragma, not `Connection::busy_timeout`: rusqlite's method also calls
+        // sqlite3_set_clientdata, which needs SQLite 3.44 and does not link against the 3.40 of
+        // the distributions vfiod targets.
+        conn.pragma_update(None, "busy_timeout", BUSY_TIMEOUT.as_millis() as i64)
+            .map_err(|source| open_error(&path, source))?;
+
+        // Identify the file before changing anything in it, so that a refused file stays as is.
+        let found = migrations::user_version(&conn).map_err(|source| open_error(&path, source))?;
+        check_identity(&conn, &path, found)?;
+
+        // WAL: readers (vfioctl, a backup) do not block the daemon's writes. It is a property
+        // of the file, kept across opens; SQLite falls back silently where WAL is impossible
+        // (some network filesystems), so read back what is in effect.
+        let mode: String = conn
+            .pragma_update_and_check(None, "journal_mode", "wal", |row| row.get(0))
+            .map_err(|source| open_error(&path, source))?;
+        if !mode.eq_ignore_ascii_case("wal") {
+            tracing::warn!(path = %path.display(), %mode, "state database is not in WAL mode");
+        }
+        // FULL, not WAL's usual NORMAL: NORMAL may lose the last commits on power loss, and a
+        // D-Bus reply promises that its change is on disk. Both pragmas are per connection.
+        conn.pragma_update(None, "synchronous", "FULL")
+            .and_then(|()| conn.pragma_update(None, "foreign_keys", true))
+            .map_err(|source| open_error(&path, source))?;
+
+        let (before, after) =
+            migrations::migrate(&mut conn, migrations::MIGRATIONS).map_err(|e| {
+                StoreError::Migration {
+                    path: path.clone(),
+                    version: e.version,
+                    source: e.source,
+                }
+            })?;
+        if before != after {
+            tracing::info!(path = %path.display(), from = before, to = after, "migrated state database");
+        }
+        Ok(Store {
+            conn: Mutex::new(conn),
+            path,
+        })
+    }
+
+    /// The database file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The schema version recorded in the file (`PRAGMA user_version`).
+    pub fn schema_version(&self) -> Result<u32, StoreError> {
+        migrations::user_version(&self.lock())
+            .map_err(|e| self.sqlite("read the schema version", e))
+    }
+
+    /// Every device present, ordered by address.
+    pub fn devices(&self) -> Result<Vec<Device>, StoreError> {
+        let conn = self.lock();
+        let action = "read devices";
+        let mut stmt = conn
+            .prepare_cached(&format!("{} ORDER BY address", device_row::SELECT))
+            .map_err(|e| self.sqlite(action, e))?;
+        let mut rows = stmt.query([]).map_err(|e| self.sqlite(action, e))?;
+        let mut devices = Vec::new();
+        while let Some(row) = rows.next().map_err(|e| self.sqlite(action, e))? {
+            devices.push(device_row::decode(row).map_err(|e| self.decode(e))?);
+        }
+        // The text order of the column equals PciAddress's order only while every domain has
+        // four digits; sort on the typed address so the promise holds for wide domains too.
+        devices.sort_by_key(|d| d.address);
+        Ok(devices)
+    }
+
+    /// The device at `address`, if present.
+    pub fn device(&self, address: PciAddress) -> Result<Option<Device>, StoreError> {
+        let conn = self.lock();
+        let action = "read a device";
+        let mut stmt = conn
+            .prepare_cached(&format!("{} WHERE address = ?1", device_row::SELECT))
+            .map_err(|e| self.sqlite(action, e))?;
+        let mut rows = stmt
+            .query([address.to_string()])
+            .map_err(|e| self.sqlite(action, e))?;
+        match rows.next().map_err(|e| self.sqlite(action, e))? {
+            Some(row) => Ok(Some(device_row::decode(row).map_err(|e| self.decode(e))?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Applies one inventory pass atomically: upserts `Added` and `Changed`, deletes `Removed`,
+    /// and records `events`, all in one transaction, in order. Returns the recorded events with
+    /// their ids. Either everything is committed, durably, or nothing is.
+    pub fn apply_changes(
+        &self,
+        changes: &[DeviceChange],
+        events: &[NewEvent],
+    ) -> Result<Vec<Event>, StoreError> {
+        for change in changes {
+            if let DeviceChange::Changed { old, new } = change {
+                if old.address != new.address {
+                    return Err(StoreError::AddressChanged {
+                        path: self.path.clone(),
+                        old: old.address,
+                        new: new.address,
+                    });
+                }
+            }
+        }
+        let action = "apply inventory changes";
+        let mut conn = self.lock();
+        // IMMEDIATE takes the write lock up front, where busy_timeout applies, instead of failing
+        // with SQLITE_BUSY when a read transaction later upgrades to write.
+        let tx = conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(|e| self.sqlite(action, e))?;
+        let now = now_ms();
+        for change in changes {
+            match change {
+                DeviceChange::Added(device) | DeviceChange::Changed { new: device, .. } => {
+                    device_row::upsert(&tx, device, now)
+                }
+                DeviceChange::Removed(device) => tx
+                    .prepare_cached("DELETE FROM devices WHERE address = ?1")
+                    .and_then(|mut stmt| stmt.execute([device.address.to_string()]))
+                    .map(drop),
+            }
+            .map_err(|e| self.sqlite(action, e))?;
+        }
+        let recorded = events
+            .iter()
+            .map(|event| insert_event(&tx, event, now))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| self.sqlite(action, e))?;
+        // On any early return above, dropping `tx` rolls the whole pass back.
+        tx.commit().map_err(|e| self.sqlite(action, e))?;
+        Ok(recorded)
+    }
+
+    /// Records one event on its own, durably.
+    pub fn record_event(&self, event: NewEvent) -> Result<Event, StoreError> {
+        let action = "record an event";
+        let conn = self.lock();
+        // A single INSERT is its own transaction; no explicit one needed.
+        insert_event(&conn, &event, now_ms()).map_err(|e| self.sqlite(action, e))
+    }
+
+    /// Events with an id above `after_id` (0 for the start), about `address` if given, oldest
+    /// first, at most `limit`.
+    pub fn events(
+        &self,
+        address: Option<PciAddress>,
+        after_id: i64,
+        limit: usize,
+    ) -> Result<Vec<Event>, StoreError> {
+        let action = "read events";
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let conn = self.lock();
+        let columns = "SELECT id, time_ms, address, kind, message FROM events";
+        // Two statements rather than `?3 IS NULL OR address = ?3`, which defeats the index.
+        let sql = match address {
+            Some(_) => format!("{columns} WHERE address = ?3 AND id > ?1 ORDER BY id LIMIT ?2"),
+            None => format!("{columns} WHERE id > ?1 ORDER BY id LIMIT ?2"),
+        };
+        let mut stmt = conn
+            .prepare_cached(&sql)
+            .map_err(|e| self.sqlite(action, e))?;
+        let mut rows = match address {
+            Some(a) => stmt.query(params![after_id, limit, a.to_string()]),
+            None => stmt.query(params![after_id, limit]),
+        }
+        .map_err(|e| self.sqlite(action, e))?;
+        let mut events = Vec::new();
+        while let Some(row) = rows.next().map_err(|e| self.sqlite(action, e))? {
+            events.push(decode_event(row).map_err(|e| self.decode(e))?);
+        }
+        Ok(events)
+    }
+
+    /// How many devices are present, and how many are usable, protected and broken.
+    pub fn counts(&self) -> Result<Counts, StoreError> {
+        let action = "count devices";
+        let conn = self.lock();
+        let raw: [i64; 4] = conn
+            .query_row(
+                "SELECT count(*), coalesce(sum(state = ?1), 0), coalesce(sum(state = ?2), 0), \
+                 coalesce(sum(state = ?3), 0) FROM devices",
+                params![
+                    State::Usable.as_str(),
+                    State::Protected.as_str(),
+                    State::Broken.as_str()
+                ],
+                |row| Ok([row.get(0)?, row.get(1)?, row.get(2)?, row.get(3)?]),
+            )
+            .map_err(|e| self.sqlite(action, e))?;
+        // Counts of rows cannot be negative, and four billion PCI functions do not exist.
+        let [total, usable, protected, broken] = raw.map(|n| u32::try_from(n).unwrap_or(u32::MAX));
+        Ok(Counts {
+            total,
+            usable,
+            protected,
+            broken,
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Connection> {
+        // A panic while the lock was held unwound through the transaction's drop, which rolled
+        // it back: the connection is consistent, and poisoning carries no information here.
+        self.conn.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn sqlite(&self, action: &'static str, source: rusqlite::Error) -> StoreError {
+        StoreError::Sqlite {
+            path: self.path.clone(),
+            action,
+            source,
+        }
+    }
+
+    fn decode(&self, e: DecodeError) -> StoreError {
+        StoreError::Decode {
+            path: self.path.clone(),
+            table: e.table,
+            key: e.key,
+            column: e.column,
+            source: e.source,
+        }
+    }
+}
+
+/// Maps an error of the opening sequence, telling a file that is not a database apart.
+fn open_error(path: &Path, source: rusqlite::Error) -> StoreError {
+    match source.sqlite_error_code() {
+        Some(ErrorCode::NotADatabase | ErrorCode::DatabaseCorrupt) => StoreError::NotADatabase {
+            path: path.to_path_buf(),
+            source,
+        },
+        _ => StoreError::Open {
+            path: path.to_path_buf(),
+            source,
+        },
+    }
+}
+
+/// Refuses a database that is newer than this build or belongs to another program.
+fn check_identity(conn: &Connection, path: &Path, version: u32) -> Result<(), StoreError> {
+    if version > SCHEMA_VERSION {
+        return Err(StoreError::TooNew {
+            path: path.to_path_buf(),
+            found: version,
+            supported: SCHEMA_VERSION,
+        });
+    }
+    let foreign = |reason: String| StoreError::Foreign {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let application_id: i32 = conn
+        .pragma_query_value(None, "application_id", |row| row.get(0))
+        .map_err(|source| open_error(path, source))?;
+    if version > 0 && application_id != migrations::APPLICATION_ID {
+        return Err(foreign(format!(
+            "schema version {version} with application id {application_id:#x}"
+        )));
+    }
+    if version == 0 {
+        // Version 0 is a new, empty file; a file with tables is someone else's.
+        let objects: i64 = conn
+            .query_row("SELECT count(*) FROM sqlite_master", [], |row| row.get(0))
+            .map_err(|source| open_error(path, source))?;
+        if objects > 0 || application_id != 0 {
+            return Err(foreign(format!(
+                "schema version 0 but {objects} schema objects, application id {application_id:#x}"
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn insert_event(conn: &Connection, event: &NewEvent, now: i64) -> rusqlite::Result<Event> {
+    conn.prepare_cached(
+        "INSERT INTO events (time_ms, address, kind, message) VALUES (?1, ?2, ?3, ?4)",
+    )?
+    .execute(params![
+        now,
+        event.address.map(|a| a.to_string()),
+        event.kind,
+        event.message
+    ])?;
+    Ok(Event {
+        id: conn.last_insert_rowid(),
+        time_ms: now,
+        address: event.address,
+        kind: event.kind.clone(),
+        message: event.message.clone(),
+    })
+}
+
+fn decode_event(row: &rusqlite::Row<'_>) -> Result<Event, DecodeError> {
+    let id: i64 = row.get("id").unwrap_or_default();
+    let f = Fields {
+        row,
+        table: "events",
+        key: id.to_string(),
+    };
+    Ok(Event {
+        id,
+        time_ms: f.get("time_ms")?,
+        address: f.opt_parse("address")?,
+        kind: f.get("kind")?,
+        message: f.get("message")?,
+    })
+}
+
+/// Wall-clock Unix time in milliseconds; a clock before 1970 reads as 0.
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn connection_settings_are_in_effect() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        let conn = store.lock();
+        let get = |name: &str| -> String {
+            conn.pragma_query_value(None, name, |row| row.get::<_, rusqlite::types::Value>(0))
+                .map(|v| match v {
+                    rusqlite::types::Value::Integer(i) => i.to_string(),
+                    rusqlite::types::Value::Text(t) => t,
+                    other => format!("{other:?}"),
+                })
+                .unwrap()
+        };
+        assert_eq!(get("journal_mode"), "wal");
+        assert_eq!(get("synchronous"), "2", "synchronous must be FULL");
+        assert_eq!(get("foreign_keys"), "1");
+        assert_eq!(get("busy_timeout"), BUSY_TIMEOUT.as_millis().to_string());
+    }
+
+    #[test]
+    fn store_is_send_and_sync() {
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send_sync::<Store>();
+    }
+
+    #[test]
+    fn a_poisoned_lock_leaves_a_usable_store() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = std::sync::Arc::new(Store::open(dir.path()).unwrap());
+        let inner = store.clone();
+        let panicked = std::thread::spawn(move || {
+            let mut conn = inner.lock();
+            let tx = conn.transaction().unwrap();
+            tx.execute(
+                "INSERT INTO events (time_ms, address, kind, message) VALUES (0, NULL, 'x', '')",
+                [],
+            )
+            .unwrap();
+            panic!("simulated bug while holding the store");
+        })
+        .join();
+        assert!(panicked.is_err());
+        // The half-done transaction was rolled back and the store still works.
+        assert!(store.events(None, 0, 10).unwrap().is_empty());
+        store
+            .record_event(NewEvent::new(None, "config", "after"))
+            .unwrap();
+        assert_eq!(store.events(None, 0, 10).unwrap().len(), 1);
+    }
+}

@@ -1,0 +1,284 @@
+//! Reading one PCI function: identity, driver, NUMA node, IOMMU group, SR-IOV, health.
+
+use super::{Sysfs, SysfsError};
+use crate::pci::{ClassCode, PciAddress};
+use std::path::Path;
+
+/// SR-IOV attributes of a physical function.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SriovInfo {
+    pub total_vfs: u32,
+    pub num_vfs: u32,
+    pub drivers_autoprobe: bool,
+    /// `virtfnN` links, in N order.
+    pub vfs: Vec<PciAddress>,
+    /// `sriov_vf_device`, when the kernel shows it.
+    pub vf_device_id: Option<u16>,
+}
+
+/// AER counters (`TOTAL_ERR_*` lines) where the kernel exposes them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AerCounters {
+    pub correctable: u64,
+    pub nonfatal: u64,
+    pub fatal: u64,
+}
+
+/// What sysfs shows about one PCI function, parsed but not interpreted.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RawFunction {
+    pub address: PciAddress,
+    pub vendor_id: u16,
+    pub device_id: u16,
+    pub subsystem_vendor_id: u16,
+    pub subsystem_device_id: u16,
+    pub class: ClassCode,
+    pub revision: u8,
+    pub driver: Option<String>,
+    pub driver_override: Option<String>,
+    pub numa_node: Option<i32>,
+    pub iommu_group: Option<u32>,
+    /// Present when the function is SR-IOV capable (`sriov_totalvfs` exists).
+    pub sriov: Option<SriovInfo>,
+    /// For a VF: its PF (`physfn`).
+    pub physfn: Option<PciAddress>,
+    pub reset_methods: Vec<String>,
+    pub aer: Option<AerCounters>,
+}
+
+fn parse_hex(path: &Path, text: &str) -> Result<u32, SysfsError> {
+    let digits = text.strip_prefix("0x").unwrap_or(text);
+    u32::from_str_radix(digits, 16).map_err(|e| SysfsError::Parse {
+        path: path.to_path_buf(),
+        value: text.to_string(),
+        reason: e.to_string(),
+    })
+}
+
+fn parse_dec<T: std::str::FromStr>(path: &Path, text: &str) -> Result<T, SysfsError>
+where
+    T::Err: std::fmt::Display,
+{
+    text.parse().map_err(|e: T::Err| SysfsError::Parse {
+        path: path.to_path_buf(),
+        value: text.to_string(),
+        reason: e.to_string(),
+    })
+}
+
+fn narrow<T: TryFrom<u32>>(path: &Path, value: u32) -> Result<T, SysfsError> {
+    T::try_from(value).map_err(|_| SysfsError::Parse {
+        path: path.to_path_buf(),
+        value: format!("{value:#x}"),
+        reason: "out of range".into(),
+    })
+}
+
+/// Parses `aer_dev_*` files: lines of `NAME COUNT`, with a `TOTAL_ERR_*` line.
+pub(crate) fn parse_aer_total(text: &str) -> Option<u64> {
+    text.lines().find_map(|l| {
+        let mut it = l.split_whitespace();
+        let name = it.next()?;
+        if name.starts_with("TOTAL_ERR_") {
+            it.next()?.parse().ok()
+        } else {
+            None
+        }
+    })
+}
+
+/// True when a config-space header reads all-ones: the device is gone or its link is down.
+/// Only the first 64 bytes matter; a VF legitimately reads 0xffff as its vendor/device ids, so
+/// checking just the ids would misreport every VF.
+pub fn config_is_all_ones(header: &[u8]) -> bool {
+    let n = header.len().min(64);
+    n >= 16 && header[..n].iter().all(|&b| b == 0xff)
+}
+
+impl RawFunction {
+    /// Reads everything; a required attribute that cannot be read or parsed is an error (the
+    /// inventory then treats the function as broken, or gone if its directory vanished).
+    pub fn read(sysfs: &Sysfs, address: PciAddress) -> Result<RawFunction, SysfsError> {
+        let attr = |name: &str| sysfs.device_attr(address, name);
+        let hex_attr = |name: &str| -> Result<u32, SysfsError> {
+            let p = attr(name);
+            let t = sysfs.read_text(&p)?;
+            parse_hex(&p, &t)
+        };
+
+        let config_path = attr("config");
+        let header = sysfs.read_bytes(&config_path)?;
+        if header.len() < 64 {
+            return Err(SysfsError::Parse {
+                path: config_path,
+                value: format!("{} bytes", header.len()),
+                reason: "config space shorter than a 64-byte header".into(),
+            });
+        }
+        if config_is_all_ones(&header) {
+            return Err(SysfsError::ConfigAllOnes { path: config_path });
+        }
+
+        let vendor_id = narrow(&attr("vendor"), hex_attr("vendor")?)?;
+        let device_id = narrow(&attr("device"), hex_attr("device")?)?;
+        let subsystem_vendor_id = narrow(&attr("subsystem_vendor"), hex_attr("subsystem_vendor")?)?;
+        let subsystem_device_id = narrow(&attr("subsystem_device"), hex_attr("subsystem_device")?)?;
+        let class = ClassCode(hex_attr("class")? & 0xff_ffff);
+        let revision = narrow(&attr("revision"), hex_attr("revision")?)?;
+
+        let driver = sysfs.read_optional_link_name(&attr("driver"))?;
+        let driver_override = match sysfs.read_text(&attr("driver_override")) {
+            Ok(t) if t.is_empty() || t == "(null)" => None,
+            Ok(t) => Some(t),
+            Err(e) if e.is_not_found() => None,
+            Err(e) => return Err(e),
+        };
+        let numa_node = match sysfs.read_text(&attr("numa_node")) {
+            Ok(t) => {
+                let n: i32 = parse_dec(&attr("numa_node"), &t)?;
+                (n >= 0).then_some(n)
+            }
+            Err(e) if e.is_not_found() => None,
+            Err(e) => return Err(e),
+        };
+        let iommu_group = match sysfs.read_optional_link_name(&attr("iommu_group"))? {
+            Some(n) => Some(parse_dec(&attr("iommu_group"), &n)?),
+            None => None,
+        };
+
+        let sriov = match sysfs.read_text(&attr("sriov_totalvfs")) {
+            Ok(t) => Some(Self::read_sriov(sysfs, address, &t)?),
+            Err(e) if e.is_not_found() => None,
+            Err(e) => return Err(e),
+        };
+        let physfn = match sysfs.read_optional_link_name(&attr("physfn"))? {
+            Some(n) => {
+                Some(
+                    n.parse()
+                        .map_err(|e: crate::pci::AddressError| SysfsError::Parse {
+                            path: attr("physfn"),
+                            value: n.clone(),
+                            reason: e.to_string(),
+                        })?,
+                )
+            }
+            None => None,
+        };
+
+        let reset_methods = match sysfs.read_text(&attr("reset_method")) {
+            Ok(t) => t.split_whitespace().map(str::to_string).collect(),
+            // Absent (no reset possible, or an old kernel) or refused: not a health problem.
+            Err(_) => Vec::new(),
+        };
+        let aer = Self::read_aer(sysfs, address);
+
+        Ok(RawFunction {
+            address,
+            vendor_id,
+            device_id,
+            subsystem_vendor_id,
+            subsystem_device_id,
+            class,
+            revision,
+            driver,
+            driver_override,
+            numa_node,
+            iommu_group,
+            sriov,
+            physfn,
+            reset_methods,
+            aer,
+        })
+    }
+
+    fn read_sriov(
+        sysfs: &Sysfs,
+        address: PciAddress,
+        total_text: &str,
+    ) -> Result<SriovInfo, SysfsError> {
+        let attr = |name: &str| sysfs.device_attr(address, name);
+        let total_vfs = parse_dec(&attr("sriov_totalvfs"), total_text)?;
+        let num_vfs = {
+            let p = attr("sriov_numvfs");
+            parse_dec(&p, &sysfs.read_text(&p)?)?
+        };
+        let drivers_autoprobe = {
+            let p = attr("sriov_drivers_autoprobe");
+            match sysfs.read_text(&p) {
+                Ok(t) => parse_dec::<u8>(&p, &t)? != 0,
+                // Kernels before 4.12 lack the switch; VFs are then always probed.
+                Err(e) if e.is_not_found() => true,
+                Err(e) => return Err(e),
+            }
+        };
+        let vf_device_id = match sysfs.read_text(&attr("sriov_vf_device")) {
+            Ok(t) => Some(narrow(
+                &attr("sriov_vf_device"),
+                parse_hex(&attr("sriov_vf_device"), &t)?,
+            )?),
+            Err(_) => None,
+        };
+        let mut vfs = Vec::with_capacity(num_vfs as usize);
+        for n in 0..num_vfs {
+            let link = attr(&format!("virtfn{n}"));
+            match sysfs.read_optional_link_name(&link)? {
+                Some(name) => vfs.push(name.parse().map_err(|e: crate::pci::AddressError| {
+                    SysfsError::Parse {
+                        path: link.clone(),
+                        value: name.clone(),
+                        reason: e.to_string(),
+                    }
+                })?),
+                // VFs appear one by one while the kernel enables them; a missing link is
+                // normal mid-change and the next uevent brings it.
+                None => continue,
+            }
+        }
+        Ok(SriovInfo {
+            total_vfs,
+            num_vfs,
+            drivers_autoprobe,
+            vfs,
+            vf_device_id,
+        })
+    }
+
+    fn read_aer(sysfs: &Sysfs, address: PciAddress) -> Option<AerCounters> {
+        let total = |name: &str| -> Option<u64> {
+            let t = sysfs.read_text(&sysfs.device_attr(address, name)).ok()?;
+            parse_aer_total(&t)
+        };
+        let correctable = total("aer_dev_correctable");
+        let nonfatal = total("aer_dev_nonfatal");
+        let fatal = total("aer_dev_fatal");
+        if correctable.is_none() && nonfatal.is_none() && fatal.is_none() {
+            return None;
+        }
+        Some(AerCounters {
+            correctable: correctable.unwrap_or(0),
+            nonfatal: nonfatal.unwrap_or(0),
+            fatal: fatal.unwrap_or(0),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn aer_totals() {
+        let t = "RxErr 0\nBadTLP 2\nTOTAL_ERR_COR 5\n";
+        assert_eq!(parse_aer_total(t), Some(5));
+        assert_eq!(parse_aer_total("garbage"), None);
+    }
+
+    #[test]
+    fn all_ones_header() {
+        assert!(config_is_all_ones(&[0xff; 256]));
+        let mut vf = [0xffu8; 64];
+        vf[8] = 0x02; // a VF: ids read 0xffff but class/revision are real
+        assert!(!config_is_all_ones(&vf));
+        assert!(!config_is_all_ones(&[0xff; 4]));
+    }
+}

@@ -1,0 +1,329 @@
+//! The sysfs layer: every read and write of kernel state goes through here, and every path derives
+//! from one root (`sysfs_root` in the config), so tests and `--simulate` point it at a temporary
+//! tree backed by the simulated kernel.
+//!
+//! [`Backend`] is the narrow I/O seam: the real host uses [`HostFs`]; the simulated kernel
+//! implements the same trait and reacts to writes the way Linux does.
+
+mod function;
+pub mod hostuse;
+
+pub use function::{AerCounters, RawFunction, SriovInfo};
+
+use crate::pci::PciAddress;
+use std::ffi::OsString;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// File-level access to a sysfs-like tree. Paths are absolute (already joined to the root).
+pub trait Backend: Send + Sync + 'static {
+    fn read(&self, path: &Path) -> io::Result<Vec<u8>>;
+    fn write(&self, path: &Path, data: &[u8]) -> io::Result<()>;
+    fn read_link(&self, path: &Path) -> io::Result<PathBuf>;
+    fn read_dir(&self, path: &Path) -> io::Result<Vec<OsString>>;
+    /// Resolves symlinks; used to find a block device's or interface's PCI ancestors.
+    fn canonicalize(&self, path: &Path) -> io::Result<PathBuf>;
+}
+
+/// The real filesystem.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct HostFs;
+
+impl Backend for HostFs {
+    fn read(&self, path: &Path) -> io::Result<Vec<u8>> {
+        std::fs::read(path)
+    }
+    fn write(&self, path: &Path, data: &[u8]) -> io::Result<()> {
+        use std::io::Write;
+        // sysfs attributes must be written in one write(2) to an existing file: no create,
+        // no truncate, so the kernel sees exactly one store() call.
+        let mut f = std::fs::OpenOptions::new().write(true).open(path)?;
+        f.write_all(data)
+    }
+    fn read_link(&self, path: &Path) -> io::Result<PathBuf> {
+        std::fs::read_link(path)
+    }
+    fn read_dir(&self, path: &Path) -> io::Result<Vec<OsString>> {
+        std::fs::read_dir(path)?
+            .map(|e| e.map(|e| e.file_name()))
+            .collect()
+    }
+    fn canonicalize(&self, path: &Path) -> io::Result<PathBuf> {
+        std::fs::canonicalize(path)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SysfsError {
+    #[error("cannot read {path}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("unexpected content in {path}: {value:?} ({reason})")]
+    Parse {
+        path: PathBuf,
+        value: String,
+        reason: String,
+    },
+    #[error("writing {value:?} to {path} failed")]
+    Write {
+        path: PathBuf,
+        value: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("writing {value:?} to {path} did not finish within {timeout:?}")]
+    WriteTimeout {
+        path: PathBuf,
+        value: String,
+        timeout: Duration,
+    },
+    #[error("{path}: config space reads all-ones (device gone or link down)")]
+    ConfigAllOnes { path: PathBuf },
+}
+
+impl SysfsError {
+    /// The OS error number behind a failed read or write, for errors the caller reports as
+    /// "errno and path".
+    pub fn errno(&self) -> Option<i32> {
+        match self {
+            SysfsError::Read { source, .. } | SysfsError::Write { source, .. } => {
+                source.raw_os_error()
+            }
+            _ => None,
+        }
+    }
+
+    /// True when the thing read does not exist (device removed between listing and reading).
+    pub fn is_not_found(&self) -> bool {
+        matches!(self, SysfsError::Read { source, .. } if source.kind() == io::ErrorKind::NotFound)
+    }
+}
+
+/// Default bound for a sysfs write. An unbind can block while a driver holds the device; the
+/// daemon must report that, not freeze.
+pub const DEFAULT_WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Handle on one sysfs tree. Cheap to clone.
+#[derive(Clone)]
+pub struct Sysfs {
+    root: PathBuf,
+    backend: Arc<dyn Backend>,
+    write_timeout: Duration,
+}
+
+impl std::fmt::Debug for Sysfs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sysfs").field("root", &self.root).finish()
+    }
+}
+
+impl Sysfs {
+    pub fn new(root: impl Into<PathBuf>, backend: Arc<dyn Backend>) -> Self {
+        Sysfs {
+            root: root.into(),
+            backend,
+            write_timeout: DEFAULT_WRITE_TIMEOUT,
+        }
+    }
+
+    /// The real kernel under `root` (normally `/`).
+    pub fn host(root: impl Into<PathBuf>) -> Self {
+        Sysfs::new(root, Arc::new(HostFs))
+    }
+
+    pub fn with_write_timeout(mut self, timeout: Duration) -> Self {
+        self.write_timeout = timeout;
+        self
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.backend
+    }
+
+    /// `<root>/<rel>`; `rel` is relative, e.g. `sys/bus/pci`.
+    pub fn path(&self, rel: impl AsRef<Path>) -> PathBuf {
+        self.root.join(rel)
+    }
+
+    pub fn pci_bus_dir(&self) -> PathBuf {
+        self.path("sys/bus/pci")
+    }
+
+    pub fn pci_devices_dir(&self) -> PathBuf {
+        self.path("sys/bus/pci/devices")
+    }
+
+    pub fn device_dir(&self, address: PciAddress) -> PathBuf {
+        self.pci_devices_dir().join(address.to_string())
+    }
+
+    pub fn device_attr(&self, address: PciAddress, attr: &str) -> PathBuf {
+        self.device_dir(address).join(attr)
+    }
+
+    pub fn driver_dir(&self, driver: &str) -> PathBuf {
+        self.pci_bus_dir().join("drivers").join(driver)
+    }
+
+    pub fn iommu_group_dir(&self, group: u32) -> PathBuf {
+        self.path("sys/kernel/iommu_groups").join(group.to_string())
+    }
+
+    /// Every PCI function the kernel lists, sorted by address. Entries that are not PCI
+    /// addresses are skipped: they are not ours to interpret.
+    pub fn list_functions(&self) -> Result<Vec<PciAddress>, SysfsError> {
+        let dir = self.pci_devices_dir();
+        let names = self
+            .backend
+            .read_dir(&dir)
+            .map_err(|source| SysfsError::Read { path: dir, source })?;
+        let mut out: Vec<PciAddress> = names
+            .iter()
+            .filter_map(|n| n.to_str()?.parse().ok())
+            .collect();
+        out.sort();
+        Ok(out)
+    }
+
+    /// Members of an IOMMU group, sorted.
+    pub fn iommu_group_members(&self, group: u32) -> Result<Vec<PciAddress>, SysfsError> {
+        let dir = self.iommu_group_dir(group).join("devices");
+        let names = self
+            .backend
+            .read_dir(&dir)
+            .map_err(|source| SysfsError::Read { path: dir, source })?;
+        let mut out: Vec<PciAddress> = names
+            .iter()
+            .filter_map(|n| n.to_str()?.parse().ok())
+            .collect();
+        out.sort();
+        Ok(out)
+    }
+
+    pub(crate) fn read_bytes(&self, path: &Path) -> Result<Vec<u8>, SysfsError> {
+        self.backend.read(path).map_err(|source| SysfsError::Read {
+            path: path.to_path_buf(),
+            source,
+        })
+    }
+
+    /// A text attribute, trimmed.
+    pub fn read_text(&self, path: &Path) -> Result<String, SysfsError> {
+        let bytes = self.read_bytes(path)?;
+        String::from_utf8(bytes)
+            .map(|s| s.trim().to_string())
+            .map_err(|e| SysfsError::Parse {
+                path: path.to_path_buf(),
+                value: String::from_utf8_lossy(e.as_bytes()).into_owned(),
+                reason: "not UTF-8".into(),
+            })
+    }
+
+    /// The last path element a symlink points to (`driver` -> `nvme`, `iommu_group` -> `12`).
+    pub fn read_link_name(&self, path: &Path) -> Result<String, SysfsError> {
+        let target = self
+            .backend
+            .read_link(path)
+            .map_err(|source| SysfsError::Read {
+                path: path.to_path_buf(),
+                source,
+            })?;
+        target
+            .file_name()
+            .and_then(|n| n.to_str())
+            .map(str::to_string)
+            .ok_or_else(|| SysfsError::Parse {
+                path: path.to_path_buf(),
+                value: target.display().to_string(),
+                reason: "link has no final name".into(),
+            })
+    }
+
+    /// Like [`Sysfs::read_link_name`] but absent links are `None` (no driver, no IOMMU).
+    pub fn read_optional_link_name(&self, path: &Path) -> Result<Option<String>, SysfsError> {
+        match self.read_link_name(path) {
+            Ok(n) => Ok(Some(n)),
+            Err(e) if e.is_not_found() => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Write one attribute, bounded by the write timeout. The write runs on its own thread
+    /// because a blocked sysfs store cannot be interrupted; on timeout the thread is left to
+    /// finish on its own and the caller gets [`SysfsError::WriteTimeout`].
+    pub fn write(&self, path: &Path, value: &str) -> Result<(), SysfsError> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let backend = Arc::clone(&self.backend);
+        let p = path.to_path_buf();
+        let data = value.as_bytes().to_vec();
+        std::thread::Builder::new()
+            .name("sysfs-write".into())
+            .spawn(move || {
+                let _ = tx.send(backend.write(&p, &data));
+            })
+            .map_err(|source| SysfsError::Write {
+                path: path.to_path_buf(),
+                value: value.to_string(),
+                source,
+            })?;
+        match rx.recv_timeout(self.write_timeout) {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(source)) => Err(SysfsError::Write {
+                path: path.to_path_buf(),
+                value: value.to_string(),
+                source,
+            }),
+            Err(_) => Err(SysfsError::WriteTimeout {
+                path: path.to_path_buf(),
+                value: value.to_string(),
+                timeout: self.write_timeout,
+            }),
+        }
+    }
+
+    pub fn write_device_attr(
+        &self,
+        address: PciAddress,
+        attr: &str,
+        value: &str,
+    ) -> Result<(), SysfsError> {
+        self.write(&self.device_attr(address, attr), value)
+    }
+
+    /// Everything the kernel shows about one function; see [`RawFunction::read`].
+    pub fn read_function(&self, address: PciAddress) -> Result<RawFunction, SysfsError> {
+        RawFunction::read(self, address)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_derive_from_the_root() {
+        let s = Sysfs::host("/tmp/x");
+        let a: PciAddress = "0000:3b:00.1".parse().unwrap();
+        assert_eq!(
+            s.device_attr(a, "sriov_numvfs"),
+            PathBuf::from("/tmp/x/sys/bus/pci/devices/0000:3b:00.1/sriov_numvfs")
+        );
+        assert_eq!(
+            s.driver_dir("vfio-pci"),
+            PathBuf::from("/tmp/x/sys/bus/pci/drivers/vfio-pci")
+        );
+        assert_eq!(
+            s.iommu_group_dir(7),
+            PathBuf::from("/tmp/x/sys/kernel/iommu_groups/7")
+        );
+    }
+}

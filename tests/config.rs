@@ -1,0 +1,209 @@
+//! Loading configuration files from disk: the malformed files under `tests/data/config/bad`, the
+//! shipped default, drop-ins, and the examples in `docs/config.md`.
+//!
+//! Each file in `bad/` starts with two comment lines:
+//! `# expect: <substring of the error>` and `# at: <line>:<column>` (1-based, characters).
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use vfiod::config::{ConfigError, Scenario, Settings};
+
+fn repo_path(relative: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(relative)
+}
+
+/// The value of `# <name>: <value>` on line `index` of a test file.
+fn header<'a>(path: &Path, text: &'a str, index: usize, name: &str) -> &'a str {
+    let prefix = format!("# {name}: ");
+    text.lines()
+        .nth(index)
+        .and_then(|line| line.strip_prefix(prefix.as_str()))
+        .unwrap_or_else(|| {
+            panic!(
+                "{}: line {} must be `{prefix}...`",
+                path.display(),
+                index + 1
+            )
+        })
+}
+
+#[test]
+fn malformed_files_are_rejected_with_file_line_and_reason() {
+    let dir = repo_path("tests/data/config/bad");
+    let mut paths: Vec<PathBuf> = fs::read_dir(&dir)
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .filter(|path| path.extension().is_some_and(|ext| ext == "toml"))
+        .collect();
+    paths.sort();
+    assert!(
+        paths.len() >= 12,
+        "only {} bad files in {}",
+        paths.len(),
+        dir.display()
+    );
+
+    for path in &paths {
+        let text = fs::read_to_string(path).unwrap();
+        let expect = header(path, &text, 0, "expect");
+        let at = header(path, &text, 1, "at");
+        let (line, column) = at
+            .split_once(':')
+            .map(|(l, c)| (l.parse::<usize>().unwrap(), c.parse::<usize>().unwrap()))
+            .unwrap_or_else(|| panic!("{}: bad `# at:` {at:?}", path.display()));
+
+        // Through `load`, as the daemon reads it, and as a drop-in after a valid main file.
+        let err = Settings::load(path, None, true).expect_err(&path.display().to_string());
+        let message = err.to_string();
+        let prefix = format!("{}:{line}:{column}: ", path.display());
+        assert!(
+            message.starts_with(&prefix),
+            "{message}\n  does not start with {prefix:?}"
+        );
+        assert!(
+            message.contains(expect),
+            "{message}\n  does not contain {expect:?}"
+        );
+        match err {
+            ConfigError::Invalid {
+                file,
+                line: l,
+                column: c,
+                ..
+            } => {
+                assert_eq!((file.as_path(), l, c), (path.as_path(), line, column));
+            }
+            other => panic!("{}: expected Invalid, got {other:?}", path.display()),
+        }
+    }
+}
+
+#[test]
+fn bad_dropin_after_good_main_is_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let main = tmp.path().join("vfiod.toml");
+    fs::write(
+        &main,
+        "scenario = \"public\"\n[[select]]\nid = \"8086:4940\"\n",
+    )
+    .unwrap();
+    let dropins = tmp.path().join("conf.d");
+    fs::create_dir(&dropins).unwrap();
+    fs::write(dropins.join("10-good.toml"), "poll_interval = 60\n").unwrap();
+    let bad = dropins.join("20-bad.toml");
+    fs::write(
+        &bad,
+        "# a typo on line 3\n\n[[protect]]\nadress = \"0000:00:1f.6\"\n",
+    )
+    .unwrap();
+    fs::write(dropins.join("30-later.toml"), "poll_interval = 90\n").unwrap();
+
+    let err = Settings::load(&main, Some(&dropins), true).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "{}:4:1: [[protect]] #1: unknown field `adress`, expected one of `address`, `id`, `class`",
+            bad.display()
+        )
+    );
+
+    // The same directory without the bad file loads, with every source recorded in order.
+    fs::remove_file(&bad).unwrap();
+    let settings = Settings::load(&main, Some(&dropins), true).unwrap();
+    assert_eq!(settings.poll_interval, Duration::from_secs(90));
+    assert_eq!(settings.scenario, Scenario::Public);
+    assert_eq!(
+        settings.sources,
+        [
+            main,
+            dropins.join("10-good.toml"),
+            dropins.join("30-later.toml")
+        ]
+    );
+}
+
+#[test]
+fn shipped_default_file_loads_to_the_defaults() {
+    let path = repo_path("conf/vfiod.toml");
+    let settings = Settings::load(&path, None, true).unwrap();
+    assert_eq!(settings.sources, [path]);
+    assert_eq!(
+        Settings {
+            sources: Vec::new(),
+            ..settings
+        },
+        Settings::default()
+    );
+}
+
+#[test]
+fn shipped_default_sets_every_key_and_its_examples_are_valid() {
+    let text = fs::read_to_string(repo_path("conf/vfiod.toml")).unwrap();
+    for key in ["scenario", "poll_interval", "state_dir", "sysfs_root"] {
+        let set = text
+            .lines()
+            .any(|line| line.starts_with(&format!("{key} = ")));
+        assert!(set, "conf/vfiod.toml does not set `{key}`");
+    }
+    // Uncommenting the examples must give a valid file: they are what operators copy.
+    let is_example = |line: &str| {
+        line.starts_with("[[")
+            || line.split_once(" = ").is_some_and(|(key, _)| {
+                !key.is_empty() && key.chars().all(|c| c.is_ascii_lowercase() || c == '_')
+            })
+    };
+    let uncommented: String = text
+        .lines()
+        .map(|line| {
+            line.strip_prefix("# ")
+                .filter(|l| is_example(l))
+                .unwrap_or(line)
+        })
+        .map(|line| format!("{line}\n"))
+        .collect();
+    let settings = Settings::from_toml_str(&uncommented, Path::new("uncommented.toml")).unwrap();
+    assert_eq!(settings.select.len(), 2, "{uncommented}");
+    assert_eq!(settings.protect.len(), 1, "{uncommented}");
+}
+
+#[test]
+fn non_utf8_file_is_rejected_at_the_first_bad_byte() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("latin1.toml");
+    // "façade" in Latin-1 on line 2: 0xe7 is not valid UTF-8 on its own.
+    fs::write(&path, b"scenario = \"public\"\n# fa\xe7ade\n").unwrap();
+    let err = Settings::load(&path, None, true).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        format!("{}:2:5: file is not valid UTF-8", path.display())
+    );
+}
+
+#[test]
+fn every_toml_example_in_the_docs_loads() {
+    let docs = fs::read_to_string(repo_path("docs/config.md")).unwrap();
+    let mut blocks = Vec::new();
+    let mut current: Option<String> = None;
+    for line in docs.lines() {
+        match (&mut current, line.trim_end()) {
+            (None, "```toml") => current = Some(String::new()),
+            (Some(block), "```") => {
+                blocks.push(std::mem::take(block));
+                current = None;
+            }
+            (Some(block), _) => {
+                block.push_str(line);
+                block.push('\n');
+            }
+            (None, _) => {}
+        }
+    }
+    assert!(!blocks.is_empty(), "no ```toml blocks in docs/config.md");
+    for (index, block) in blocks.iter().enumerate() {
+        let origin = PathBuf::from(format!("docs/config.md block {}", index + 1));
+        if let Err(err) = Settings::from_toml_str(block, &origin) {
+            panic!("{err}\n{block}");
+        }
+    }
+}
