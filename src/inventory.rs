@@ -29,9 +29,22 @@ pub fn kind_from_class(class: ClassCode) -> Kind {
 /// Names from the pci.ids database compiled into the binary; empty when unknown.
 pub fn names(vendor: u16, device: u16) -> (String, String) {
     use pci_ids::FromId;
+    // The database's device lookup is a linear walk of the vendor's list; a split host asks
+    // for the same VF ids hundreds of times per pass.
+    static CACHE: std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<(u16, u16), (String, String)>>> =
+        std::sync::OnceLock::new();
+    let cache = CACHE.get_or_init(Default::default);
+    if let Some(hit) = cache.lock().unwrap_or_else(|p| p.into_inner()).get(&(vendor, device)) {
+        return hit.clone();
+    }
     let v = pci_ids::Vendor::from_id(vendor).map(|v| v.name().to_string());
     let d = pci_ids::Device::from_vid_pid(vendor, device).map(|d| d.name().to_string());
-    (v.unwrap_or_default(), d.unwrap_or_default())
+    let found = (v.unwrap_or_default(), d.unwrap_or_default());
+    cache
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert((vendor, device), found.clone());
+    found
 }
 
 /// Why the host or the operator forbids touching a function; `None` = not protected.
@@ -137,10 +150,7 @@ pub fn scan(
 ) -> Result<Vec<Device>, SysfsError> {
     let addresses = sysfs.list_functions()?;
     let host_use = hostuse::detect(sysfs);
-    let mut raws: BTreeMap<PciAddress, Result<RawFunction, SysfsError>> = BTreeMap::new();
-    for a in &addresses {
-        raws.insert(*a, sysfs.read_function(*a));
-    }
+    let raws = read_all(sysfs, &addresses);
 
     // Direct protection: host use, then the config's protect list.
     let mut protected: BTreeMap<PciAddress, String> = BTreeMap::new();
@@ -200,6 +210,26 @@ pub fn scan(
         }
     }
     Ok(out)
+}
+
+/// Reads every function, spread over a few threads: a pass is thousands of small sysfs reads
+/// that each wait on the kernel, and a big host has over a thousand functions.
+fn read_all(sysfs: &Sysfs, addresses: &[PciAddress]) -> BTreeMap<PciAddress, Result<RawFunction, SysfsError>> {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 4);
+    if threads == 1 || addresses.len() < 64 {
+        return addresses.iter().map(|a| (*a, sysfs.read_function(*a))).collect();
+    }
+    let chunk = addresses.len().div_ceil(threads);
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = addresses
+            .chunks(chunk)
+            .map(|part| scope.spawn(move || part.iter().map(|a| (*a, sysfs.read_function(*a))).collect::<Vec<_>>()))
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().expect("sysfs reader thread panicked"))
+            .collect()
+    })
 }
 
 /// What changed between two passes, as store changes plus an event for each (never silent).

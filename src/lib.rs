@@ -25,3 +25,4 @@ pub mod client;
 pub mod daemon; // the engine and the loop that keeps the store in step with the kernel
 pub mod dbus; // the D-Bus API: objects, named errors, polkit
 pub mod private_bus; // a private dbus-daemon, for --simulate and tests // D-Bus client side: proxies, the JSON device view, vfioctl tables
+pub mod server; // assembles store, engine, D-Bus service and loop into a running daemon

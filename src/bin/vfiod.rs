@@ -3,13 +3,12 @@
 use clap::Parser;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::Arc;
 use vfiod::config::{self, Settings};
-use vfiod::daemon::{ConfigSource, Engine, Service};
-use vfiod::dbus::{self, auth::Authorizer, BusTarget};
+use vfiod::daemon::ConfigSource;
+use vfiod::server::{Options, Server};
+use vfiod::dbus::{auth::Authorizer, BusTarget};
 use vfiod::private_bus::PrivateBus;
 use vfiod::simkernel::{HostModel, SimKernel};
-use vfiod::store::Store;
 use vfiod::sysfs::Sysfs;
 use vfiod::{error_chain, uevent};
 
@@ -167,70 +166,33 @@ async fn serve(
     simulated: bool,
     on_ready: Option<ReadyHook>,
 ) -> Result<ExitCode, String> {
-    tracing::info!(
-        "vfiod {} starting: config from [{}], scenario {}, sysfs root {}, state in {}",
-        env!("CARGO_PKG_VERSION"),
-        settings
-            .sources
-            .iter()
-            .map(|p| p.display().to_string())
-            .collect::<Vec<_>>()
-            .join(", "),
-        settings.scenario.as_str(),
-        settings.sysfs_root.display(),
-        settings.state_dir.display()
-    );
-    let store = Arc::new(Store::open(&settings.state_dir).map_err(|e| error_chain(&e))?);
-    let engine = Arc::new(Engine::new(settings, source, sysfs, store));
-    // The first pass commits before the name is taken: when clients can see vfiod, they see
-    // the whole inventory.
-    {
-        let e = Arc::clone(&engine);
-        let pass = tokio::task::spawn_blocking(move || e.refresh())
-            .await
-            .map_err(|e| e.to_string())?
-            .map_err(|e| error_chain(&e))?;
-        let c = engine.counts().map_err(|e| error_chain(&e))?;
-        tracing::info!(
-            "inventory: {} functions ({} usable, {} protected, {} broken), {} change(s) since last run",
-            c.total, c.usable, c.protected, c.broken, pass.changes.len()
-        );
-    }
-    let (conn, service) = dbus::serve(
-        &bus,
-        |p| Arc::new(Service::new(Arc::clone(&engine), p)),
+    let server = Server::start(Options {
+        settings,
+        source,
+        sysfs,
+        events,
+        bus,
         authorizer,
         simulated,
-    )
+    })
     .await
     .map_err(|e| error_chain(&e))?;
-    tracing::info!("serving {} on {:?}", dbus::BUS_NAME, bus);
-    let mut child = match on_ready {
-        Some(f) => f()?,
-        None => None,
+    let child = match on_ready {
+        Some(f) => f(),
+        None => Ok(None),
     };
-    let svc = Arc::clone(&service);
-    let loop_task = async move {
-        match child.as_mut() {
-            Some(c) => {
-                let status = c.wait().await;
-                status.ok().and_then(|s| s.code()).unwrap_or(1)
-            }
-            None => {
-                shutdown_signal().await;
-                0
-            }
+    let code = match child {
+        Ok(Some(mut c)) => c.wait().await.ok().and_then(|s| s.code()).unwrap_or(1),
+        Ok(None) => {
+            shutdown_signal().await;
+            0
+        }
+        Err(e) => {
+            eprintln!("vfiod: {e}");
+            127
         }
     };
-    let (code_tx, code_rx) = tokio::sync::oneshot::channel();
-    let stopper = async move {
-        let code = loop_task.await;
-        let _ = code_tx.send(code);
-    };
-    svc.run(events, stopper).await;
-    drop(conn);
-    tracing::info!("vfiod stopped");
-    let code = code_rx.await.unwrap_or(0);
+    server.stop().await;
     Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)))
 }
 

@@ -23,6 +23,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsString;
 use std::io;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -98,6 +99,8 @@ pub struct SimKernel {
     state: Mutex<State>,
     hang_gate: (Mutex<u64>, Condvar),
     subscribers: Mutex<Vec<mpsc::UnboundedSender<Uevent>>>,
+    /// Fast path for reads: most of the time no read fault is armed.
+    read_faults_armed: AtomicBool,
 }
 
 impl std::fmt::Debug for SimKernel {
@@ -123,6 +126,7 @@ impl SimKernel {
             state: Mutex::new(State::default()),
             hang_gate: (Mutex::new(0), Condvar::new()),
             subscribers: Mutex::new(Vec::new()),
+            read_faults_armed: AtomicBool::new(false),
         };
         {
             let mut st = k.lock();
@@ -218,6 +222,7 @@ impl SimKernel {
             .join(address.to_string())
             .join(attr);
         self.lock().read_faults.insert(path, errno);
+        self.read_faults_armed.store(true, Ordering::SeqCst);
     }
 
     pub fn make_readable(&self, address: PciAddress, attr: &str) {
@@ -814,8 +819,10 @@ enum WriteTarget {
 
 impl Backend for SimKernel {
     fn read(&self, path: &Path) -> io::Result<Vec<u8>> {
-        if let Some(errno) = self.lock().read_faults.get(path) {
-            return Err(err(*errno));
+        if self.read_faults_armed.load(Ordering::SeqCst) {
+            if let Some(errno) = self.lock().read_faults.get(path) {
+                return Err(err(*errno));
+            }
         }
         std::fs::read(path)
     }
@@ -845,8 +852,10 @@ impl Backend for SimKernel {
     }
 
     fn read_link(&self, path: &Path) -> io::Result<PathBuf> {
-        if let Some(errno) = self.lock().read_faults.get(path) {
-            return Err(err(*errno));
+        if self.read_faults_armed.load(Ordering::SeqCst) {
+            if let Some(errno) = self.lock().read_faults.get(path) {
+                return Err(err(*errno));
+            }
         }
         std::fs::read_link(path)
     }

@@ -42,6 +42,12 @@ pub struct RawFunction {
     pub sriov: Option<SriovInfo>,
     /// For a VF: its PF (`physfn`).
     pub physfn: Option<PciAddress>,
+}
+
+/// Health details that the inventory does not need on every pass: how the function can be
+/// reset and its AER counters.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Health {
     pub reset_methods: Vec<String>,
     pub aer: Option<AerCounters>,
 }
@@ -119,14 +125,47 @@ impl RawFunction {
             return Err(SysfsError::ConfigAllOnes { path: config_path });
         }
 
-        let vendor_id = narrow(&attr("vendor"), hex_attr("vendor")?)?;
-        let device_id = narrow(&attr("device"), hex_attr("device")?)?;
-        let subsystem_vendor_id = narrow(&attr("subsystem_vendor"), hex_attr("subsystem_vendor")?)?;
-        let subsystem_device_id = narrow(&attr("subsystem_device"), hex_attr("subsystem_device")?)?;
-        let class = ClassCode(hex_attr("class")? & 0xff_ffff);
-        let revision = narrow(&attr("revision"), hex_attr("revision")?)?;
-
-        let driver = sysfs.read_optional_link_name(&attr("driver"))?;
+        // One read of `uevent` gives the kernel's own view of vendor, device, class,
+        // subsystem ids and driver (the same values as the separate attributes, VF ids and
+        // class quirks included); a pass is thousands of such reads, so this matters. The
+        // separate attributes remain the fallback for anything missing there.
+        let uevent_path = attr("uevent");
+        let uevent = sysfs.read_text(&uevent_path)?;
+        let keys: std::collections::HashMap<&str, &str> =
+            uevent.lines().filter_map(|l| l.split_once('=')).collect();
+        let id_pair = |key: &str| -> Result<Option<(u16, u16)>, SysfsError> {
+            let Some(v) = keys.get(key) else { return Ok(None) };
+            let bad = || SysfsError::Parse {
+                path: uevent_path.clone(),
+                value: format!("{key}={v}"),
+                reason: "expected VVVV:DDDD".into(),
+            };
+            let (a, b) = v.split_once(':').ok_or_else(bad)?;
+            let a = u16::from_str_radix(a, 16).map_err(|_| bad())?;
+            let b = u16::from_str_radix(b, 16).map_err(|_| bad())?;
+            Ok(Some((a, b)))
+        };
+        let (vendor_id, device_id) = match id_pair("PCI_ID")? {
+            Some(p) => p,
+            None => (
+                narrow(&attr("vendor"), hex_attr("vendor")?)?,
+                narrow(&attr("device"), hex_attr("device")?)?,
+            ),
+        };
+        let class = match keys.get("PCI_CLASS") {
+            Some(c) => ClassCode(parse_hex(&uevent_path, c)? & 0xff_ffff),
+            None => ClassCode(hex_attr("class")? & 0xff_ffff),
+        };
+        // The header was read anyway (for the all-ones check): take the revision from it.
+        let revision = header[8];
+        let (subsystem_vendor_id, subsystem_device_id) = match id_pair("PCI_SUBSYS_ID")? {
+            Some(p) => p,
+            None => (
+                narrow(&attr("subsystem_vendor"), hex_attr("subsystem_vendor")?)?,
+                narrow(&attr("subsystem_device"), hex_attr("subsystem_device")?)?,
+            ),
+        };
+        let driver = keys.get("DRIVER").map(|d| d.to_string());
         let driver_override = match sysfs.read_text(&attr("driver_override")) {
             Ok(t) if t.is_empty() || t == "(null)" => None,
             Ok(t) => Some(t),
@@ -146,11 +185,6 @@ impl RawFunction {
             None => None,
         };
 
-        let sriov = match sysfs.read_text(&attr("sriov_totalvfs")) {
-            Ok(t) => Some(Self::read_sriov(sysfs, address, &t)?),
-            Err(e) if e.is_not_found() => None,
-            Err(e) => return Err(e),
-        };
         let physfn = match sysfs.read_optional_link_name(&attr("physfn"))? {
             Some(n) => {
                 Some(
@@ -164,13 +198,14 @@ impl RawFunction {
             }
             None => None,
         };
-
-        let reset_methods = match sysfs.read_text(&attr("reset_method")) {
-            Ok(t) => t.split_whitespace().map(str::to_string).collect(),
-            // Absent (no reset possible, or an old kernel) or refused: not a health problem.
-            Err(_) => Vec::new(),
+        // A VF cannot itself be SR-IOV capable: skip the lookup (most functions on a split
+        // host are VFs).
+        let sriov = match sysfs.read_text(&attr("sriov_totalvfs")) {
+            _ if physfn.is_some() => None,
+            Ok(t) => Some(Self::read_sriov(sysfs, address, &t)?),
+            Err(e) if e.is_not_found() => None,
+            Err(e) => return Err(e),
         };
-        let aer = Self::read_aer(sysfs, address);
 
         Ok(RawFunction {
             address,
@@ -186,8 +221,6 @@ impl RawFunction {
             iommu_group,
             sriov,
             physfn,
-            reset_methods,
-            aer,
         })
     }
 
@@ -241,6 +274,19 @@ impl RawFunction {
             vfs,
             vf_device_id,
         })
+    }
+
+    /// Reset methods and AER counters; absent attributes are simply empty (no reset possible,
+    /// an old kernel, no AER capability), never an error.
+    pub fn read_health(sysfs: &Sysfs, address: PciAddress) -> Health {
+        let reset_methods = sysfs
+            .read_text(&sysfs.device_attr(address, "reset_method"))
+            .map(|t| t.split_whitespace().map(str::to_string).collect())
+            .unwrap_or_default();
+        Health {
+            reset_methods,
+            aer: Self::read_aer(sysfs, address),
+        }
     }
 
     fn read_aer(sysfs: &Sysfs, address: PciAddress) -> Option<AerCounters> {

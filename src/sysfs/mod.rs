@@ -8,7 +8,7 @@
 mod function;
 pub mod hostuse;
 
-pub use function::{AerCounters, RawFunction, SriovInfo};
+pub use function::{config_is_all_ones, AerCounters, Health, RawFunction, SriovInfo};
 
 use crate::pci::PciAddress;
 use std::ffi::OsString;
