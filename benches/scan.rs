@@ -23,7 +23,10 @@ fn main() {
     let settings = Settings::default();
     let functions = sysfs.list_functions().expect("list").len();
     let pci_path = format!("sysfs.path={}", kernel.root().join("sys/bus/pci").display());
-    let rounds: usize = std::env::var("VFIOD_BENCH_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(21);
+    let rounds: usize = std::env::var("VFIOD_BENCH_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(21);
 
     let lspci = |out: &mut Vec<Duration>| {
         let t = Instant::now();
@@ -32,8 +35,15 @@ fn main() {
             .output()
             .expect("run lspci (install pciutils)");
         out.push(t.elapsed());
-        assert!(o.status.success(), "lspci failed: {}", String::from_utf8_lossy(&o.stderr));
-        let lines = String::from_utf8_lossy(&o.stdout).lines().filter(|l| !l.starts_with('\t')).count();
+        assert!(
+            o.status.success(),
+            "lspci failed: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let lines = String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .filter(|l| !l.starts_with('\t'))
+            .count();
         assert_eq!(lines, functions, "lspci saw a different tree");
     };
     let scan = |out: &mut Vec<Duration>| {
@@ -53,7 +63,16 @@ fn main() {
     }
     let (l, v) = (median(a), median(b));
     println!("simulated host: {functions} PCI functions, {rounds} rounds, medians");
-    println!("lspci -A linux-sysfs -nnk -D : {:>8.2} ms", l.as_secs_f64() * 1e3);
-    println!("vfiod inventory scan         : {:>8.2} ms", v.as_secs_f64() * 1e3);
-    println!("ratio vfiod/lspci            : {:>8.3} (target <= 0.5)", v.as_secs_f64() / l.as_secs_f64());
+    println!(
+        "lspci -A linux-sysfs -nnk -D : {:>8.2} ms",
+        l.as_secs_f64() * 1e3
+    );
+    println!(
+        "vfiod inventory scan         : {:>8.2} ms",
+        v.as_secs_f64() * 1e3
+    );
+    println!(
+        "ratio vfiod/lspci            : {:>8.3} (target <= 0.5)",
+        v.as_secs_f64() / l.as_secs_f64()
+    );
 }

@@ -75,8 +75,10 @@ pub enum ClientError {
     Connect(#[source] zbus::Error),
     #[error("vfiod is not running on this bus (no owner for {BUS_NAME})")]
     NotRunning,
+    // The zbus error already names the D-Bus error and its message; no #[source], so a
+    // printed chain does not repeat it.
     #[error("{0}")]
-    Call(#[source] zbus::Error),
+    Call(zbus::Error),
     #[error("device object {path} lacks property {property} or has the wrong type")]
     BadProperty { path: String, property: String },
 }
@@ -89,16 +91,34 @@ impl From<zbus::fdo::Error> for ClientError {
 
 impl From<zbus::Error> for ClientError {
     fn from(e: zbus::Error) -> Self {
+        let unknown = |n: &str| {
+            n == "org.freedesktop.DBus.Error.ServiceUnknown"
+                || n == "org.freedesktop.DBus.Error.NameHasNoOwner"
+        };
         match &e {
-            zbus::Error::MethodError(name, _, _)
-                if name.as_str() == "org.freedesktop.DBus.Error.ServiceUnknown"
-                    || name.as_str() == "org.freedesktop.DBus.Error.NameHasNoOwner" =>
+            zbus::Error::MethodError(name, _, _) if unknown(name.as_str()) => {
+                ClientError::NotRunning
+            }
+            zbus::Error::FDO(f)
+                if matches!(
+                    **f,
+                    zbus::fdo::Error::ServiceUnknown(_) | zbus::fdo::Error::NameHasNoOwner(_)
+                ) =>
             {
                 ClientError::NotRunning
             }
             _ => ClientError::Call(e),
         }
     }
+}
+
+/// A manager proxy that reads properties on each access: vfioctl and tests want the daemon's
+/// current values, not a cache that a signal may not have refreshed yet.
+pub async fn manager(conn: &Connection) -> Result<ManagerProxy<'static>, ClientError> {
+    Ok(ManagerProxy::builder(conn)
+        .cache_properties(zbus::proxy::CacheProperties::No)
+        .build()
+        .await?)
 }
 
 pub async fn connect(bus: &BusTarget) -> Result<Connection, ClientError> {
@@ -180,7 +200,7 @@ pub async fn list_devices(conn: &Connection) -> Result<Vec<DeviceView>, ClientEr
 
 /// One device by address (NoSuchDevice comes back as the daemon's named error).
 pub async fn show_device(conn: &Connection, address: &str) -> Result<DeviceView, ClientError> {
-    let manager = ManagerProxy::new(conn).await?;
+    let manager = manager(conn).await?;
     let path = manager.get_device(address).await?;
     let props = zbus::fdo::PropertiesProxy::builder(conn)
         .destination(BUS_NAME)
@@ -188,11 +208,7 @@ pub async fn show_device(conn: &Connection, address: &str) -> Result<DeviceView,
         .build()
         .await?;
     let all = props
-        .get_all(
-            crate::dbus::device::INTERFACE
-                .try_into()
-                .map_err(zbus::Error::from)?,
-        )
+        .get_all(crate::dbus::device::INTERFACE.try_into()?)
         .await?;
     view_from_properties(path.as_str(), &all.into_iter().collect())
 }

@@ -182,6 +182,8 @@ impl Engine {
 /// Receives the outcome of each pass (the D-Bus layer publishes it).
 pub trait Publish: Send + Sync {
     fn publish(&self, pass: &Pass) -> impl std::future::Future<Output = ()> + Send;
+    /// The settings were replaced by a reload.
+    fn settings_changed(&self) -> impl std::future::Future<Output = ()> + Send;
 }
 
 /// Serializes passes and hands their results to a publisher.
@@ -213,6 +215,7 @@ impl<P: Publish> Service<P> {
     pub async fn reload(&self) -> Result<Pass, EngineError> {
         let engine = Arc::clone(&self.engine);
         tokio::task::spawn_blocking(move || engine.reload()).await??;
+        self.publisher.settings_changed().await;
         self.refresh().await
     }
 

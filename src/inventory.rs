@@ -31,10 +31,14 @@ pub fn names(vendor: u16, device: u16) -> (String, String) {
     use pci_ids::FromId;
     // The database's device lookup is a linear walk of the vendor's list; a split host asks
     // for the same VF ids hundreds of times per pass.
-    static CACHE: std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<(u16, u16), (String, String)>>> =
-        std::sync::OnceLock::new();
+    type NameCache = std::sync::Mutex<std::collections::HashMap<(u16, u16), (String, String)>>;
+    static CACHE: std::sync::OnceLock<NameCache> = std::sync::OnceLock::new();
     let cache = CACHE.get_or_init(Default::default);
-    if let Some(hit) = cache.lock().unwrap_or_else(|p| p.into_inner()).get(&(vendor, device)) {
+    if let Some(hit) = cache
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(&(vendor, device))
+    {
         return hit.clone();
     }
     let v = pci_ids::Vendor::from_id(vendor).map(|v| v.name().to_string());
@@ -214,16 +218,30 @@ pub fn scan(
 
 /// Reads every function, spread over a few threads: a pass is thousands of small sysfs reads
 /// that each wait on the kernel, and a big host has over a thousand functions.
-fn read_all(sysfs: &Sysfs, addresses: &[PciAddress]) -> BTreeMap<PciAddress, Result<RawFunction, SysfsError>> {
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 4);
+fn read_all(
+    sysfs: &Sysfs,
+    addresses: &[PciAddress],
+) -> BTreeMap<PciAddress, Result<RawFunction, SysfsError>> {
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, 4);
     if threads == 1 || addresses.len() < 64 {
-        return addresses.iter().map(|a| (*a, sysfs.read_function(*a))).collect();
+        return addresses
+            .iter()
+            .map(|a| (*a, sysfs.read_function(*a)))
+            .collect();
     }
     let chunk = addresses.len().div_ceil(threads);
     std::thread::scope(|scope| {
         let handles: Vec<_> = addresses
             .chunks(chunk)
-            .map(|part| scope.spawn(move || part.iter().map(|a| (*a, sysfs.read_function(*a))).collect::<Vec<_>>()))
+            .map(|part| {
+                scope.spawn(move || {
+                    part.iter()
+                        .map(|a| (*a, sysfs.read_function(*a)))
+                        .collect::<Vec<_>>()
+                })
+            })
             .collect();
         handles
             .into_iter()

@@ -57,13 +57,15 @@ impl PrivateBus {
             socket.display()
         );
         std::fs::write(&config, text).map_err(setup)?;
+        // Its warnings (e.g. that it cannot raise the fd limit) go to a log beside the socket.
+        let log = std::fs::File::create(dir.join("bus.log")).map_err(setup)?;
         let mut child = Command::new("dbus-daemon")
             .arg(format!("--config-file={}", config.display()))
             .arg("--nofork")
             .arg("--print-address=1")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(Stdio::from(log))
             .spawn()
             .map_err(PrivateBusError::Spawn)?;
         let stdout = child.stdout.take().ok_or(PrivateBusError::NoAddress)?;

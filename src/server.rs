@@ -43,7 +43,11 @@ impl Server {
         tracing::info!(
             "vfiod {} starting: config from [{}], scenario {}, sysfs root {}, state in {}",
             env!("CARGO_PKG_VERSION"),
-            s.sources.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", "),
+            s.sources
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
             s.scenario.as_str(),
             s.sysfs_root.display(),
             s.state_dir.display()

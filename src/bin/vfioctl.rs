@@ -2,7 +2,7 @@
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
-use vfiod::client::{self, ClientError, ManagerProxy};
+use vfiod::client::{self, ClientError};
 use vfiod::dbus::BusTarget;
 
 /// Inspect and control vfiod, the PCI accelerator manager.
@@ -120,9 +120,7 @@ async fn run(args: Args) -> Result<(), String> {
             }
         }
         Command::Status { json } => {
-            let m = ManagerProxy::new(&conn)
-                .await
-                .map_err(|e| describe(e.into()))?;
+            let m = client::manager(&conn).await.map_err(describe)?;
             let get = async {
                 Ok::<_, zbus::Error>(serde_json::json!({
                     "version": m.version().await?,
@@ -158,9 +156,7 @@ async fn run(args: Args) -> Result<(), String> {
             limit,
             json,
         } => {
-            let m = ManagerProxy::new(&conn)
-                .await
-                .map_err(|e| describe(e.into()))?;
+            let m = client::manager(&conn).await.map_err(describe)?;
             let events = m
                 .get_events(address.as_deref().unwrap_or(""), 0, limit)
                 .await
@@ -178,16 +174,12 @@ async fn run(args: Args) -> Result<(), String> {
             }
         }
         Command::Reload => {
-            let m = ManagerProxy::new(&conn)
-                .await
-                .map_err(|e| describe(e.into()))?;
+            let m = client::manager(&conn).await.map_err(describe)?;
             m.reload().await.map_err(|e| describe(e.into()))?;
             println!("configuration reloaded");
         }
         Command::Rescan => {
-            let m = ManagerProxy::new(&conn)
-                .await
-                .map_err(|e| describe(e.into()))?;
+            let m = client::manager(&conn).await.map_err(describe)?;
             m.rescan().await.map_err(|e| describe(e.into()))?;
             println!("rescan done");
         }

@@ -76,6 +76,12 @@ impl Publish for DbusPublisher {
             }
         }
     }
+
+    async fn settings_changed(&self) {
+        if let Err(e) = self.manager_settings_changed().await {
+            tracing::error!("cannot signal manager settings: {e}");
+        }
+    }
 }
 
 impl DbusPublisher {
@@ -128,6 +134,17 @@ impl DbusPublisher {
         m.usable_count_changed(em).await?;
         m.protected_count_changed(em).await?;
         m.broken_count_changed(em).await?;
+        Ok(())
+    }
+
+    async fn manager_settings_changed(&self) -> zbus::Result<()> {
+        let iface = self
+            .conn
+            .object_server()
+            .interface::<_, manager::Manager>(ROOT_PATH)
+            .await?;
+        let m = iface.get().await;
+        let em = iface.signal_emitter();
         m.scenario_changed(em).await?;
         m.config_sources_changed(em).await?;
         Ok(())

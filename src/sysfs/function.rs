@@ -134,7 +134,9 @@ impl RawFunction {
         let keys: std::collections::HashMap<&str, &str> =
             uevent.lines().filter_map(|l| l.split_once('=')).collect();
         let id_pair = |key: &str| -> Result<Option<(u16, u16)>, SysfsError> {
-            let Some(v) = keys.get(key) else { return Ok(None) };
+            let Some(v) = keys.get(key) else {
+                return Ok(None);
+            };
             let bad = || SysfsError::Parse {
                 path: uevent_path.clone(),
                 value: format!("{key}={v}"),

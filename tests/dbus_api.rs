@@ -1,0 +1,417 @@
+//! The D-Bus API against a real private dbus-daemon, with vfiod running on the simulated
+//! kernel: objects, signals on hot-plug and breakage, named errors, reload safety, vfioctl.
+
+mod common;
+
+use common::{addr, prop_str, wait_for, Harness, Props, DEMO_CONFIG};
+use std::collections::HashMap;
+use vfiod::device::State;
+use vfiod::simkernel::FaultTarget;
+use zbus::{OwnedObjectPath, OwnedVariant};
+
+const OM_RULE: &str = "type='signal',interface='org.freedesktop.DBus.ObjectManager'";
+
+fn device_path(a: &str) -> String {
+    format!("/org/vfiod/Vfiod1/device/{}", addr(a).nodedev_name())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_object_per_function_with_sysfs_values() {
+    let h = Harness::start(DEMO_CONFIG).await;
+    let devices = vfiod::client::list_devices(&h.client).await.unwrap();
+    let kernel_addrs: Vec<String> = h.kernel.addresses().iter().map(|a| a.to_string()).collect();
+    let listed: Vec<String> = devices.iter().map(|d| d.address.clone()).collect();
+    assert_eq!(listed, kernel_addrs);
+
+    let nic = devices
+        .iter()
+        .find(|d| d.address == "0000:3b:00.0")
+        .unwrap();
+    assert_eq!(
+        (nic.vendor_id.as_str(), nic.device_id.as_str()),
+        ("8086", "1572")
+    );
+    assert_eq!(nic.class, "0x020000");
+    assert_eq!(nic.kind, "nic");
+    assert_eq!(nic.driver.as_deref(), Some("i40e"));
+    assert_eq!(
+        (nic.role.as_str(), nic.separable, nic.total_vfs, nic.num_vfs),
+        ("pf", true, 64, 0)
+    );
+    assert!(nic.managed);
+    let qat_vf = devices
+        .iter()
+        .find(|d| d.address == "0000:5e:00.1")
+        .unwrap();
+    assert_eq!(qat_vf.parent_pf.as_deref(), Some("0000:5e:00.0"));
+    assert_eq!((qat_vf.role.as_str(), qat_vf.mode.as_str()), ("vf", "none"));
+
+    let m = h.manager().await;
+    assert_eq!(m.device_count().await.unwrap() as usize, kernel_addrs.len());
+    assert_eq!(m.protected_count().await.unwrap(), 2);
+    assert_eq!(m.scenario().await.unwrap(), "public");
+    assert!(m.simulated().await.unwrap());
+    assert_eq!(
+        m.get_device("3b:00.0").await.unwrap().as_str(),
+        device_path("0000:3b:00.0")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn named_errors_for_bad_arguments() {
+    let h = Harness::start(DEMO_CONFIG).await;
+    let m = h.manager().await;
+    let name = |e: zbus::Error| match e {
+        zbus::Error::MethodError(n, msg, _) => (n.to_string(), msg.unwrap_or_default()),
+        other => panic!("not a method error: {other}"),
+    };
+    let (n, msg) = name(m.get_device("0000:99:00.0").await.unwrap_err());
+    assert_eq!(n, "org.vfiod.Vfiod1.Error.NoSuchDevice");
+    assert!(msg.contains("0000:99:00.0"), "{msg}");
+    let (n, msg) = name(m.get_device("not-an-address").await.unwrap_err());
+    assert_eq!(n, "org.vfiod.Vfiod1.Error.InvalidArgument");
+    assert!(msg.contains("not-an-address"), "{msg}");
+    let (n, _) = name(m.get_events("", 0, 0).await.unwrap_err());
+    assert_eq!(n, "org.vfiod.Vfiod1.Error.InvalidArgument");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remove_and_rescan_update_store_and_signal() {
+    let h = Harness::start(DEMO_CONFIG).await;
+    let mut om = h.signals(OM_RULE).await;
+    let nvme = addr("0000:d8:00.0");
+    let sysfs = h.kernel.sysfs();
+
+    // The uevent alone must drive the update: polling is at 10 s and we wait at most 5.
+    sysfs.write_device_attr(nvme, "remove", "1").unwrap();
+    let path = device_path("0000:d8:00.0");
+    wait_for(&mut om, 5, |msg| {
+        let hdr = msg.header();
+        if hdr.member()?.as_str() != "InterfacesRemoved" {
+            return None;
+        }
+        let (p, ifaces): (OwnedObjectPath, Vec<String>) = msg.body().deserialize().ok()?;
+        (p.as_str() == path && ifaces.iter().any(|i| i == "org.vfiod.Vfiod1.Device")).then_some(())
+    })
+    .await;
+    let store = h.store();
+    assert!(
+        store.device(nvme).unwrap().is_none(),
+        "store still has the removed device"
+    );
+    let events = store.events(Some(nvme), 0, 100).unwrap();
+    assert!(events.iter().any(|e| e.kind == "removed"), "{events:?}");
+
+    sysfs
+        .write(&sysfs.pci_bus_dir().join("rescan"), "1")
+        .unwrap();
+    let props = wait_for(&mut om, 5, |msg| {
+        if msg.header().member()?.as_str() != "InterfacesAdded" {
+            return None;
+        }
+        let (p, ifaces): (OwnedObjectPath, HashMap<String, Props>) =
+            msg.body().deserialize().ok()?;
+        if p.as_str() != path {
+            return None;
+        }
+        ifaces.get("org.vfiod.Vfiod1.Device").cloned()
+    })
+    .await;
+    assert_eq!(prop_str(&props, "Driver").as_deref(), Some("nvme"));
+    assert_eq!(prop_str(&props, "State").as_deref(), Some("usable"));
+    let back = store
+        .device(nvme)
+        .unwrap()
+        .expect("device back in the store");
+    assert_eq!(back.driver.as_deref(), Some("nvme"));
+    assert!(store
+        .events(Some(nvme), 0, 100)
+        .unwrap()
+        .iter()
+        .any(|e| e.kind == "added"));
+}
+
+async fn expect_state_change(h: &Harness, path: &str, want: &str) -> Props {
+    let rule = format!(
+        "type='signal',interface='org.freedesktop.DBus.Properties',member='PropertiesChanged',path='{path}'"
+    );
+    let mut s = h.signals(&rule).await;
+    // An explicit rescan, as an operator would ask for.
+    h.manager().await.rescan().await.unwrap();
+    wait_for(&mut s, 5, |msg| {
+        let (iface, changed, _inv): (String, Props, Vec<String>) = msg.body().deserialize().ok()?;
+        (iface == "org.vfiod.Vfiod1.Device" && prop_str(&changed, "State").as_deref() == Some(want))
+            .then_some(changed)
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreadable_attributes_make_a_device_broken_and_back() {
+    let h = Harness::start(DEMO_CONFIG).await;
+    let fpga = addr("0000:af:00.0");
+    let path = device_path("0000:af:00.0");
+    h.kernel.make_unreadable(fpga, "uevent", libc::EIO);
+    let changed = expect_state_change(&h, &path, "broken").await;
+    let reason = prop_str(&changed, "StateReason").unwrap_or_default();
+    assert!(
+        reason.contains("uevent") && reason.contains("Input/output error"),
+        "{reason}"
+    );
+    let store = h.store();
+    let d = store.device(fpga).unwrap().unwrap();
+    assert_eq!(d.state, State::Broken);
+    // What was known before is kept, so the operator sees which card broke.
+    assert_eq!((d.vendor_id, d.device_id), (0x8086, 0x0b2b));
+    let m = h.manager().await;
+    assert_eq!(m.broken_count().await.unwrap(), 1);
+    assert!(store
+        .events(Some(fpga), 0, 100)
+        .unwrap()
+        .iter()
+        .any(|e| e.kind == "broken"));
+
+    h.kernel.make_readable(fpga, "uevent");
+    expect_state_change(&h, &path, "usable").await;
+    assert!(store
+        .events(Some(fpga), 0, 100)
+        .unwrap()
+        .iter()
+        .any(|e| e.kind == "recovered"));
+    assert_eq!(m.broken_count().await.unwrap(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn config_space_all_ones_is_broken() {
+    let h = Harness::start(DEMO_CONFIG).await;
+    let gpu = addr("0000:17:00.0");
+    h.kernel.set_config_all_ones(gpu, true).unwrap();
+    let changed = expect_state_change(&h, &device_path("0000:17:00.0"), "broken").await;
+    assert!(prop_str(&changed, "StateReason")
+        .unwrap()
+        .contains("all-ones"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aer_recovery_events_are_recorded() {
+    let h = Harness::start(DEMO_CONFIG).await;
+    let nic = addr("0000:3b:00.0");
+    h.kernel.aer_error(nic, false, true).unwrap();
+    let store = h.store();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        let ev = store.events(Some(nic), 0, 100).unwrap();
+        if ev
+            .iter()
+            .any(|e| e.kind == "aer" && e.message.contains("SUCCESSFUL_RECOVERY"))
+        {
+            assert!(ev
+                .iter()
+                .any(|e| e.kind == "aer" && e.message.contains("BEGIN_RECOVERY")));
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "AER events not recorded: {ev:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_reload_keeps_the_running_settings() {
+    let h = Harness::start("scenario = \"private\"\npoll_interval = 3600\n").await;
+    let m = h.manager().await;
+    assert_eq!(m.scenario().await.unwrap(), "private");
+    let before = vfiod::client::list_devices(&h.client).await.unwrap();
+
+    std::fs::write(
+        &h.config_path,
+        "scenario = \"public\"\n[[select]]\nid = \"zzzz:0010\"\n",
+    )
+    .unwrap();
+    let err = m.reload().await.unwrap_err();
+    let zbus::Error::MethodError(name, Some(msg), _) = err else {
+        panic!("{err}")
+    };
+    assert_eq!(name.as_str(), "org.vfiod.Vfiod1.Error.InvalidConfig");
+    assert!(
+        msg.contains("vfiod.toml:3:"),
+        "error must name file and line: {msg}"
+    );
+    assert_eq!(
+        m.scenario().await.unwrap(),
+        "private",
+        "bad reload changed the scenario"
+    );
+    assert_eq!(
+        vfiod::client::list_devices(&h.client).await.unwrap(),
+        before
+    );
+    let events = h.store().events(None, 0, 100).unwrap();
+    assert!(events
+        .iter()
+        .any(|e| e.kind == "config" && e.message.contains("rejected")));
+
+    // A good file takes effect: selection changes and the scenario property follows.
+    std::fs::write(
+        &h.config_path,
+        "scenario = \"public\"\n[[select]]\nid = \"144d:a824\"\n",
+    )
+    .unwrap();
+    m.reload().await.unwrap();
+    assert_eq!(m.scenario().await.unwrap(), "public");
+    let nvme = h.store().device(addr("0000:d8:00.0")).unwrap().unwrap();
+    assert!(nvme.managed);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_finds_the_same_state_and_writes_nothing() {
+    let mut h = Harness::start(DEMO_CONFIG).await;
+    let before = h.store().devices().unwrap();
+    let events_before = h.store().events(None, 0, 10_000).unwrap().len();
+    h.stop_server().await;
+    h.start_server().await;
+    assert_eq!(h.store().devices().unwrap(), before);
+    assert_eq!(
+        h.store().events(None, 0, 10_000).unwrap().len(),
+        events_before,
+        "a restart on an unchanged host must not invent changes"
+    );
+    assert!(
+        h.kernel.take_write_log().is_empty(),
+        "the inventory must never write to sysfs"
+    );
+    // And the name is served again.
+    assert_eq!(
+        vfiod::client::list_devices(&h.client).await.unwrap().len(),
+        before.len()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_daemon_cannot_take_the_name() {
+    let h = Harness::start(DEMO_CONFIG).await;
+    let state = tempfile::tempdir().unwrap();
+    let mut settings = h.source().load().unwrap();
+    settings.state_dir = state.path().to_path_buf();
+    let r = vfiod::server::Server::start(vfiod::server::Options {
+        settings,
+        source: None,
+        sysfs: h.kernel.sysfs(),
+        events: None,
+        bus: h.bus_target(),
+        authorizer: vfiod::dbus::auth::Authorizer::AllowAll,
+        simulated: true,
+    })
+    .await;
+    let err = r.err().expect("second daemon must fail");
+    assert!(
+        vfiod::error_chain(&err).contains("cannot own the bus name"),
+        "{}",
+        vfiod::error_chain(&err)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sysfs_write_faults_do_not_disturb_the_inventory() {
+    // A fault armed on writes must not matter to a daemon that only reads.
+    let h = Harness::start(DEMO_CONFIG).await;
+    h.kernel.inject(
+        FaultTarget::BusAttr("drivers_probe".into()),
+        vfiod::simkernel::FaultAction::Errno(libc::EIO),
+        None,
+    );
+    h.manager().await.rescan().await.unwrap();
+    assert_eq!(h.manager().await.broken_count().await.unwrap(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vfioctl_list_and_show() {
+    let h = Harness::start(DEMO_CONFIG).await;
+    let exe = env!("CARGO_BIN_EXE_vfioctl");
+    let bus = h.bus.address().to_string();
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(exe)
+            .args(args)
+            .env("VFIOD_BUS", &bus)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (ok, json, err) = tokio::task::block_in_place(|| run(&["list", "--json"]));
+    assert!(ok, "{err}");
+    let listed: Vec<vfiod::client::DeviceView> = serde_json::from_str(&json).unwrap();
+    let stored = h.store().devices().unwrap();
+    assert_eq!(listed.len(), stored.len());
+    for (v, d) in listed.iter().zip(&stored) {
+        assert_eq!(v.address, d.address.to_string());
+        assert_eq!(v.vendor_id, format!("{:04x}", d.vendor_id));
+        assert_eq!(v.class, d.class.to_string());
+        assert_eq!(v.state, d.state.as_str());
+        assert_eq!(v.iommu_group, d.iommu_group);
+        assert_eq!(v.num_vfs, d.num_vfs);
+    }
+
+    let (ok, table, _) = tokio::task::block_in_place(|| run(&["list"]));
+    assert!(ok);
+    let lines: Vec<&str> = table.lines().collect();
+    assert!(lines[0].starts_with("ADDRESS") && lines[0].contains("STATE"));
+    assert_eq!(lines.len(), stored.len() + 1);
+    let boot = lines
+        .iter()
+        .find(|l| l.starts_with("0000:3d:00.0"))
+        .unwrap();
+    assert!(
+        boot.contains("nvme") && boot.ends_with("protected"),
+        "{boot}"
+    );
+    let qat = lines
+        .iter()
+        .find(|l| l.starts_with("0000:5e:00.0"))
+        .unwrap();
+    assert!(
+        qat.contains("crypto") && qat.contains(" vf ") && qat.contains("16/16"),
+        "{qat}"
+    );
+
+    let (ok, gpus, _) = tokio::task::block_in_place(|| run(&["list", "--kind", "gpu"]));
+    assert!(ok);
+    assert_eq!(gpus.lines().count(), 2, "{gpus}");
+
+    let (ok, show, _) = tokio::task::block_in_place(|| run(&["show", "0000:3d:00.0"]));
+    assert!(ok);
+    assert!(
+        show.contains("state:") && show.contains("mounted at /"),
+        "{show}"
+    );
+
+    let (ok, _, err) = tokio::task::block_in_place(|| run(&["show", "0000:99:00.0"]));
+    assert!(!ok);
+    assert!(err.contains("org.vfiod.Vfiod1.Error.NoSuchDevice"), "{err}");
+
+    let (ok, _, err) = tokio::task::block_in_place(|| run(&["--bus", "nonsense", "list"]));
+    assert!(!ok);
+    assert!(err.contains("bus must be"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vfioctl_says_when_vfiod_is_not_running() {
+    let dir = tempfile::tempdir().unwrap();
+    let bus = vfiod::private_bus::PrivateBus::start(dir.path(), "").unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_vfioctl"))
+        .args(["list"])
+        .env("VFIOD_BUS", bus.address())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("vfiod is not running"), "{err}");
+}
+
+#[allow(dead_code)]
+fn _types(_: OwnedVariant) {}
