@@ -22,7 +22,10 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
     s
 }
 pub mod client;
+pub mod convert;
 pub mod daemon; // the engine and the loop that keeps the store in step with the kernel
 pub mod dbus; // the D-Bus API: objects, named errors, polkit
+pub mod plan; // plans: the exact ordered sysfs writes of a program, printable before they run
+pub mod policy; // mode policy and conversion programs: pure decisions
 pub mod private_bus; // a private dbus-daemon, for --simulate and tests // D-Bus client side: proxies, the JSON device view, vfioctl tables
-pub mod server; // assembles store, engine, D-Bus service and loop into a running daemon
+pub mod server; // assembles store, engine, D-Bus service and loop into a running daemon // runs plans against sysfs: read-back verification, progress, snapshots

@@ -57,6 +57,62 @@ impl PrivateBus {
             socket.display()
         );
         std::fs::write(&config, text).map_err(setup)?;
+        Self::launch(dir, &config)
+    }
+
+    /// Starts `dbus-daemon` as a private *system* bus: `<type>system</type>` and the policy of
+    /// Debian's system bus (anyone may connect, owning names and calling methods are denied
+    /// unless a policy file punches a hole), plus the `<include>`d policy files, e.g. the
+    /// service's own `dbus-1/system.d/*.conf`. No service directories: nothing is ever
+    /// activated on it, so a service is only there if the caller started it.
+    pub fn start_system(dir: &Path, policy_files: &[&Path]) -> Result<PrivateBus, PrivateBusError> {
+        let setup = |source| PrivateBusError::Setup {
+            dir: dir.to_path_buf(),
+            source,
+        };
+        std::fs::create_dir_all(dir).map_err(setup)?;
+        let socket = dir.join("bus.sock");
+        let config = dir.join("bus.conf");
+        let includes: String = policy_files
+            .iter()
+            .map(|p| format!("  <include>{}</include>\n", p.display()))
+            .collect();
+        let text = format!(
+            r#"<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
+ "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
+<busconfig>
+  <type>system</type>
+  <listen>unix:path={}</listen>
+  <auth>EXTERNAL</auth>
+  <policy context="default">
+    <allow user="*"/>
+    <deny own="*"/>
+    <deny send_type="method_call"/>
+    <allow send_type="signal"/>
+    <allow send_requested_reply="true" send_type="method_return"/>
+    <allow send_requested_reply="true" send_type="error"/>
+    <allow receive_type="method_call"/>
+    <allow receive_type="method_return"/>
+    <allow receive_type="error"/>
+    <allow receive_type="signal"/>
+    <allow send_destination="org.freedesktop.DBus" send_interface="org.freedesktop.DBus"/>
+    <allow send_destination="org.freedesktop.DBus" send_interface="org.freedesktop.DBus.Introspectable"/>
+    <allow send_destination="org.freedesktop.DBus" send_interface="org.freedesktop.DBus.Properties"/>
+    <deny send_destination="org.freedesktop.DBus" send_interface="org.freedesktop.DBus" send_member="UpdateActivationEnvironment"/>
+  </policy>
+{includes}</busconfig>
+"#,
+            socket.display()
+        );
+        std::fs::write(&config, text).map_err(setup)?;
+        Self::launch(dir, &config)
+    }
+
+    fn launch(dir: &Path, config: &Path) -> Result<PrivateBus, PrivateBusError> {
+        let setup = |source| PrivateBusError::Setup {
+            dir: dir.to_path_buf(),
+            source,
+        };
         // Its warnings (e.g. that it cannot raise the fd limit) go to a log beside the socket.
         let log = std::fs::File::create(dir.join("bus.log")).map_err(setup)?;
         let mut child = Command::new("dbus-daemon")

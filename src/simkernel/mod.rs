@@ -194,6 +194,12 @@ impl SimKernel {
     // ----- fault injection -------------------------------------------------------------
 
     pub fn inject(&self, target: FaultTarget, action: FaultAction, times: Option<u32>) {
+        // simkernel fix: `Some(0)` ("the next 0 writes") never fires. It used to be stored and
+        // then decremented below zero on the first matching write (a panic in debug builds,
+        // a fault that fires ~forever in release).
+        if times == Some(0) {
+            return;
+        }
         self.lock().faults.push(Fault {
             target,
             action,
@@ -469,6 +475,13 @@ impl SimKernel {
 
     fn bind(&self, st: &mut State, address: PciAddress, driver: &str) -> io::Result<()> {
         let dev = st.devices.get(&address).ok_or_else(|| err(libc::ENODEV))?;
+        // simkernel fix: Linux's bind_store() runs driver_match_device() first (ENODEV), then
+        // __driver_probe_device() refuses a bound device (EBUSY), then pci_device_probe()
+        // applies pci_device_can_probe() (ENODEV). The match check used to come last, so a
+        // non-matching driver on a bound device got EBUSY instead of ENODEV.
+        if !st.drivers.contains_key(driver) || !Self::matches(st, dev, driver) {
+            return Err(err(libc::ENODEV));
+        }
         if dev.driver.is_some() {
             return Err(err(libc::EBUSY));
         }
@@ -478,9 +491,6 @@ impl SimKernel {
             if !pf_auto && dev.driver_override.is_none() {
                 return Err(err(libc::ENODEV));
             }
-        }
-        if !st.drivers.contains_key(driver) || !Self::matches(st, dev, driver) {
-            return Err(err(libc::ENODEV));
         }
         let dev = st.devices.get_mut(&address).expect("present");
         dev.driver = Some(driver.to_string());
@@ -830,6 +840,13 @@ impl Backend for SimKernel {
     fn write(&self, path: &Path, data: &[u8]) -> io::Result<()> {
         let value = String::from_utf8_lossy(data).into_owned();
         let (rel, target) = self.resolve(path)?;
+        // simkernel fix: like open(2) without O_CREAT on sysfs, writing an attribute the
+        // function does not show (sriov_numvfs of a non-SR-IOV function, `reset` of one that
+        // cannot be reset, a misspelt name) fails with ENOENT. It used to reach apply_write
+        // and fail with EACCES (or ENOTTY for `reset`), which Linux never returns for these.
+        if std::fs::symlink_metadata(self.root.join(&rel)).is_err() {
+            return Err(err(libc::ENOENT));
+        }
         let mut vanish = None;
         match self.check_faults(&rel, &target, &value) {
             Some(FaultAction::Errno(e)) => return Err(err(e)),

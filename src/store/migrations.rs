@@ -17,7 +17,7 @@ use rusqlite::{Connection, TransactionBehavior};
 pub(super) const APPLICATION_ID: i32 = 0x7666_696f;
 
 /// Every migration step, oldest first. [`super::SCHEMA_VERSION`] is its length.
-pub(super) const MIGRATIONS: &[&str] = &[V1_INITIAL];
+pub(super) const MIGRATIONS: &[&str] = &[V1_INITIAL, V2_TASKS];
 
 /// Version 1: the inventory, its history, and the tables claims, tasks and driver restore will
 /// fill.
@@ -115,6 +115,30 @@ CREATE TABLE original_drivers (
 );
 ";
 
+/// Version 2: what the task engine needs to record about a task, and a reset that frees the device.
+///
+/// A task in error is closed by an operator's reset, which keeps the row as history (state stays
+/// `error`) and stamps who and when; the unique index is rebuilt so that a reset row no longer
+/// counts as active. Every statement is additive: rows of version 1 keep their values, get the
+/// defaults below, and a version-1 task in error stays active until it is reset.
+const V2_TASKS: &str = "
+-- The task's parameters as a JSON object (e.g. {\"num_vfs\":64}), and who asked for it (a uid or
+-- a D-Bus sender), both shown with the task and in its events.
+ALTER TABLE tasks ADD COLUMN params TEXT NOT NULL DEFAULT '{}';
+ALTER TABLE tasks ADD COLUMN requested_by TEXT NOT NULL DEFAULT '';
+-- Set together when an operator resets a task in error.
+ALTER TABLE tasks ADD COLUMN reset_ms INTEGER;
+ALTER TABLE tasks ADD COLUMN reset_by TEXT;
+
+DROP INDEX tasks_one_open_per_address;
+CREATE UNIQUE INDEX tasks_one_open_per_address
+    ON tasks (address)
+    WHERE state IN ('prepare', 'running') OR (state = 'error' AND reset_ms IS NULL);
+
+-- A device's task history, newest first, and its last result.
+CREATE INDEX tasks_by_address ON tasks (address, id);
+";
+
 /// Why [`migrate`] stopped: the step that failed (1-based target version) and SQLite's error.
 #[derive(Debug)]
 pub(super) struct MigrationError {
@@ -172,6 +196,69 @@ mod tests {
     fn application_id_literal_matches_constant() {
         // The SQL needs a literal; keep it in step with the constant `open` checks.
         assert!(V1_INITIAL.contains(&format!("application_id = {APPLICATION_ID};")));
+    }
+
+    #[test]
+    fn version_2_keeps_version_1_rows_and_frees_reset_errors() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        assert_eq!(migrate(&mut conn, &MIGRATIONS[..1]).unwrap(), (0, 1));
+        conn.execute_batch(
+            "INSERT INTO tasks (address, kind, state, step, percent, message, created_ms) \
+             VALUES ('0000:3b:00.0', 'split', 'error', 'enable VFs', 40, 'EBUSY', 7);",
+        )
+        .unwrap();
+        assert_eq!(migrate(&mut conn, MIGRATIONS).unwrap(), (1, 2));
+
+        let row: (String, i64, String, String, Option<i64>) = conn
+            .query_row(
+                "SELECT message, created_ms, params, requested_by, reset_ms FROM tasks",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)),
+            )
+            .unwrap();
+        assert_eq!(row, ("EBUSY".into(), 7, "{}".into(), String::new(), None));
+        let insert = "INSERT INTO tasks (address, kind, state, created_ms) \
+                      VALUES ('0000:3b:00.0', 'split', 'prepare', 8)";
+        // The version-1 error still blocks; once reset, it does not.
+        assert!(conn.execute(insert, []).is_err());
+        conn.execute("UPDATE tasks SET reset_ms = 9, reset_by = 'root'", [])
+            .unwrap();
+        conn.execute(insert, []).unwrap();
+    }
+
+    #[test]
+    fn the_unique_index_and_active_agree_with_the_state_machine() {
+        use super::super::task_state::{is_active, TaskState};
+        use super::super::tasks::ACTIVE;
+        let mut conn = Connection::open_in_memory().unwrap();
+        migrate(&mut conn, MIGRATIONS).unwrap();
+        for (n, state) in TaskState::ALL.into_iter().enumerate() {
+            for reset in [false, true] {
+                let address = format!("0000:{n:02x}:0{}.0", u8::from(reset));
+                let row = |created: i64| {
+                    conn.execute(
+                        "INSERT INTO tasks (address, kind, state, created_ms, reset_ms) \
+                         VALUES (?1, 'split', ?2, ?3, ?4)",
+                        rusqlite::params![address, state.as_str(), created, reset.then_some(1)],
+                    )
+                };
+                row(1).unwrap();
+                let active: bool = conn
+                    .query_row(
+                        &format!("SELECT {ACTIVE} FROM tasks WHERE address = ?1"),
+                        [&address],
+                        |r| r.get(0),
+                    )
+                    .unwrap();
+                assert_eq!(active, is_active(state, reset), "{state} reset={reset}");
+                // The index refuses a second row exactly when both would be active.
+                assert_eq!(
+                    row(2).is_err(),
+                    is_active(state, reset),
+                    "{state} reset={reset}"
+                );
+            }
+        }
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! The state store: vfiod's single source of truth, a SQLite database at `<state_dir>/vfiod.db`.
 //!
-//! It holds the device inventory (one row per PCI function present), the history of events, and
-//! the tables claims, tasks and driver restore will fill. The D-Bus API reads from here, and a
+//! It holds the device inventory (one row per PCI function present), the history of events, the
+//! per-device tasks with their state machine (`tasks`, `task_state`), the original drivers that
+//! restore puts back (`original_drivers`), and the claims table. The D-Bus API reads from here, and a
 //! mutating request commits here before it replies, so what a client was told survives a crash or
 //! a power cut.
 //!
@@ -12,6 +13,12 @@
 
 mod device_row;
 mod migrations;
+mod original_drivers;
+mod task_state;
+mod tasks;
+
+pub use task_state::TaskState;
+pub use tasks::TaskRecord;
 
 use crate::device::{Device, State};
 use crate::pci::PciAddress;
@@ -107,6 +114,36 @@ pub enum StoreError {
         old: PciAddress,
         new: PciAddress,
     },
+    /// The device already has an active task (prepare, running, or error not yet reset).
+    #[error("device {address} is busy: task {} {} is {}", .task.id, .task.kind, .task.status())]
+    Busy {
+        address: PciAddress,
+        /// The task that blocks. Boxed: a `Result<_, StoreError>` stays small.
+        task: Box<TaskRecord>,
+    },
+    #[error("no task {0}")]
+    NoSuchTask(i64),
+    #[error("task {id} {kind} on {address} cannot go from {from} to {to}")]
+    IllegalTransition {
+        id: i64,
+        address: PciAddress,
+        kind: String,
+        from: TaskState,
+        to: TaskState,
+    },
+    /// A reset of a device whose task is not in error; `state` is that of its active task, `None`
+    /// when it has none.
+    #[error(
+        "device {address} has no task in error to reset: {}",
+        match .state { None => "it is idle".to_string(), Some(s) => format!("its task is {s}") }
+    )]
+    NotInError {
+        address: PciAddress,
+        state: Option<TaskState>,
+    },
+    /// A request the store refuses before touching the database (empty name, bad JSON, ...).
+    #[error("invalid request: {reason}")]
+    InvalidArgument { reason: String },
 }
 
 /// One entry of the history, as stored.
@@ -407,6 +444,23 @@ impl Store {
             protected,
             broken,
         })
+    }
+
+    /// Runs `f` in one immediate transaction and commits if it returns `Ok`; any error rolls it
+    /// all back. IMMEDIATE takes the write lock before `f` reads, so what `f` checks still holds
+    /// when it writes, even against another process.
+    fn write<T>(
+        &self,
+        action: &'static str,
+        f: impl FnOnce(&Connection) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        let mut conn = self.lock();
+        let tx = conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(|e| self.sqlite(action, e))?;
+        let value = f(&tx)?;
+        tx.commit().map_err(|e| self.sqlite(action, e))?;
+        Ok(value)
     }
 
     fn lock(&self) -> MutexGuard<'_, Connection> {

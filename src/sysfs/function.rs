@@ -14,6 +14,10 @@ pub struct SriovInfo {
     pub vfs: Vec<PciAddress>,
     /// `sriov_vf_device`, when the kernel shows it.
     pub vf_device_id: Option<u16>,
+    /// Routing-id offset and stride of the VFs (`sriov_offset`, `sriov_stride`): where VF n
+    /// will appear, known before the VFs exist.
+    pub vf_offset: Option<u16>,
+    pub vf_stride: Option<u16>,
 }
 
 /// AER counters (`TOTAL_ERR_*` lines) where the kernel exposes them.
@@ -253,6 +257,8 @@ impl RawFunction {
             )?),
             Err(_) => None,
         };
+        let small = |name: &str| -> Option<u16> { sysfs.read_text(&attr(name)).ok()?.parse().ok() };
+        let (vf_offset, vf_stride) = (small("sriov_offset"), small("sriov_stride"));
         let mut vfs = Vec::with_capacity(num_vfs as usize);
         for n in 0..num_vfs {
             let link = attr(&format!("virtfn{n}"));
@@ -275,6 +281,8 @@ impl RawFunction {
             drivers_autoprobe,
             vfs,
             vf_device_id,
+            vf_offset,
+            vf_stride,
         })
     }
 

@@ -1,0 +1,250 @@
+//! Runs plans against the kernel: each write is read back, each step reports progress, a
+//! failure stops the program and the caller rolls back with [`crate::plan::rollback`].
+//! Blocking (sysfs); call it off the async threads.
+
+use crate::pci::PciAddress;
+use crate::plan::{Binding, Plan, Snapshot, Step, SysPath};
+use crate::sysfs::{Sysfs, SysfsError};
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+/// How long VFs may take to appear or go after an `sriov_numvfs` write.
+pub const VF_WAIT: Duration = Duration::from_secs(10);
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConvertError {
+    #[error("step {index} `{step}` failed")]
+    Sysfs {
+        index: usize,
+        step: String,
+        #[source]
+        source: SysfsError,
+    },
+    #[error("step {index} `{step}`: {problem}")]
+    Verify {
+        index: usize,
+        step: String,
+        problem: String,
+    },
+    #[error("cannot read the current state of {address}")]
+    Snapshot {
+        address: PciAddress,
+        #[source]
+        source: SysfsError,
+    },
+}
+
+impl ConvertError {
+    /// The errno behind the failure, if the kernel refused a write.
+    pub fn errno(&self) -> Option<i32> {
+        match self {
+            ConvertError::Sysfs { source, .. } | ConvertError::Snapshot { source, .. } => {
+                source.errno()
+            }
+            ConvertError::Verify { .. } => None,
+        }
+    }
+}
+
+fn binding(sysfs: &Sysfs, address: PciAddress) -> Result<Binding, SysfsError> {
+    let driver = sysfs.read_optional_link_name(&sysfs.device_attr(address, "driver"))?;
+    let driver_override = match sysfs.read_text(&sysfs.device_attr(address, "driver_override")) {
+        Ok(t) if t.is_empty() || t == "(null)" => None,
+        Ok(t) => Some(t),
+        Err(e) if e.is_not_found() => None,
+        Err(e) => return Err(e),
+    };
+    Ok(Binding {
+        address,
+        driver,
+        driver_override,
+    })
+}
+
+/// The device's state as the kernel shows it now: the input of plans and rollbacks.
+pub fn snapshot(
+    sysfs: &Sysfs,
+    pf: PciAddress,
+    original_drivers: BTreeMap<PciAddress, Option<String>>,
+) -> Result<Snapshot, ConvertError> {
+    let wrap = |source| ConvertError::Snapshot {
+        address: pf,
+        source,
+    };
+    let raw = sysfs.read_function(pf).map_err(wrap)?;
+    let pf_binding = binding(sysfs, pf).map_err(wrap)?;
+    let (num_vfs, autoprobe, vf_offset, vf_stride, vf_addrs) = match &raw.sriov {
+        Some(s) => (
+            s.num_vfs,
+            Some(s.drivers_autoprobe),
+            s.vf_offset,
+            s.vf_stride,
+            s.vfs.clone(),
+        ),
+        None => (0, None, None, None, Vec::new()),
+    };
+    let mut vfs = Vec::with_capacity(vf_addrs.len());
+    for v in vf_addrs {
+        vfs.push(binding(sysfs, v).map_err(wrap)?);
+    }
+    let mut group = Vec::new();
+    match raw.iommu_group {
+        Some(g) => {
+            for m in sysfs.iommu_group_members(g).map_err(wrap)? {
+                let r = sysfs.read_function(m).map_err(wrap)?;
+                if !r.class.is_bridge() {
+                    group.push(binding(sysfs, m).map_err(wrap)?);
+                }
+            }
+        }
+        None => group.push(pf_binding.clone()),
+    }
+    Ok(Snapshot {
+        pf: pf_binding,
+        num_vfs,
+        autoprobe,
+        vf_offset,
+        vf_stride,
+        vfs,
+        group,
+        original_drivers,
+    })
+}
+
+fn read_back(sysfs: &Sysfs, path: &SysPath, value: &str) -> Result<Option<String>, SysfsError> {
+    let SysPath::Device { address, attr } = path else {
+        return Ok(None);
+    };
+    let got = sysfs.read_text(&sysfs.device_attr(*address, attr))?;
+    let want = match attr.as_str() {
+        "driver_override" if value.trim().is_empty() => "(null)".to_string(),
+        "sriov_numvfs" | "sriov_drivers_autoprobe" | "driver_override" => value.trim().to_string(),
+        _ => return Ok(None),
+    };
+    Ok(
+        (got != want && !(attr == "driver_override" && got.is_empty() && want == "(null)"))
+            .then(|| format!("{attr} reads {got:?} after writing {want:?}")),
+    )
+}
+
+fn wait_vfs(sysfs: &Sysfs, pf: PciAddress, count: u32) -> Result<Option<String>, SysfsError> {
+    let deadline = Instant::now() + VF_WAIT;
+    loop {
+        let raw = sysfs.read_function(pf)?;
+        let (n, links) = raw
+            .sriov
+            .as_ref()
+            .map_or((0, 0), |s| (s.num_vfs, s.vfs.len() as u32));
+        let dirs_ok = raw
+            .sriov
+            .as_ref()
+            .is_none_or(|s| s.vfs.iter().all(|v| sysfs.device_dir(*v).exists()));
+        if n == count && links == count && dirs_ok {
+            return Ok(None);
+        }
+        if Instant::now() >= deadline {
+            return Ok(Some(format!(
+                "{pf} shows {n} VFs ({links} links) after {VF_WAIT:?}, expected {count}"
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Runs `plan` step by step. `progress(done, total, step)` is called before each step.
+pub fn execute(
+    sysfs: &Sysfs,
+    plan: &Plan,
+    progress: &mut dyn FnMut(usize, usize, &Step),
+) -> Result<(), ConvertError> {
+    let total = plan.steps.len();
+    for (index, step) in plan.steps.iter().enumerate() {
+        progress(index, total, step);
+        let fail = |source| ConvertError::Sysfs {
+            index,
+            step: step.to_string(),
+            source,
+        };
+        let problem = match step {
+            Step::Write { path, value } => {
+                sysfs.write(&path.resolve(sysfs), value).map_err(fail)?;
+                match path {
+                    SysPath::Driver { driver, attr } if attr == "unbind" => {
+                        let a: PciAddress =
+                            value.trim().parse().map_err(|_| ConvertError::Verify {
+                                index,
+                                step: step.to_string(),
+                                problem: "not an address".into(),
+                            })?;
+                        let now = sysfs
+                            .read_optional_link_name(&sysfs.device_attr(a, "driver"))
+                            .map_err(fail)?;
+                        (now.as_deref() == Some(driver.as_str()))
+                            .then(|| format!("{a} is still bound to {driver}"))
+                    }
+                    _ => read_back(sysfs, path, value).map_err(fail)?,
+                }
+            }
+            Step::WaitVfs { pf, count } => wait_vfs(sysfs, *pf, *count).map_err(fail)?,
+            Step::ExpectDriver { address, driver } => {
+                let now = sysfs
+                    .read_optional_link_name(&sysfs.device_attr(*address, "driver"))
+                    .map_err(fail)?;
+                (now != *driver).then(|| {
+                    format!(
+                        "{address} is bound to {}, expected {}",
+                        now.as_deref().unwrap_or("no driver"),
+                        driver.as_deref().unwrap_or("no driver")
+                    )
+                })
+            }
+        };
+        if let Some(problem) = problem {
+            return Err(ConvertError::Verify {
+                index,
+                step: step.to_string(),
+                problem,
+            });
+        }
+    }
+    progress(
+        total,
+        total,
+        plan.steps.last().unwrap_or(&Step::WaitVfs {
+            pf: plan.device,
+            count: 0,
+        }),
+    );
+    Ok(())
+}
+
+/// A program that failed, and what its rollback did.
+#[derive(Debug, thiserror::Error)]
+#[error("{error}; rollback {}", match .rollback { Ok(()) => "restored the previous state".to_string(), Err(e) => format!("failed too: {}", crate::error_chain(e)) })]
+pub struct Failed {
+    #[source]
+    pub error: ConvertError,
+    pub rollback: Result<(), ConvertError>,
+}
+
+/// Runs `plan`; on failure, re-reads the device and runs the rollback plan back to `before`.
+pub fn apply(
+    sysfs: &Sysfs,
+    plan: &Plan,
+    before: &Snapshot,
+    progress: &mut dyn FnMut(usize, usize, &Step),
+) -> Result<(), Box<Failed>> {
+    let Err(error) = execute(sysfs, plan, progress) else {
+        return Ok(());
+    };
+    tracing::warn!(
+        "{}: {}; rolling back",
+        plan.device,
+        crate::error_chain(&error)
+    );
+    let rollback = snapshot(sysfs, plan.device, before.original_drivers.clone()).and_then(|now| {
+        let back = crate::plan::rollback(before, &now);
+        execute(sysfs, &back, &mut |_, _, _| {})
+    });
+    Err(Box::new(Failed { error, rollback }))
+}
