@@ -36,6 +36,14 @@ pub trait Manager {
         after_id: i64,
         limit: u32,
     ) -> zbus::Result<Vec<(i64, i64, String, String, String)>>;
+    #[allow(clippy::type_complexity)]
+    fn get_plan(
+        &self,
+        address: &str,
+    ) -> zbus::Result<(String, String, String, Vec<String>, String)>;
+    #[allow(clippy::type_complexity)]
+    fn get_plans(&self)
+        -> zbus::Result<Vec<(String, String, String, String, Vec<String>, String)>>;
     fn reload(&self) -> zbus::Result<()>;
     fn rescan(&self) -> zbus::Result<()>;
 }

@@ -180,10 +180,12 @@ impl Engine {
 }
 
 /// Receives the outcome of each pass (the D-Bus layer publishes it).
-pub trait Publish: Send + Sync {
+pub trait Publish: Send + Sync + 'static {
     fn publish(&self, pass: &Pass) -> impl std::future::Future<Output = ()> + Send;
     /// The settings were replaced by a reload.
     fn settings_changed(&self) -> impl std::future::Future<Output = ()> + Send;
+    /// A task was created or changed (read it from the store).
+    fn task_changed(&self, id: i64) -> impl std::future::Future<Output = ()> + Send;
 }
 
 /// Serializes passes and hands their results to a publisher.
@@ -219,6 +221,130 @@ impl<P: Publish> Service<P> {
         self.refresh().await
     }
 
+    /// Validates a mode request and starts its task; returns at once with the task in
+    /// `prepare` (the work goes on in the background and reports through the publisher).
+    pub async fn start_task(
+        self: &Arc<Self>,
+        address: PciAddress,
+        target: Option<crate::policy::Target>,
+        requested_by: &str,
+    ) -> Result<crate::store::TaskRecord, crate::tasks::TaskError> {
+        let engine = Arc::clone(&self.engine);
+        let who = requested_by.to_string();
+        let prepared = tokio::task::spawn_blocking(move || {
+            crate::tasks::prepare(&engine, address, target, &who)
+        })
+        .await
+        .map_err(|e| crate::tasks::TaskError::Refused {
+            address,
+            reason: format!("internal error: {e}"),
+        })??;
+        let task = prepared.task.clone();
+        self.publisher.task_changed(task.id).await;
+        let me = Arc::clone(self);
+        tokio::spawn(async move { me.run_task(prepared).await });
+        Ok(task)
+    }
+
+    /// Runs a prepared task off the async threads, publishing each change, then refreshes the
+    /// inventory (the device's VFs and drivers changed).
+    async fn run_task(self: Arc<Self>, prepared: crate::tasks::Prepared) {
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<i64>();
+        let engine = Arc::clone(&self.engine);
+        let id = prepared.task.id;
+        let worker = tokio::task::spawn_blocking(move || {
+            let notify = move |id: i64| {
+                let _ = tx.send(id);
+            };
+            crate::tasks::run(&engine, prepared, &notify)
+        });
+        while let Some(changed) = rx.recv().await {
+            self.publisher.task_changed(changed).await;
+        }
+        match worker.await {
+            Ok(Ok(t)) => tracing::info!(
+                "task {} {} on {}: {} ({})",
+                t.id,
+                t.kind,
+                t.address,
+                t.state.as_str(),
+                t.message
+            ),
+            Ok(Err(e)) => tracing::error!(
+                "task {id}: cannot record its state: {}",
+                crate::error_chain(&e)
+            ),
+            Err(e) => tracing::error!("task {id} panicked: {e}"),
+        }
+        if let Err(e) = self.refresh().await {
+            tracing::error!(
+                "inventory pass after task {id} failed: {}",
+                crate::error_chain(&e)
+            );
+        }
+        self.publisher.task_changed(id).await;
+    }
+
+    /// Brings every selected device to its policy target, one task each. Devices already there
+    /// get no task (a restart changes nothing); busy or refused devices are reported and skipped.
+    /// Returns the tasks started.
+    pub async fn reconcile(self: &Arc<Self>, requested_by: &str) -> Vec<crate::store::TaskRecord> {
+        let engine = Arc::clone(&self.engine);
+        let plans = match tokio::task::spawn_blocking(move || {
+            crate::modes::plan_all(engine.sysfs(), engine.store(), &engine.settings())
+        })
+        .await
+        {
+            Ok(Ok(p)) => p,
+            Ok(Err(e)) => {
+                tracing::error!("cannot plan modes: {}", crate::error_chain(&e));
+                return Vec::new();
+            }
+            Err(e) => {
+                tracing::error!("cannot plan modes: {e}");
+                return Vec::new();
+            }
+        };
+        let mut started = Vec::new();
+        for p in plans {
+            match (&p.decision, &p.program) {
+                (crate::policy::Decision::Target { .. }, crate::policy::Program::Nothing) => {}
+                (crate::policy::Decision::Target { target, .. }, _) => {
+                    match self
+                        .start_task(p.address, Some(target.clone()), requested_by)
+                        .await
+                    {
+                        Ok(t) => started.push(t),
+                        Err(e) => tracing::warn!(
+                            "{}: not reconciled: {}",
+                            p.address,
+                            crate::error_chain(&e)
+                        ),
+                    }
+                }
+                (crate::policy::Decision::Refuse { reason }, _) => {
+                    tracing::warn!("{}: {reason}", p.address)
+                }
+                _ => {}
+            }
+        }
+        started
+    }
+
+    /// Waits until none of `tasks` is still in prepare or running.
+    pub async fn wait_tasks(&self, tasks: &[crate::store::TaskRecord]) {
+        for t in tasks {
+            loop {
+                match self.engine.store().task(t.id) {
+                    Ok(Some(r)) if !r.state.is_final() => {
+                        tokio::time::sleep(Duration::from_millis(20)).await
+                    }
+                    _ => break,
+                }
+            }
+        }
+    }
+
     /// Records AER recovery reports; they are health history even when the scan sees no change.
     fn note_uevent(&self, ev: &Uevent) {
         let Some((what, online)) = ev.aer_event() else {
@@ -249,7 +375,7 @@ impl<P: Publish> Service<P> {
     /// The main loop: passes on uevents (batched), on the poll tick, and on SIGHUP, until
     /// `shutdown` resolves.
     pub async fn run(
-        &self,
+        self: &Arc<Self>,
         mut events: Option<EventReceiver>,
         shutdown: impl std::future::Future<Output = ()>,
     ) {
@@ -294,8 +420,11 @@ impl<P: Publish> Service<P> {
                     }
                 } => {
                     tracing::info!("SIGHUP: reloading configuration");
-                    if let Err(e) = self.reload().await {
-                        tracing::error!("reload failed: {}", crate::error_chain(&e));
+                    match self.reload().await {
+                        Ok(_) => {
+                            self.reconcile("reload (SIGHUP)").await;
+                        }
+                        Err(e) => tracing::error!("reload failed: {}", crate::error_chain(&e)),
                     }
                 }
             }

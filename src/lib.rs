@@ -25,7 +25,9 @@ pub mod client;
 pub mod convert;
 pub mod daemon; // the engine and the loop that keeps the store in step with the kernel
 pub mod dbus; // the D-Bus API: objects, named errors, polkit
+pub mod modes; // a device's decision, program and plan from store, settings and live sysfs
 pub mod plan; // plans: the exact ordered sysfs writes of a program, printable before they run
 pub mod policy; // mode policy and conversion programs: pure decisions
 pub mod private_bus; // a private dbus-daemon, for --simulate and tests // D-Bus client side: proxies, the JSON device view, vfioctl tables
 pub mod server; // assembles store, engine, D-Bus service and loop into a running daemon // runs plans against sysfs: read-back verification, progress, snapshots
+pub mod tasks; // the task engine: one task per device, durable state, run with rollback

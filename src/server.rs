@@ -53,6 +53,14 @@ impl Server {
             s.state_dir.display()
         );
         let store = Arc::new(Store::open(&s.state_dir)?);
+        // A task that was running when vfiod died is not silently forgotten: it ends in
+        // error ("interrupted") and its device waits for an operator's ResetTask.
+        for t in store.interrupt_unfinished_tasks()? {
+            tracing::error!(
+                "task {} {} on {} was interrupted by a stop of vfiod at step {:?}; the device stays in error until reset",
+                t.id, t.kind, t.address, t.step
+            );
+        }
         let engine = Arc::new(Engine::new(opts.settings, opts.source, opts.sysfs, store));
         // The first pass commits before the name is taken: when clients can see vfiod, they
         // see the whole inventory.
@@ -76,6 +84,19 @@ impl Server {
             opts.simulated,
         )
         .await?;
+        // Boot: bring every selected device to its configured mode before clients (libvirt,
+        // ordered after vfiod) see the name. Devices already there get no task.
+        let started = service.reconcile("vfiod start-up").await;
+        if !started.is_empty() {
+            tracing::info!(
+                "start-up: {} device(s) being brought to their configured mode",
+                started.len()
+            );
+            service.wait_tasks(&started).await;
+            // run_task refreshes after each task; one more pass settles the counts.
+            service.refresh().await.map_err(ServerError::Engine)?;
+        }
+        dbus::take_name(&conn).await?;
         tracing::info!("serving {} on {:?}", dbus::BUS_NAME, opts.bus);
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let svc = Arc::clone(&service);

@@ -24,7 +24,11 @@ struct Host {
 /// `write_timeout` bounds each sysfs write; enabling 64 simulated VFs on a loaded 2-core
 /// machine takes seconds, so only the fault tests use a short bound.
 fn host_with(write_timeout: Duration) -> Host {
-    let dir = tempfile::tempdir().unwrap();
+    // tmpfs when available: the simulated kernel renders many small files.
+    let dir = tempfile::Builder::new()
+        .tempdir_in("/dev/shm")
+        .or_else(|_| tempfile::tempdir())
+        .unwrap();
     let kernel = SimKernel::build(dir.path(), &HostModel::reference()).unwrap();
     let sysfs = kernel.sysfs().with_write_timeout(write_timeout);
     Host {

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{addr, prop_str, wait_for, Harness, Props, DEMO_CONFIG};
+use common::{addr, prop_str, wait_for, Harness, Props, STEADY_CONFIG};
 use std::collections::HashMap;
 use vfiod::device::State;
 use vfiod::simkernel::FaultTarget;
@@ -17,7 +17,7 @@ fn device_path(a: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_object_per_function_with_sysfs_values() {
-    let h = Harness::start(DEMO_CONFIG).await;
+    let h = Harness::start(STEADY_CONFIG).await;
     let devices = vfiod::client::list_devices(&h.client).await.unwrap();
     let kernel_addrs: Vec<String> = h.kernel.addresses().iter().map(|a| a.to_string()).collect();
     let listed: Vec<String> = devices.iter().map(|d| d.address.clone()).collect();
@@ -49,7 +49,7 @@ async fn one_object_per_function_with_sysfs_values() {
     let m = h.manager().await;
     assert_eq!(m.device_count().await.unwrap() as usize, kernel_addrs.len());
     assert_eq!(m.protected_count().await.unwrap(), 2);
-    assert_eq!(m.scenario().await.unwrap(), "public");
+    assert_eq!(m.scenario().await.unwrap(), "private");
     assert!(m.simulated().await.unwrap());
     assert_eq!(
         m.get_device("3b:00.0").await.unwrap().as_str(),
@@ -59,7 +59,7 @@ async fn one_object_per_function_with_sysfs_values() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn named_errors_for_bad_arguments() {
-    let h = Harness::start(DEMO_CONFIG).await;
+    let h = Harness::start(STEADY_CONFIG).await;
     let m = h.manager().await;
     let name = |e: zbus::Error| match e {
         zbus::Error::MethodError(n, msg, _) => (n.to_string(), msg.unwrap_or_default()),
@@ -77,7 +77,7 @@ async fn named_errors_for_bad_arguments() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn remove_and_rescan_update_store_and_signal() {
-    let h = Harness::start(DEMO_CONFIG).await;
+    let h = Harness::start(STEADY_CONFIG).await;
     let mut om = h.signals(OM_RULE).await;
     let nvme = addr("0000:d8:00.0");
     let sysfs = h.kernel.sysfs();
@@ -148,7 +148,7 @@ async fn expect_state_change(h: &Harness, path: &str, want: &str) -> Props {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreadable_attributes_make_a_device_broken_and_back() {
-    let h = Harness::start(DEMO_CONFIG).await;
+    let h = Harness::start(STEADY_CONFIG).await;
     let fpga = addr("0000:af:00.0");
     let path = device_path("0000:af:00.0");
     h.kernel.make_unreadable(fpga, "uevent", libc::EIO);
@@ -183,7 +183,7 @@ async fn unreadable_attributes_make_a_device_broken_and_back() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn config_space_all_ones_is_broken() {
-    let h = Harness::start(DEMO_CONFIG).await;
+    let h = Harness::start(STEADY_CONFIG).await;
     let gpu = addr("0000:17:00.0");
     h.kernel.set_config_all_ones(gpu, true).unwrap();
     let changed = expect_state_change(&h, &device_path("0000:17:00.0"), "broken").await;
@@ -194,7 +194,7 @@ async fn config_space_all_ones_is_broken() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn aer_recovery_events_are_recorded() {
-    let h = Harness::start(DEMO_CONFIG).await;
+    let h = Harness::start(STEADY_CONFIG).await;
     let nic = addr("0000:3b:00.0");
     h.kernel.aer_error(nic, false, true).unwrap();
     let store = h.store();
@@ -267,7 +267,7 @@ async fn a_bad_reload_keeps_the_running_settings() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restart_finds_the_same_state_and_writes_nothing() {
-    let mut h = Harness::start(DEMO_CONFIG).await;
+    let mut h = Harness::start(STEADY_CONFIG).await;
     let before = h.store().devices().unwrap();
     let events_before = h.store().events(None, 0, 10_000).unwrap().len();
     h.stop_server().await;
@@ -291,7 +291,7 @@ async fn restart_finds_the_same_state_and_writes_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_daemon_cannot_take_the_name() {
-    let h = Harness::start(DEMO_CONFIG).await;
+    let h = Harness::start(STEADY_CONFIG).await;
     let state = tempfile::tempdir().unwrap();
     let mut settings = h.source().load().unwrap();
     settings.state_dir = state.path().to_path_buf();
@@ -316,7 +316,7 @@ async fn a_second_daemon_cannot_take_the_name() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sysfs_write_faults_do_not_disturb_the_inventory() {
     // A fault armed on writes must not matter to a daemon that only reads.
-    let h = Harness::start(DEMO_CONFIG).await;
+    let h = Harness::start(STEADY_CONFIG).await;
     h.kernel.inject(
         FaultTarget::BusAttr("drivers_probe".into()),
         vfiod::simkernel::FaultAction::Errno(libc::EIO),
@@ -328,7 +328,7 @@ async fn sysfs_write_faults_do_not_disturb_the_inventory() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vfioctl_list_and_show() {
-    let h = Harness::start(DEMO_CONFIG).await;
+    let h = Harness::start(STEADY_CONFIG).await;
     let exe = env!("CARGO_BIN_EXE_vfioctl");
     let bus = h.bus.address().to_string();
     let run = |args: &[&str]| {

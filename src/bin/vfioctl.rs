@@ -49,6 +49,13 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// What the mode policy decides for each selected device (or one), and the exact sysfs
+    /// writes it would make. A dry run: nothing is changed.
+    Plan {
+        address: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
     /// Re-read the configuration (needs authorization).
     Reload,
     /// Rescan the PCI devices now (needs authorization).
@@ -170,6 +177,43 @@ async fn run(args: Args) -> Result<(), String> {
             } else {
                 for (id, t, _a, k, msg) in events {
                     println!("{id:>6}  {}  {k:<10} {msg}", format_time(t));
+                }
+            }
+        }
+        Command::Plan { address, json } => {
+            let m = client::manager(&conn).await.map_err(describe)?;
+            let plans = match &address {
+                Some(a) => {
+                    let (d, r, p, steps, js) =
+                        m.get_plan(a).await.map_err(|e| describe(e.into()))?;
+                    vec![(a.clone(), d, r, p, steps, js)]
+                }
+                None => m.get_plans().await.map_err(|e| describe(e.into()))?,
+            };
+            if json {
+                let v: Vec<serde_json::Value> = plans
+                    .iter()
+                    .map(|(_, _, _, _, _, js)| {
+                        serde_json::from_str(js).unwrap_or(serde_json::Value::Null)
+                    })
+                    .collect();
+                print_json(&v)?;
+            } else if plans.is_empty() {
+                println!("no device is selected by the configuration: nothing to plan");
+            } else {
+                for (a, decision, reason, program, steps, _) in plans {
+                    let what = match decision.as_str() {
+                        "target" if program == "nothing" => {
+                            "in its target mode: nothing to do".to_string()
+                        }
+                        "target" => program.clone(),
+                        "refuse" => "refused".to_string(),
+                        _ => "left alone".to_string(),
+                    };
+                    println!("{a}: {what} ({reason})");
+                    for s in steps {
+                        println!("    {s}");
+                    }
                 }
             }
         }

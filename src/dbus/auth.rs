@@ -44,7 +44,13 @@ impl Authorizer {
                 "",
             )
             .await
-            .map_err(|e| Error::NotAuthorized(format!("polkit check for {action} failed: {e}")))?;
+            .map_err(|e| {
+                if polkit_absent(&e) {
+                    Error::NotAuthorized(format!("polkit unreachable, {action} refused: {e}"))
+                } else {
+                    Error::NotAuthorized(format!("polkit check for {action} failed: {e}"))
+                }
+            })?;
         if result.is_authorized {
             Ok(())
         } else if result.is_challenge {
@@ -57,4 +63,12 @@ impl Authorizer {
             )))
         }
     }
+}
+
+/// True when the error says no polkitd answered (not running, or gone while asked), as opposed
+/// to an error polkitd itself returned. zbus reports these bus errors as `Error::FDO`.
+fn polkit_absent(e: &zbus::Error) -> bool {
+    use zbus::fdo::Error as Fdo;
+    matches!(e, zbus::Error::FDO(f)
+        if matches!(**f, Fdo::ServiceUnknown(_) | Fdo::NameHasNoOwner(_) | Fdo::NoReply(_)))
 }

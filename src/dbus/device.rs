@@ -7,9 +7,68 @@ use zbus::{OwnedVariant, Variant};
 
 pub const INTERFACE: &str = "org.vfiod.Vfiod1.Device";
 
-/// The D-Bus face of a device record (a snapshot of the store's row).
+/// The D-Bus face of a device record (a snapshot of the store's row) and of its tasks.
 pub struct DeviceObject {
     pub device: Device,
+    /// The active task (prepare, running, or error until reset).
+    pub task: Option<crate::store::TaskRecord>,
+    /// The most recent finished task.
+    pub last: Option<crate::store::TaskRecord>,
+    pub ctx: std::sync::Arc<std::sync::OnceLock<super::Ctx>>,
+}
+
+impl DeviceObject {
+    fn service(
+        &self,
+    ) -> Result<
+        (
+            std::sync::Arc<crate::daemon::Service<super::DbusPublisher>>,
+            super::auth::Authorizer,
+        ),
+        super::error::Error,
+    > {
+        let ctx = self
+            .ctx
+            .get()
+            .ok_or_else(|| super::error::Error::Failed("vfiod is starting".into()))?;
+        let s = ctx
+            .service
+            .upgrade()
+            .ok_or_else(|| super::error::Error::Failed("vfiod is stopping".into()))?;
+        Ok((s, ctx.authorizer))
+    }
+
+    /// Who asked, for the task record: the caller's uid when the bus tells it, else its name.
+    async fn requester(conn: &zbus::Connection, header: &zbus::message::Header<'_>) -> String {
+        let Some(sender) = header.sender() else {
+            return "unknown".into();
+        };
+        let uid = match zbus::fdo::DBusProxy::new(conn).await {
+            Ok(p) => p.get_connection_unix_user(sender.clone().into()).await.ok(),
+            Err(_) => None,
+        };
+        match uid {
+            Some(u) => format!("uid {u} ({sender})"),
+            None => sender.to_string(),
+        }
+    }
+
+    async fn start(
+        &self,
+        target: Option<crate::policy::Target>,
+        header: &zbus::message::Header<'_>,
+        conn: &zbus::Connection,
+    ) -> Result<zbus::OwnedObjectPath, super::error::Error> {
+        let (service, authorizer) = self.service()?;
+        authorizer
+            .check(conn, header, super::auth::ACTION_MANAGE)
+            .await?;
+        let who = Self::requester(conn, header).await;
+        let task = service
+            .start_task(self.device.address, target, &who)
+            .await?;
+        Ok(super::task::task_path(task.id))
+    }
 }
 
 /// Property values as sent on the bus. Absent values use sentinels D-Bus can carry: "" for
@@ -168,6 +227,111 @@ impl DeviceObject {
     #[zbus(property)]
     fn state_reason(&self) -> String {
         self.device.state_reason.clone()
+    }
+
+    /// idle, prepare, running or error (error until an operator calls ResetTask).
+    #[zbus(property)]
+    pub fn task_state(&self) -> String {
+        self.task
+            .as_ref()
+            .map_or("idle".into(), |t| t.state.as_str().into())
+    }
+
+    /// The active task's object, "/" when idle.
+    #[zbus(property)]
+    pub fn current_task(&self) -> zbus::OwnedObjectPath {
+        self.task.as_ref().map_or_else(
+            || zbus::OwnedObjectPath::try_from("/").expect("root path"),
+            |t| super::task::task_path(t.id),
+        )
+    }
+
+    /// The last finished task: "task N KIND: STATE: RESULT", "" if none.
+    #[zbus(property)]
+    pub fn last_result(&self) -> String {
+        self.last.as_ref().map_or(String::new(), |t| {
+            format!(
+                "task {} {}: {}: {}",
+                t.id,
+                t.kind,
+                t.state.as_str(),
+                t.message
+            )
+        })
+    }
+
+    /// Puts the device in `mode` ("pf" or "vf"; `num_vfs` 0 = as many as the configuration or
+    /// the device allows). Returns the task at once; it reports progress as it runs. Refused
+    /// with Busy when the device has a task, Protected, or InvalidArgument.
+    async fn set_mode(
+        &self,
+        mode: &str,
+        num_vfs: u32,
+        #[zbus(header)] header: zbus::message::Header<'_>,
+        #[zbus(connection)] conn: &zbus::Connection,
+    ) -> Result<zbus::OwnedObjectPath, super::error::Error> {
+        use crate::policy::{Target, VFIO_PCI};
+        let (service, _) = self.service()?;
+        let settings = service.engine.settings();
+        let d = &self.device;
+        let rule = settings.rule_for(d.address, d.vendor_id, d.device_id, d.class);
+        let target = match mode {
+            "pf" => {
+                if num_vfs != 0 {
+                    return Err(super::error::Error::InvalidArgument(
+                        "num_vfs must be 0 with mode pf".into(),
+                    ));
+                }
+                Target::Pf {
+                    driver: rule.and_then(|r| r.pf_driver.clone()),
+                }
+            }
+            "vf" => Target::Vf {
+                num_vfs: if num_vfs == 0 {
+                    rule.and_then(|r| r.num_vfs).unwrap_or(d.total_vfs)
+                } else {
+                    num_vfs
+                },
+                vf_driver: rule
+                    .and_then(|r| r.vf_driver.clone())
+                    .unwrap_or_else(|| VFIO_PCI.into()),
+            },
+            other => {
+                return Err(super::error::Error::InvalidArgument(format!(
+                    "mode must be pf or vf, not {other:?}"
+                )));
+            }
+        };
+        self.start(Some(target), &header, conn).await
+    }
+
+    /// Brings the device to the mode its policy says (what vfiod does at start and on reload).
+    async fn apply(
+        &self,
+        #[zbus(header)] header: zbus::message::Header<'_>,
+        #[zbus(connection)] conn: &zbus::Connection,
+    ) -> Result<zbus::OwnedObjectPath, super::error::Error> {
+        self.start(None, &header, conn).await
+    }
+
+    /// Clears a task left in error, after the operator has looked at the device; recorded with
+    /// the caller's identity.
+    async fn reset_task(
+        &self,
+        #[zbus(header)] header: zbus::message::Header<'_>,
+        #[zbus(connection)] conn: &zbus::Connection,
+    ) -> Result<(), super::error::Error> {
+        let (service, authorizer) = self.service()?;
+        authorizer
+            .check(conn, &header, super::auth::ACTION_MANAGE)
+            .await?;
+        let who = Self::requester(conn, &header).await;
+        let t = service
+            .engine
+            .store()
+            .reset_task(self.device.address, &who)?;
+        crate::daemon::Publish::task_changed(&service.publisher, t.id).await;
+        Ok(())
     }
 }
 

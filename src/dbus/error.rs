@@ -23,13 +23,43 @@ pub enum Error {
 
 impl From<StoreError> for Error {
     fn from(e: StoreError) -> Self {
-        Error::Failed(format!("state store: {}", crate::error_chain(&e)))
+        match e {
+            busy @ StoreError::Busy { .. } => Error::Busy(busy.to_string()),
+            not @ StoreError::NotInError { .. } => Error::InvalidArgument(not.to_string()),
+            other => Error::Failed(format!("state store: {}", crate::error_chain(&other))),
+        }
+    }
+}
+
+impl From<crate::tasks::TaskError> for Error {
+    fn from(e: crate::tasks::TaskError) -> Self {
+        use crate::tasks::TaskError as T;
+        match e {
+            T::NoSuchDevice(a) => Error::NoSuchDevice(format!("no PCI function {a} on this host")),
+            p @ T::Protected { .. } => Error::Protected(p.to_string()),
+            n @ T::NotManaged(_) => Error::Protected(n.to_string()),
+            r @ T::Refused { .. } => Error::InvalidArgument(r.to_string()),
+            T::Store(s) => s.into(),
+            T::Mode(m) => m.into(),
+        }
     }
 }
 
 impl From<ConfigError> for Error {
     fn from(e: ConfigError) -> Self {
         Error::InvalidConfig(crate::error_chain(&e))
+    }
+}
+
+impl From<crate::modes::ModeError> for Error {
+    fn from(e: crate::modes::ModeError) -> Self {
+        use crate::modes::ModeError as M;
+        match e {
+            M::NoSuchDevice(a) => Error::NoSuchDevice(format!("no PCI function {a} on this host")),
+            M::Store(s) => s.into(),
+            other @ M::Snapshot(_) => Error::HardwareFailed(crate::error_chain(&other)),
+            other @ M::Plan { .. } => Error::InvalidArgument(crate::error_chain(&other)),
+        }
     }
 }
 

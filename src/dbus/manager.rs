@@ -122,6 +122,42 @@ impl Manager {
             .collect())
     }
 
+    /// The policy's plan for one device, as a dry run: (decision, reason, program, steps as
+    /// shell-like lines, plan as JSON). Nothing is written.
+    async fn get_plan(
+        &self,
+        address: &str,
+    ) -> Result<(String, String, String, Vec<String>, String), Error> {
+        let a = parse_address(address)?;
+        let engine = Arc::clone(&self.service.engine);
+        let p = tokio::task::spawn_blocking(move || {
+            crate::modes::plan_device(engine.sysfs(), engine.store(), &engine.settings(), a)
+        })
+        .await
+        .map_err(|e| Error::Failed(e.to_string()))??;
+        Ok(plan_tuple(&p))
+    }
+
+    /// Plans for every selected device: (address, decision, reason, program, steps, JSON).
+    #[allow(clippy::type_complexity)]
+    async fn get_plans(
+        &self,
+    ) -> Result<Vec<(String, String, String, String, Vec<String>, String)>, Error> {
+        let engine = Arc::clone(&self.service.engine);
+        let plans = tokio::task::spawn_blocking(move || {
+            crate::modes::plan_all(engine.sysfs(), engine.store(), &engine.settings())
+        })
+        .await
+        .map_err(|e| Error::Failed(e.to_string()))??;
+        Ok(plans
+            .iter()
+            .map(|p| {
+                let (d, r, prog, steps, json) = plan_tuple(p);
+                (p.address.to_string(), d, r, prog, steps, json)
+            })
+            .collect())
+    }
+
     /// Re-reads the configuration (as SIGHUP does) and runs an inventory pass. A bad file is
     /// refused with InvalidConfig and the running settings are kept.
     async fn reload(
@@ -131,6 +167,9 @@ impl Manager {
     ) -> Result<(), Error> {
         self.authorizer.check(conn, &header, ACTION_MANAGE).await?;
         self.service.reload().await?;
+        // New settings may select or re-target devices: start their tasks (not awaited; they
+        // report through their task objects).
+        self.service.reconcile("reload (D-Bus)").await;
         Ok(())
     }
 
@@ -144,6 +183,35 @@ impl Manager {
         self.service.refresh().await?;
         Ok(())
     }
+}
+
+fn plan_tuple(p: &crate::modes::DevicePlan) -> (String, String, String, Vec<String>, String) {
+    let decision = match &p.decision {
+        crate::policy::Decision::Leave { .. } => "leave",
+        crate::policy::Decision::Target { .. } => "target",
+        crate::policy::Decision::Refuse { .. } => "refuse",
+    };
+    let program = serde_json::to_value(&p.program)
+        .ok()
+        .and_then(|v| {
+            v.get("program")
+                .and_then(|x| x.as_str())
+                .map(str::to_string)
+        })
+        .unwrap_or_default();
+    let steps = p
+        .plan
+        .as_ref()
+        .map(|pl| pl.steps.iter().map(|s| s.to_string()).collect())
+        .unwrap_or_default();
+    let json = serde_json::to_string(p).unwrap_or_default();
+    (
+        decision.into(),
+        p.decision.reason().to_string(),
+        program,
+        steps,
+        json,
+    )
 }
 
 impl Manager {

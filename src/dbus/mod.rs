@@ -6,6 +6,7 @@ pub mod auth;
 pub mod device;
 pub mod error;
 pub mod manager;
+pub mod task;
 
 use crate::daemon::{Pass, Publish, Service};
 use crate::pci::PciAddress;
@@ -61,6 +62,40 @@ impl BusTarget {
 #[derive(Clone)]
 pub struct DbusPublisher {
     pub conn: Connection,
+    /// What device objects need to serve their methods; set once the service exists.
+    pub ctx: Arc<std::sync::OnceLock<Ctx>>,
+    /// Task changes are published by one background task, in order: a method of a device
+    /// object holds that object while it runs, so publishing inline from it would deadlock.
+    task_updates: tokio::sync::mpsc::UnboundedSender<i64>,
+}
+
+/// The service behind the objects' methods (weak: the service owns the publisher).
+pub struct Ctx {
+    pub service: std::sync::Weak<Service<DbusPublisher>>,
+    pub authorizer: auth::Authorizer,
+}
+
+impl DbusPublisher {
+    fn device_object(&self, d: &crate::device::Device) -> DeviceObject {
+        let store = self
+            .ctx
+            .get()
+            .and_then(|c| c.service.upgrade())
+            .map(|s| Arc::clone(s.engine.store()));
+        let (task, last) = match store {
+            Some(st) => (
+                st.active_task(d.address).ok().flatten(),
+                st.last_result(d.address).ok().flatten(),
+            ),
+            None => (None, None),
+        };
+        DeviceObject {
+            device: d.clone(),
+            task,
+            last,
+            ctx: Arc::clone(&self.ctx),
+        }
+    }
 }
 
 impl Publish for DbusPublisher {
@@ -75,6 +110,10 @@ impl Publish for DbusPublisher {
                 tracing::error!("cannot signal manager counts: {e}");
             }
         }
+    }
+
+    async fn task_changed(&self, id: i64) {
+        let _ = self.task_updates.send(id);
     }
 
     async fn settings_changed(&self) {
@@ -92,7 +131,7 @@ impl DbusPublisher {
                 let path = device_path(d.address);
                 // A stale object (should not happen) is replaced rather than kept.
                 server.remove::<DeviceObject, _>(&path).await.ok();
-                server.at(&path, DeviceObject { device: d.clone() }).await?;
+                server.at(&path, self.device_object(d)).await?;
             }
             DeviceChange::Removed(d) => {
                 server
@@ -117,6 +156,69 @@ impl DbusPublisher {
                     )
                     .await?;
                 }
+            }
+        }
+        Ok(())
+    }
+
+    async fn publish_task(&self, id: i64) -> zbus::Result<()> {
+        let Some(service) = self.ctx.get().and_then(|c| c.service.upgrade()) else {
+            return Ok(());
+        };
+        let store = service.engine.store();
+        let Ok(Some(t)) = store.task(id) else {
+            return Ok(());
+        };
+        let server = self.conn.object_server();
+        let path = task::task_path(id);
+        match server.interface::<_, task::TaskObject>(&path).await {
+            Ok(iface) => {
+                let old = std::mem::replace(&mut iface.get_mut().await.task, t.clone());
+                let changed = task::changed_properties(&old, &t);
+                if !changed.is_empty() {
+                    let map: HashMap<&str, zbus::Variant<'_>> = changed
+                        .into_iter()
+                        .map(|(k, v)| (k, zbus::Variant::from(v)))
+                        .collect();
+                    zbus::fdo::Properties::properties_changed(
+                        iface.signal_emitter(),
+                        task::INTERFACE.try_into()?,
+                        map,
+                        std::borrow::Cow::Borrowed(&[]),
+                    )
+                    .await?;
+                }
+            }
+            Err(_) => {
+                server
+                    .at(&path, task::TaskObject { task: t.clone() })
+                    .await?;
+            }
+        }
+        // The device shows its current task and last result.
+        let dpath = device_path(t.address);
+        if let Ok(iface) = server.interface::<_, DeviceObject>(&dpath).await {
+            let active = store.active_task(t.address).ok().flatten();
+            let last = store.last_result(t.address).ok().flatten();
+            let (old_state, old_path, old_last) = {
+                let d = iface.get().await;
+                (d.task_state(), d.current_task(), d.last_result())
+            };
+            {
+                let mut d = iface.get_mut().await;
+                d.task = active;
+                d.last = last;
+            }
+            let d = iface.get().await;
+            let em = iface.signal_emitter();
+            if d.task_state() != old_state {
+                d.task_state_changed(em).await?;
+            }
+            if d.current_task() != old_path {
+                d.current_task_changed(em).await?;
+            }
+            if d.last_result() != old_last {
+                d.last_result_changed(em).await?;
             }
         }
         Ok(())
@@ -151,9 +253,9 @@ impl DbusPublisher {
     }
 }
 
-/// Serves the API on `bus`: builds the connection, exports the root (Manager +
-/// ObjectManager) and one object per stored device, then takes the bus name, so that a client
-/// that sees the name also sees the whole inventory.
+/// Exports the API on `bus`: builds the connection, the root (Manager + ObjectManager) and one
+/// object per stored device. The caller takes the name with [`take_name`] once the daemon is
+/// ready, so that a client that sees the name sees a settled inventory.
 pub async fn serve(
     bus: &BusTarget,
     build_service: impl FnOnce(DbusPublisher) -> Arc<Service<DbusPublisher>>,
@@ -161,7 +263,26 @@ pub async fn serve(
     simulated: bool,
 ) -> Result<(Connection, Arc<Service<DbusPublisher>>), ServeError> {
     let conn = bus.builder().build().await.map_err(ServeError::Connect)?;
-    let service = build_service(DbusPublisher { conn: conn.clone() });
+    let ctx = Arc::new(std::sync::OnceLock::new());
+    let (task_updates, mut updates) = tokio::sync::mpsc::unbounded_channel::<i64>();
+    let publisher = DbusPublisher {
+        conn: conn.clone(),
+        ctx: Arc::clone(&ctx),
+        task_updates,
+    };
+    let p = publisher.clone();
+    tokio::spawn(async move {
+        while let Some(id) = updates.recv().await {
+            if let Err(e) = p.publish_task(id).await {
+                tracing::error!("cannot publish task {id} on D-Bus: {e}");
+            }
+        }
+    });
+    let service = build_service(publisher.clone());
+    let _ = ctx.set(Ctx {
+        service: Arc::downgrade(&service),
+        authorizer,
+    });
     let server = conn.object_server();
     server
         .at(ROOT_PATH, zbus::fdo::ObjectManager)
@@ -184,15 +305,36 @@ pub async fn serve(
         .devices()
         .map_err(|e| ServeError::Store(crate::error_chain(&e)))?;
     for d in devices {
+        let obj = publisher.device_object(&d);
+        let tasks: Vec<i64> = obj
+            .task
+            .iter()
+            .chain(obj.last.iter())
+            .map(|t| t.id)
+            .collect();
         server
-            .at(device_path(d.address), DeviceObject { device: d })
+            .at(device_path(d.address), obj)
             .await
             .map_err(ServeError::Export)?;
+        // Active tasks and each device's last result stay visible across restarts.
+        for id in tasks {
+            if let Ok(Some(t)) = service.engine.store().task(id) {
+                server
+                    .at(task::task_path(id), task::TaskObject { task: t })
+                    .await
+                    .map_err(ServeError::Export)?;
+            }
+        }
     }
+    Ok((conn, service))
+}
+
+/// Takes the well-known name: from here on clients find vfiod.
+pub async fn take_name(conn: &Connection) -> Result<(), ServeError> {
     conn.request_name_with_flags(BUS_NAME, zbus::fdo::RequestNameFlags::DO_NOT_QUEUE)
         .await
         .map_err(ServeError::Name)?;
-    Ok((conn, service))
+    Ok(())
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -115,7 +115,7 @@ impl Change<'_> {
     }
 }
 
-/// The row after `change`, or why `change` is illegal for `current`. Pure.
+/// The row after `change`, or `None` when the state machine forbids it for `current`. Pure.
 fn apply(current: &TaskRecord, change: &Change<'_>, now: i64) -> Option<TaskRecord> {
     if !current.state.can_become(change.target()) {
         return None;
@@ -126,7 +126,7 @@ fn apply(current: &TaskRecord, change: &Change<'_>, now: i64) -> Option<TaskReco
         Change::Progress { step, percent } => {
             next.step = step.to_string();
             next.percent = percent;
-            next.started_ms = Some(now);
+            next.started_ms.get_or_insert(now);
         }
         Change::Succeeded { message } => {
             next.percent = 100;
@@ -381,8 +381,9 @@ impl Store {
             let mut interrupted = Vec::with_capacity(unfinished.len());
             for task in unfinished {
                 let message = interrupted_message(&task);
-                let next = apply(&task, &Change::Failed { message: &message }, now)
-                    .expect("prepare and running can always fail");
+                let change = Change::Failed { message: &message };
+                // Prepare and running can always fail; the check stays for uniformity.
+                let next = apply(&task, &change, now).ok_or_else(|| illegal(&task, &change))?;
                 self.update(conn, action, &task, &next)?;
                 self.task_event(conn, action, &next, event_message(&next), now)?;
                 interrupted.push(next);
@@ -403,13 +404,7 @@ impl Store {
                 .read_one(conn, action, "WHERE id = ?1", params![id])?
                 .ok_or(StoreError::NoSuchTask(id))?;
             let now = now_ms();
-            let next = apply(&task, &change, now).ok_or_else(|| StoreError::IllegalTransition {
-                id,
-                address: task.address,
-                kind: task.kind.clone(),
-                from: task.state,
-                to: change.target(),
-            })?;
+            let next = apply(&task, &change, now).ok_or_else(|| illegal(&task, &change))?;
             self.update(conn, action, &task, &next)?;
             self.task_event(conn, action, &next, event_message(&next), now)?;
             Ok(next)
@@ -447,8 +442,8 @@ impl Store {
                 })
             })
             .map_err(|e| self.sqlite(action, e))?;
-        // The row was read in this immediate transaction, so nobody can have changed it.
-        debug_assert_eq!(changed, 1, "task {} changed under the write lock", next.id);
+        // The row was read in this immediate transaction, so nobody can have changed it; should
+        // that ever not hold, fail rather than overwrite a change this check did not see.
         if changed != 1 {
             return Err(self.sqlite(action, rusqlite::Error::StatementChangedRows(changed)));
         }
@@ -528,6 +523,16 @@ impl Store {
             tasks.push(decode(row).map_err(|e| self.decode(e))?);
         }
         Ok(tasks)
+    }
+}
+
+fn illegal(task: &TaskRecord, change: &Change<'_>) -> StoreError {
+    StoreError::IllegalTransition {
+        id: task.id,
+        address: task.address,
+        kind: task.kind.clone(),
+        from: task.state,
+        to: change.target(),
     }
 }
 

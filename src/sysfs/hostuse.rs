@@ -136,6 +136,54 @@ pub fn detect(sysfs: &Sysfs) -> HostUse {
     uses
 }
 
+/// Processes holding `/dev/vfio/<group>` open, per group: a VM (QEMU) using a device through
+/// VFIO. Read from `<root>/proc/*/fd`; a process that vanishes mid-scan is skipped.
+pub fn vfio_users(sysfs: &Sysfs, groups: &[u32]) -> BTreeMap<u32, Vec<String>> {
+    let mut out: BTreeMap<u32, Vec<String>> = BTreeMap::new();
+    if groups.is_empty() {
+        return out;
+    }
+    let proc_dir = sysfs.path("proc");
+    let Ok(pids) = sysfs.backend().read_dir(&proc_dir) else {
+        return out;
+    };
+    for pid in pids {
+        let Some(pid) = pid
+            .to_str()
+            .filter(|p| p.bytes().all(|b| b.is_ascii_digit()))
+        else {
+            continue;
+        };
+        let fd_dir = proc_dir.join(pid).join("fd");
+        let Ok(fds) = sysfs.backend().read_dir(&fd_dir) else {
+            continue;
+        };
+        for fd in fds {
+            let Ok(target) = sysfs.backend().read_link(&fd_dir.join(&fd)) else {
+                continue;
+            };
+            let t = target.to_string_lossy();
+            let Some(g) = t
+                .rsplit_once("/dev/vfio/")
+                .and_then(|(_, g)| g.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            if groups.contains(&g) {
+                let comm = sysfs
+                    .read_text(&proc_dir.join(pid).join("comm"))
+                    .unwrap_or_else(|_| "?".into());
+                let who = format!("pid {pid} ({comm})");
+                let users = out.entry(g).or_default();
+                if !users.contains(&who) {
+                    users.push(who);
+                }
+            }
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

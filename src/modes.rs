@@ -1,0 +1,155 @@
+//! Devices and their modes: the policy decision, the program and the plan for one device, from
+//! the store's record, the settings and a live snapshot of sysfs. Used by `vfioctl plan` (a dry
+//! run) and by the task engine (which runs the plan).
+
+use crate::config::Settings;
+use crate::convert::{self, ConvertError};
+use crate::device::{Device, Role};
+use crate::pci::PciAddress;
+use crate::plan::{self, Plan, PlanError, Snapshot};
+use crate::policy::{self, Current, Decision, Program, Target};
+use crate::store::{Store, StoreError};
+use crate::sysfs::Sysfs;
+use serde::Serialize;
+use std::collections::BTreeMap;
+
+/// Everything `vfioctl plan` shows for one device.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct DevicePlan {
+    pub address: PciAddress,
+    pub decision: Decision,
+    pub program: Program,
+    /// The writes, when there is something to do.
+    pub plan: Option<Plan>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ModeError {
+    #[error("no PCI function {0} is known")]
+    NoSuchDevice(PciAddress),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Snapshot(#[from] ConvertError),
+    #[error("cannot plan {address}")]
+    Plan {
+        address: PciAddress,
+        #[source]
+        source: PlanError,
+    },
+}
+
+fn current_of(
+    s: &Snapshot,
+) -> (
+    crate::device::Mode,
+    Vec<Option<String>>,
+    Vec<Option<String>>,
+) {
+    let mode = if s.num_vfs > 0 {
+        crate::device::Mode::Vf
+    } else {
+        crate::device::Mode::Pf
+    };
+    (
+        mode,
+        s.vfs.iter().map(|v| v.driver.clone()).collect(),
+        s.group.iter().map(|g| g.driver.clone()).collect(),
+    )
+}
+
+/// The plan that takes `device` to `target` (an explicit request, or the policy's answer).
+pub fn plan_to(
+    sysfs: &Sysfs,
+    store: &Store,
+    device: &Device,
+    target: &Target,
+) -> Result<(Program, Option<Plan>, Snapshot), ModeError> {
+    let originals = original_drivers(store, device)?;
+    let snapshot = convert::snapshot(sysfs, device.address, originals)?;
+    let (mode, vf_drivers, group_drivers) = current_of(&snapshot);
+    let current = Current {
+        mode,
+        num_vfs: snapshot.num_vfs,
+        vf_drivers: &vf_drivers,
+        group_drivers: &group_drivers,
+    };
+    let program = policy::program(&current, target);
+    if program == Program::Nothing {
+        return Ok((program, None, snapshot));
+    }
+    let vf_driver = match target {
+        Target::Vf { vf_driver, .. } => vf_driver.as_str(),
+        Target::Pf { .. } => policy::VFIO_PCI,
+    };
+    let plan = plan::build(&snapshot, &program, vf_driver).map_err(|source| ModeError::Plan {
+        address: device.address,
+        source,
+    })?;
+    Ok((program, Some(plan), snapshot))
+}
+
+/// Drivers recorded before vfiod first changed the device's functions (PF and group).
+fn original_drivers(
+    store: &Store,
+    device: &Device,
+) -> Result<BTreeMap<PciAddress, Option<String>>, ModeError> {
+    let mut out = BTreeMap::new();
+    for d in store.devices()? {
+        if d.address == device.address
+            || (d.iommu_group.is_some() && d.iommu_group == device.iommu_group)
+        {
+            if let Some(orig) = store.original_driver(d.address)? {
+                out.insert(d.address, orig);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The policy's plan for one device (a dry run: nothing is written).
+pub fn plan_device(
+    sysfs: &Sysfs,
+    store: &Store,
+    settings: &Settings,
+    address: PciAddress,
+) -> Result<DevicePlan, ModeError> {
+    let device = store
+        .device(address)?
+        .ok_or(ModeError::NoSuchDevice(address))?;
+    let rule = settings.rule_for(address, device.vendor_id, device.device_id, device.class);
+    let decision = policy::decide(&device, rule, settings.scenario);
+    let (program, plan) = match &decision {
+        Decision::Target { target, .. } => {
+            let (program, plan, _) = plan_to(sysfs, store, &device, target)?;
+            (program, plan)
+        }
+        _ => (Program::Nothing, None),
+    };
+    Ok(DevicePlan {
+        address,
+        decision,
+        program,
+        plan,
+    })
+}
+
+/// Plans for every device the configuration selects (VFs follow their PF and are skipped).
+pub fn plan_all(
+    sysfs: &Sysfs,
+    store: &Store,
+    settings: &Settings,
+) -> Result<Vec<DevicePlan>, ModeError> {
+    let mut out = Vec::new();
+    for d in store.devices()? {
+        if d.role == Role::Vf
+            || settings
+                .rule_for(d.address, d.vendor_id, d.device_id, d.class)
+                .is_none()
+        {
+            continue;
+        }
+        out.push(plan_device(sysfs, store, settings, d.address)?);
+    }
+    Ok(out)
+}

@@ -1,0 +1,275 @@
+//! The task engine: long device operations (split, restore, rebind, bind) run as tasks, one at
+//! a time per device, with a durable, visible state (prepare -> running -> success | error).
+//!
+//! [`prepare`] validates a request and creates the task row (refused with Busy when the device
+//! is not idle); [`run`] executes the plan with progress, verification and rollback, and records
+//! the outcome. Both block (sysfs, SQLite): call them off the async threads.
+
+use crate::convert::{self};
+use crate::daemon::Engine;
+use crate::device::{Role, State};
+use crate::modes::{self, ModeError};
+use crate::pci::PciAddress;
+use crate::plan::{Plan, Snapshot, Step, SysPath};
+use crate::policy::{self, Decision, Program, Target};
+use crate::store::{StoreError, TaskRecord};
+use crate::sysfs::hostuse;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TaskError {
+    #[error("no PCI function {0} is known")]
+    NoSuchDevice(PciAddress),
+    #[error("{address} is protected: {reason}")]
+    Protected { address: PciAddress, reason: String },
+    #[error("{0} is not selected by the configuration ([[select]]); vfiod does not change it")]
+    NotManaged(PciAddress),
+    #[error("{address}: {reason}")]
+    Refused { address: PciAddress, reason: String },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Mode(#[from] ModeError),
+}
+
+impl TaskError {
+    pub fn is_busy(&self) -> bool {
+        matches!(self, TaskError::Store(StoreError::Busy { .. }))
+    }
+}
+
+/// A validated request with its task row, ready to run.
+#[derive(Debug)]
+pub struct Prepared {
+    pub task: TaskRecord,
+    pub program: Program,
+    pub plan: Option<Plan>,
+    pub before: Snapshot,
+}
+
+fn program_name(p: &Program) -> &'static str {
+    match p {
+        Program::Nothing => "check",
+        Program::Split { .. } => "split",
+        Program::Restore => "restore",
+        Program::Resplit { .. } => "resplit",
+        Program::RebindVfs => "rebind",
+        Program::Bind { .. } => "bind",
+    }
+}
+
+/// Validates a mode request for `address` (`target: None` = the policy's target) and creates
+/// its task in `prepare`. Nothing is written to the device here.
+pub fn prepare(
+    engine: &Engine,
+    address: PciAddress,
+    target: Option<Target>,
+    requested_by: &str,
+) -> Result<Prepared, TaskError> {
+    let store = engine.store();
+    let settings = engine.settings();
+    let device = store
+        .device(address)?
+        .ok_or(TaskError::NoSuchDevice(address))?;
+    let refuse = |reason: String| TaskError::Refused { address, reason };
+    match device.state {
+        State::Protected => {
+            return Err(TaskError::Protected {
+                address,
+                reason: device.state_reason.clone(),
+            })
+        }
+        State::Broken => return Err(refuse(format!("broken: {}", device.state_reason))),
+        State::Usable => {}
+    }
+    if device.role == Role::Vf {
+        return Err(refuse(format!(
+            "a VF follows its PF; change the mode of {}",
+            device.parent_pf.map(|p| p.to_string()).unwrap_or_default()
+        )));
+    }
+    if !device.managed {
+        return Err(TaskError::NotManaged(address));
+    }
+    let target = match target {
+        Some(t) => {
+            if matches!(t, Target::Vf { .. }) && !device.separable {
+                return Err(refuse(
+                    "non-separable (no SR-IOV): it can only be used whole (PF mode)".into(),
+                ));
+            }
+            if let Target::Vf { num_vfs, .. } = &t {
+                if *num_vfs == 0 || *num_vfs > device.total_vfs {
+                    return Err(refuse(format!(
+                        "num_vfs {num_vfs} is outside 1..={}",
+                        device.total_vfs
+                    )));
+                }
+            }
+            t
+        }
+        None => {
+            let rule = settings.rule_for(address, device.vendor_id, device.device_id, device.class);
+            match policy::decide(&device, rule, settings.scenario) {
+                Decision::Target { target, .. } => target,
+                Decision::Leave { reason } | Decision::Refuse { reason } => {
+                    return Err(refuse(reason))
+                }
+            }
+        }
+    };
+    let (program, plan, before) = modes::plan_to(engine.sysfs(), store, &device, &target)?;
+    let params = serde_json::to_string(&target).unwrap_or_else(|_| "{}".into());
+    let task = store.create_task(address, program_name(&program), &params, requested_by)?;
+    Ok(Prepared {
+        task,
+        program,
+        plan,
+        before,
+    })
+}
+
+/// Functions whose binding the plan changes or whose existence it ends.
+fn touched(plan: &Plan, before: &Snapshot) -> Vec<PciAddress> {
+    let mut out: Vec<PciAddress> = Vec::new();
+    let mut add = |a: PciAddress| {
+        if !out.contains(&a) {
+            out.push(a)
+        }
+    };
+    for s in &plan.steps {
+        match s {
+            Step::Write {
+                path: SysPath::Device { address, attr },
+                ..
+            } if attr == "sriov_numvfs" => {
+                add(*address);
+                before.vfs.iter().for_each(|v| add(v.address));
+            }
+            Step::Write {
+                path: SysPath::Driver { attr, .. },
+                value,
+            } if attr == "unbind" => {
+                if let Ok(a) = value.trim().parse() {
+                    add(a);
+                }
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+/// Runs a prepared task to its end and returns the final record. `notify(id)` is called after
+/// each recorded change (the D-Bus layer publishes it).
+pub fn run(
+    engine: &Engine,
+    prepared: Prepared,
+    notify: &(dyn Fn(i64) + Sync),
+) -> Result<TaskRecord, StoreError> {
+    let store = engine.store();
+    let sysfs = engine.sysfs();
+    let id = prepared.task.id;
+    let address = prepared.task.address;
+    store.task_progress(id, "checking that nothing uses the device", 0)?;
+    notify(id);
+    let Some(plan) = prepared.plan else {
+        let t = store.task_succeeded(
+            id,
+            &format!("{address} is already in the requested mode: unchanged"),
+        )?;
+        notify(id);
+        return Ok(t);
+    };
+
+    // Never take a device away from a running VM: a function bound to vfio-pci whose group
+    // device is open belongs to one.
+    let touched = touched(&plan, &prepared.before);
+    let mut groups = Vec::new();
+    for a in &touched {
+        if let Ok(r) = sysfs.read_function(*a) {
+            if let (Some(g), Some("vfio-pci")) = (r.iommu_group, r.driver.as_deref()) {
+                groups.push(g);
+            }
+        }
+    }
+    let users = hostuse::vfio_users(sysfs, &groups);
+    if !users.is_empty() {
+        let who: Vec<String> = users
+            .iter()
+            .map(|(g, u)| format!("IOMMU group {g} is open by {}", u.join(", ")))
+            .collect();
+        let t = store.task_failed(
+            id,
+            &format!(
+                "refused: a VM uses the device ({}); nothing was changed",
+                who.join("; ")
+            ),
+        )?;
+        notify(id);
+        return Ok(t);
+    }
+
+    // Remember what each function was bound to before vfiod first changed it.
+    for b in prepared
+        .before
+        .group
+        .iter()
+        .chain(std::iter::once(&prepared.before.pf))
+    {
+        store.remember_original_driver(b.address, b.driver.as_deref())?;
+    }
+
+    let total = plan.steps.len().max(1);
+    let mut last_pct = 0u8;
+    let mut progress = |done: usize, _total: usize, step: &Step| {
+        let pct = ((done * 100) / total).min(99) as u8;
+        // Progress is durable; a 64-VF split has ~200 steps, so record whole-percent changes only.
+        if done == 0 || pct != last_pct {
+            last_pct = pct;
+            if store.task_progress(id, &step.to_string(), pct).is_ok() {
+                notify(id);
+            }
+        }
+        test_hook_stop_at(done);
+    };
+    let result = convert::apply(sysfs, &plan, &prepared.before, &mut progress);
+    let t = match result {
+        Ok(()) => {
+            if matches!(prepared.program, Program::Restore) {
+                for b in prepared
+                    .before
+                    .group
+                    .iter()
+                    .chain(std::iter::once(&prepared.before.pf))
+                {
+                    store.forget_original_driver(b.address)?;
+                }
+            }
+            store.task_succeeded(id, &success_message(&prepared.program, address))?
+        }
+        Err(failed) => store.task_failed(id, &crate::error_chain(&*failed))?,
+    };
+    notify(id);
+    Ok(t)
+}
+
+fn success_message(p: &Program, a: PciAddress) -> String {
+    match p {
+        Program::Split { num_vfs } => format!("{a} split into {num_vfs} VFs"),
+        Program::Resplit { from, to } => format!("{a} re-split from {from} to {to} VFs"),
+        Program::Restore => format!("{a} restored to PF mode"),
+        Program::RebindVfs => format!("{a}: VFs rebound"),
+        Program::Bind { driver } => format!("{a} and its IOMMU group bound to {driver}"),
+        Program::Nothing => format!("{a} unchanged"),
+    }
+}
+
+/// For the kill-9 test: `VFIOD_TEST_KILL_AT_STEP=k` makes the daemon kill itself (SIGKILL,
+/// no cleanup) just before step k of a program.
+fn test_hook_stop_at(step: usize) {
+    if let Ok(k) = std::env::var("VFIOD_TEST_KILL_AT_STEP") {
+        if k.parse() == Ok(step) {
+            let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
+        }
+    }
+}

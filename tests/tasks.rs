@@ -1,0 +1,401 @@
+//! Mode changes as tasks over D-Bus, on the simulated kernel: SetMode, progress and results,
+//! Busy, ResetTask, guards, boot reconciliation, reload, restarts that write nothing.
+
+mod common;
+
+use common::{addr, Harness, DEMO_CONFIG, STEADY_CONFIG};
+use std::time::Duration;
+use vfiod::simkernel::{FaultAction, FaultTarget};
+use zbus::OwnedObjectPath;
+
+#[zbus::proxy(
+    interface = "org.vfiod.Vfiod1.Device",
+    default_service = "org.vfiod.Vfiod1"
+)]
+trait Device {
+    fn set_mode(&self, mode: &str, num_vfs: u32) -> zbus::Result<OwnedObjectPath>;
+    fn apply(&self) -> zbus::Result<OwnedObjectPath>;
+    fn reset_task(&self) -> zbus::Result<()>;
+    #[zbus(property)]
+    fn task_state(&self) -> zbus::Result<String>;
+    #[zbus(property)]
+    fn last_result(&self) -> zbus::Result<String>;
+    #[zbus(property)]
+    fn num_vfs(&self) -> zbus::Result<u32>;
+}
+
+#[zbus::proxy(
+    interface = "org.vfiod.Vfiod1.Task",
+    default_service = "org.vfiod.Vfiod1"
+)]
+trait Task {
+    #[zbus(property)]
+    fn state(&self) -> zbus::Result<String>;
+    #[zbus(property)]
+    fn kind(&self) -> zbus::Result<String>;
+    #[zbus(property)]
+    fn result(&self) -> zbus::Result<String>;
+    #[zbus(property)]
+    fn percent(&self) -> zbus::Result<u8>;
+}
+
+async fn device<'a>(h: &'a Harness, a: &str) -> DeviceProxy<'a> {
+    DeviceProxy::builder(&h.client)
+        .path(format!(
+            "/org/vfiod/Vfiod1/device/{}",
+            addr(a).nodedev_name()
+        ))
+        .cache_properties(zbus::proxy::CacheProperties::No)
+        .build()
+        .await
+        .unwrap()
+}
+
+/// Waits for a task to end; returns (state, result).
+async fn finish(h: &Harness, path: &OwnedObjectPath) -> (String, String, String) {
+    let t = TaskProxy::builder(&h.client)
+        .path(path.clone())
+        .cache_properties(zbus::proxy::CacheProperties::No)
+        .build()
+        .await
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        let s = t.state().await.unwrap();
+        if s == "success" || s == "error" {
+            // The device refresh follows the final state; give the pass a moment.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            return (s, t.result().await.unwrap(), t.kind().await.unwrap());
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "task {path} did not end"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn error_name(e: zbus::Error) -> (String, String) {
+    match e {
+        zbus::Error::MethodError(n, m, _) => (n.to_string(), m.unwrap_or_default()),
+        other => panic!("not a D-Bus error reply: {other}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn set_mode_splits_and_restores_with_a_visible_task() {
+    let h = Harness::start(STEADY_CONFIG).await;
+    let nic = device(&h, "0000:3b:00.0").await;
+    let task = nic.set_mode("vf", 8).await.unwrap();
+    let (state, result, kind) = finish(&h, &task).await;
+    assert_eq!(
+        (state.as_str(), kind.as_str()),
+        ("success", "split"),
+        "{result}"
+    );
+    let raw = h
+        .kernel
+        .sysfs()
+        .read_function(addr("0000:3b:00.0"))
+        .unwrap();
+    let s = raw.sriov.unwrap();
+    assert_eq!((s.num_vfs, s.drivers_autoprobe), (8, false));
+    for vf in &s.vfs {
+        assert_eq!(h.kernel.driver_of(*vf).as_deref(), Some("vfio-pci"));
+    }
+    assert_eq!(nic.task_state().await.unwrap(), "idle");
+    assert!(nic
+        .last_result()
+        .await
+        .unwrap()
+        .contains("split into 8 VFs"));
+    assert_eq!(
+        nic.num_vfs().await.unwrap(),
+        8,
+        "the inventory follows the task"
+    );
+    let stored = h.store().tasks(Some(addr("0000:3b:00.0")), 10).unwrap();
+    assert_eq!(
+        stored[0].requested_by.split_whitespace().next(),
+        Some("uid"),
+        "{:?}",
+        stored[0]
+    );
+
+    let task = nic.set_mode("pf", 0).await.unwrap();
+    let (state, result, kind) = finish(&h, &task).await;
+    assert_eq!(
+        (state.as_str(), kind.as_str()),
+        ("success", "restore"),
+        "{result}"
+    );
+    assert_eq!(h.kernel.num_vfs(addr("0000:3b:00.0")), Some(0));
+    assert_eq!(
+        h.kernel.driver_of(addr("0000:3b:00.0")).as_deref(),
+        Some("i40e")
+    );
+
+    // Same mode again: a task that says "unchanged", and no write at all.
+    h.kernel.take_write_log();
+    let task = nic.set_mode("pf", 0).await.unwrap();
+    let (state, result, _) = finish(&h, &task).await;
+    assert_eq!(state, "success");
+    assert!(result.contains("unchanged"), "{result}");
+    assert!(h.kernel.take_write_log().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_one_accepted_the_rest_busy() {
+    let h = Harness::start(STEADY_CONFIG).await;
+    let fpga = device(&h, "0000:af:00.0").await;
+    let calls = (0..6).map(|_| fpga.set_mode("vf", 4));
+    let results = futures_util::future::join_all(calls).await;
+    let (ok, busy): (Vec<_>, Vec<_>) = results.into_iter().partition(|r| r.is_ok());
+    assert_eq!(ok.len(), 1, "{ok:?} {busy:?}");
+    for r in busy {
+        let (name, msg) = error_name(r.unwrap_err());
+        assert_eq!(name, "org.vfiod.Vfiod1.Error.Busy");
+        assert!(
+            msg.contains("split"),
+            "Busy must name the running task: {msg}"
+        );
+    }
+    let (state, _, _) = finish(&h, ok[0].as_ref().unwrap()).await;
+    assert_eq!(state, "success");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_task_rolls_back_and_stays_in_error_until_reset() {
+    let h = Harness::start(STEADY_CONFIG).await;
+    let pf = addr("0000:af:00.0");
+    h.kernel.inject(
+        FaultTarget::AnyFor(addr("0000:af:00.3")),
+        FaultAction::Errno(libc::EIO),
+        Some(1),
+    );
+    let fpga = device(&h, "0000:af:00.0").await;
+    let task = fpga.set_mode("vf", 4).await.unwrap();
+    let (state, result, _) = finish(&h, &task).await;
+    assert_eq!(state, "error");
+    assert!(
+        result.contains("0000:af:00.3") && result.contains("Input/output error"),
+        "{result}"
+    );
+    assert!(
+        result.contains("rollback restored the previous state"),
+        "{result}"
+    );
+    assert_eq!(h.kernel.num_vfs(pf), Some(0), "not rolled back");
+    assert_eq!(fpga.task_state().await.unwrap(), "error");
+
+    let (name, msg) = error_name(fpga.set_mode("vf", 4).await.unwrap_err());
+    assert_eq!(name, "org.vfiod.Vfiod1.Error.Busy");
+    assert!(msg.contains("error"), "{msg}");
+
+    fpga.reset_task().await.unwrap();
+    assert_eq!(fpga.task_state().await.unwrap(), "idle");
+    let events = h.store().events(Some(pf), 0, 1000).unwrap();
+    assert!(
+        events
+            .iter()
+            .any(|e| e.kind == "task" && e.message.contains("reset")),
+        "{events:?}"
+    );
+    let (name, _) = error_name(fpga.reset_task().await.unwrap_err());
+    assert_eq!(
+        name, "org.vfiod.Vfiod1.Error.InvalidArgument",
+        "reset of an idle device"
+    );
+
+    let task = fpga.set_mode("vf", 4).await.unwrap();
+    assert_eq!(finish(&h, &task).await.0, "success");
+    assert_eq!(h.kernel.num_vfs(pf), Some(4));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guards_refuse_with_named_errors_and_change_nothing() {
+    let h = Harness::start(STEADY_CONFIG).await;
+    h.kernel.take_write_log();
+    let boot = device(&h, "0000:3d:00.0").await;
+    let (name, msg) = error_name(boot.set_mode("pf", 0).await.unwrap_err());
+    assert_eq!(name, "org.vfiod.Vfiod1.Error.Protected");
+    assert!(msg.contains("mounted at /"), "{msg}");
+    let host_nic = device(&h, "0000:02:00.0").await;
+    assert_eq!(
+        error_name(host_nic.set_mode("pf", 0).await.unwrap_err()).0,
+        "org.vfiod.Vfiod1.Error.Protected"
+    );
+    let bridge = device(&h, "0000:00:01.0").await;
+    let (name, msg) = error_name(bridge.set_mode("pf", 0).await.unwrap_err());
+    assert_eq!(name, "org.vfiod.Vfiod1.Error.Protected");
+    assert!(msg.contains("not selected"), "{msg}");
+    let nvme = device(&h, "0000:d8:00.0").await;
+    let (name, msg) = error_name(nvme.set_mode("vf", 2).await.unwrap_err());
+    assert_eq!(name, "org.vfiod.Vfiod1.Error.InvalidArgument");
+    assert!(msg.contains("non-separable"), "{msg}");
+    let nic = device(&h, "0000:3b:00.0").await;
+    assert_eq!(
+        error_name(nic.set_mode("vf", 65).await.unwrap_err()).0,
+        "org.vfiod.Vfiod1.Error.InvalidArgument"
+    );
+    assert_eq!(
+        error_name(nic.set_mode("split", 0).await.unwrap_err()).0,
+        "org.vfiod.Vfiod1.Error.InvalidArgument"
+    );
+    let vf = device(&h, "0000:5e:00.1").await;
+    assert_eq!(
+        error_name(vf.set_mode("pf", 0).await.unwrap_err()).0,
+        "org.vfiod.Vfiod1.Error.InvalidArgument"
+    );
+    assert!(
+        h.kernel.take_write_log().is_empty(),
+        "a refused request wrote to sysfs"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_a_vm_holds_open_is_never_taken_down() {
+    let h = Harness::start(STEADY_CONFIG).await;
+    let fpga = device(&h, "0000:af:00.0").await;
+    assert_eq!(
+        finish(&h, &fpga.set_mode("vf", 2).await.unwrap()).await.0,
+        "success"
+    );
+    // A "QEMU" process holding the first VF's group open, as /proc shows it.
+    let vf = addr("0000:af:00.1");
+    let group = h
+        .kernel
+        .sysfs()
+        .read_function(vf)
+        .unwrap()
+        .iommu_group
+        .unwrap();
+    let proc_dir = h.kernel.root().join("proc/4242");
+    std::fs::create_dir_all(proc_dir.join("fd")).unwrap();
+    std::fs::write(proc_dir.join("comm"), "qemu-system-x86\n").unwrap();
+    std::os::unix::fs::symlink(format!("/dev/vfio/{group}"), proc_dir.join("fd/17")).unwrap();
+    h.kernel.take_write_log();
+
+    let (state, result, _) = finish(&h, &fpga.set_mode("pf", 0).await.unwrap()).await;
+    assert_eq!(state, "error");
+    assert!(result.contains("pid 4242 (qemu-system-x86)"), "{result}");
+    assert_eq!(h.kernel.num_vfs(addr("0000:af:00.0")), Some(2));
+    assert!(
+        h.kernel.take_write_log().is_empty(),
+        "the guard must act before any write"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn boot_reconciles_and_a_restart_writes_nothing() {
+    let mut h = Harness::start(DEMO_CONFIG).await;
+    // Public scenario: the NIC (64 VFs), the FPGA (4) and the QAT (16, rebound) are split
+    // onto vfio-pci before the name is taken.
+    for (pf, n) in [
+        ("0000:3b:00.0", 64u32),
+        ("0000:af:00.0", 4),
+        ("0000:5e:00.0", 16),
+    ] {
+        let raw = h.kernel.sysfs().read_function(addr(pf)).unwrap();
+        let s = raw.sriov.unwrap();
+        assert_eq!(s.num_vfs, n, "{pf}");
+        assert!(
+            s.vfs
+                .iter()
+                .all(|v| h.kernel.driver_of(*v).as_deref() == Some("vfio-pci")),
+            "{pf}"
+        );
+    }
+    let tasks = h.store().tasks(None, 100).unwrap();
+    assert_eq!(tasks.len(), 3, "{tasks:?}");
+    assert!(tasks
+        .iter()
+        .all(|t| t.state.as_str() == "success" && t.requested_by == "vfiod start-up"));
+    let nic = vfiod::client::show_device(&h.client, "0000:3b:00.0")
+        .await
+        .unwrap();
+    assert_eq!((nic.mode.as_str(), nic.num_vfs), ("vf", 64));
+
+    // A claim on a VF (the claims feature comes later; its row already counts).
+    {
+        let db = rusqlite::Connection::open(h.store().path()).unwrap();
+        db.execute(
+            "INSERT INTO claims (address, vm_name, state, created_ms, updated_ms) VALUES ('0000:3b:02.0', 'vm1', 'attached', 0, 0)",
+            [],
+        )
+        .unwrap();
+    }
+    h.kernel.take_write_log();
+    h.stop_server().await;
+    h.start_server().await;
+    assert!(
+        h.kernel.take_write_log().is_empty(),
+        "a restart must not touch correct devices"
+    );
+    assert_eq!(
+        h.store().tasks(None, 100).unwrap().len(),
+        3,
+        "no new task at restart"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reload_to_private_restores_pf_mode() {
+    let h = Harness::start(&DEMO_CONFIG.replace(
+        "poll_interval = 10",
+        "poll_interval = 10\n[[protect]]\nid = \"8086:37c8\"",
+    ))
+    .await;
+    assert_eq!(h.kernel.num_vfs(addr("0000:af:00.0")), Some(4));
+    std::fs::write(
+        &h.config_path,
+        DEMO_CONFIG.replace("scenario = \"public\"", "scenario = \"private\""),
+    )
+    .unwrap();
+    h.manager().await.reload().await.unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    while h.kernel.num_vfs(addr("0000:3b:00.0")) != Some(0)
+        || h.kernel.num_vfs(addr("0000:af:00.0")) != Some(0)
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "reload did not restore PF mode"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        h.kernel.driver_of(addr("0000:3b:00.0")).as_deref(),
+        Some("i40e")
+    );
+    assert_eq!(
+        h.kernel.driver_of(addr("0000:af:00.0")).as_deref(),
+        Some("dfl-pci")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_interrupted_task_is_reported_and_needs_a_reset() {
+    let mut h = Harness::start(STEADY_CONFIG).await;
+    let pf = addr("0000:af:00.0");
+    // As if vfiod died mid-split: a running task in the store.
+    let t = h.store().create_task(pf, "split", "{}", "test").unwrap();
+    h.store()
+        .task_progress(t.id, "echo '4' > sriov_numvfs", 20)
+        .unwrap();
+    h.stop_server().await;
+    h.start_server().await;
+    let t = h.store().task(t.id).unwrap().unwrap();
+    assert_eq!(t.state.as_str(), "error");
+    assert!(t.message.contains("interrupted"), "{}", t.message);
+    let fpga = device(&h, "0000:af:00.0").await;
+    assert_eq!(fpga.task_state().await.unwrap(), "error");
+    assert_eq!(
+        error_name(fpga.apply().await.unwrap_err()).0,
+        "org.vfiod.Vfiod1.Error.Busy"
+    );
+    fpga.reset_task().await.unwrap();
+    assert_eq!(
+        finish(&h, &fpga.set_mode("vf", 4).await.unwrap()).await.0,
+        "success"
+    );
+}
