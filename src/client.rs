@@ -44,8 +44,98 @@ pub trait Manager {
     #[allow(clippy::type_complexity)]
     fn get_plans(&self)
         -> zbus::Result<Vec<(String, String, String, String, Vec<String>, String)>>;
+    #[allow(clippy::type_complexity)]
+    fn get_tasks(
+        &self,
+        address: &str,
+        limit: u32,
+    ) -> zbus::Result<
+        Vec<(
+            i64,
+            String,
+            String,
+            String,
+            String,
+            u8,
+            String,
+            i64,
+            i64,
+            String,
+        )>,
+    >;
     fn reload(&self) -> zbus::Result<()>;
     fn rescan(&self) -> zbus::Result<()>;
+}
+
+#[zbus::proxy(
+    interface = "org.vfiod.Vfiod1.Device",
+    default_service = "org.vfiod.Vfiod1"
+)]
+pub trait Device {
+    fn set_mode(&self, mode: &str, num_vfs: u32) -> zbus::Result<zbus::OwnedObjectPath>;
+    fn apply(&self) -> zbus::Result<zbus::OwnedObjectPath>;
+    fn reset_task(&self) -> zbus::Result<()>;
+}
+
+#[zbus::proxy(
+    interface = "org.vfiod.Vfiod1.Task",
+    default_service = "org.vfiod.Vfiod1"
+)]
+pub trait Task {
+    #[zbus(property)]
+    fn id(&self) -> zbus::Result<i64>;
+    #[zbus(property)]
+    fn kind(&self) -> zbus::Result<String>;
+    #[zbus(property)]
+    fn device(&self) -> zbus::Result<String>;
+    #[zbus(property)]
+    fn state(&self) -> zbus::Result<String>;
+    #[zbus(property)]
+    fn step(&self) -> zbus::Result<String>;
+    #[zbus(property)]
+    fn percent(&self) -> zbus::Result<u8>;
+    #[zbus(property)]
+    fn result(&self) -> zbus::Result<String>;
+}
+
+/// A device object's proxy by address (no property cache: one-shot calls).
+pub async fn device(conn: &Connection, address: &str) -> Result<DeviceProxy<'static>, ClientError> {
+    let a: crate::pci::PciAddress = address.parse().map_err(|e: crate::pci::AddressError| {
+        ClientError::Call(zbus::Error::Failure(e.to_string()))
+    })?;
+    Ok(DeviceProxy::builder(conn)
+        .path(crate::dbus::device_path(a))
+        .cache_properties(zbus::proxy::CacheProperties::No)
+        .build()
+        .await?)
+}
+
+pub async fn task(
+    conn: &Connection,
+    path: zbus::OwnedObjectPath,
+) -> Result<TaskProxy<'static>, ClientError> {
+    Ok(TaskProxy::builder(conn)
+        .path(path)
+        .cache_properties(zbus::proxy::CacheProperties::No)
+        .build()
+        .await?)
+}
+
+/// Follows a task until it ends, calling `show(percent, step)` as it progresses. Returns
+/// (state, result).
+pub async fn wait_task(
+    task: &TaskProxy<'_>,
+    mut show: impl FnMut(u8, &str),
+) -> Result<(String, String), ClientError> {
+    loop {
+        let state = task.state().await?;
+        let (pct, step) = (task.percent().await?, task.step().await?);
+        show(pct, &step);
+        if state == "success" || state == "error" {
+            return Ok((state, task.result().await?));
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
 }
 
 /// One device as `vfioctl list --json` prints it: ids as lowercase hex strings (as lspci and

@@ -16,7 +16,8 @@ use std::path::PathBuf;
 
 const NOT_AUTHORIZED: &str = "org.vfiod.Vfiod1.Error.NotAuthorized";
 /// Polling is slow, so only an explicit rescan or reload changes what vfiod shows.
-const CONFIG: &str = "scenario = \"private\"\npoll_interval = 3600\n";
+/// The FPGA is selected so that mode changes on it can succeed for those allowed.
+const CONFIG: &str = "scenario = \"private\"\npoll_interval = 3600\n[[select]]\nclass = \"0x12\"\n";
 const CHANGED_CONFIG: &str = "scenario = \"public\"\npoll_interval = 3600\n";
 
 /// Every mutating vfioctl command and the polkit action it needs. A new mutating method
@@ -24,6 +25,18 @@ const CHANGED_CONFIG: &str = "scenario = \"public\"\npoll_interval = 3600\n";
 const MUTATING: &[(&[&str], &str)] = &[
     (&["reload"], "org.vfiod.vfiod1.manage"),
     (&["rescan"], "org.vfiod.vfiod1.manage"),
+    (
+        &["mode", "0000:af:00.0", "vf", "--vfs", "2", "--wait"],
+        "org.vfiod.vfiod1.manage",
+    ),
+    (
+        &["mode", "0000:af:00.0", "pf", "--wait"],
+        "org.vfiod.vfiod1.manage",
+    ),
+    (
+        &["task", "start", "0000:af:00.0", "apply", "--wait"],
+        "org.vfiod.vfiod1.manage",
+    ),
 ];
 
 fn assert_refused(r: &Run, action: &str, what: &str) {
@@ -60,6 +73,13 @@ async fn every_mutating_method_needs_authorization() {
         );
         assert_ok(&p.vfioctl(ROOT, args).await, &format!("{what} as root"));
     }
+    // ResetTask is checked before the device's state: refused for nobody even on an idle device.
+    let r = p.vfioctl(NOBODY, &["task", "reset", "0000:af:00.0"]).await;
+    assert_refused(
+        &r,
+        "org.vfiod.vfiod1.manage",
+        "vfioctl task reset as nobody",
+    );
     // The decisions for the unprivileged uids came from the test rules file, so the harness
     // really runs polkitd with it (root is authorized by polkitd before any rule).
     let log = p.polkitd.log();

@@ -56,10 +56,86 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Put a device in PF mode (whole) or VF mode (split) as a task (needs authorization).
+    Mode {
+        address: String,
+        #[arg(value_parser = ["pf", "vf"])]
+        mode: String,
+        /// VFs for vf mode (default: the configuration's num_vfs, else all).
+        #[arg(long)]
+        vfs: Option<u32>,
+        /// Show progress until the task ends; exit non-zero if it fails.
+        #[arg(long)]
+        wait: bool,
+    },
+    /// Tasks: start one, show one, reset a device's failed task, list history.
+    #[command(subcommand)]
+    Task(TaskCommand),
     /// Re-read the configuration (needs authorization).
     Reload,
     /// Rescan the PCI devices now (needs authorization).
     Rescan,
+}
+
+#[derive(Subcommand, Debug)]
+enum TaskCommand {
+    /// Start a task: split (vf mode), restore (pf mode), or apply (the policy's mode).
+    Start {
+        address: String,
+        #[arg(value_parser = ["split", "restore", "apply"])]
+        kind: String,
+        #[arg(long)]
+        vfs: Option<u32>,
+        #[arg(long)]
+        wait: bool,
+    },
+    /// A task's current state (by id).
+    Show { id: i64 },
+    /// Clear a device's task left in error (after looking at the device).
+    Reset { address: String },
+    /// Task history, newest first.
+    List {
+        address: Option<String>,
+        #[arg(long, default_value_t = 20)]
+        limit: u32,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// Draws a one-line progress bar on stderr while a task runs.
+fn progress_bar(pct: u8, step: &str) {
+    let filled = usize::from(pct) * 30 / 100;
+    let step: String = step.chars().take(60).collect();
+    eprint!(
+        "\r[{}{}] {pct:>3}% {step:<60}",
+        "#".repeat(filled),
+        "-".repeat(30 - filled)
+    );
+}
+
+async fn start_and_follow(
+    conn: &zbus::Connection,
+    path: zbus::OwnedObjectPath,
+    wait: bool,
+) -> Result<(), String> {
+    let t = client::task(conn, path.clone()).await.map_err(describe)?;
+    let id = t.id().await.map_err(|e| describe(e.into()))?;
+    let kind = t.kind().await.map_err(|e| describe(e.into()))?;
+    println!("task {id} ({kind}) started: {}", path.as_str());
+    if !wait {
+        return Ok(());
+    }
+    let (state, result) = client::wait_task(&t, progress_bar)
+        .await
+        .map_err(describe)?;
+    eprintln!();
+    println!("task {id} {kind}: {state}: {result}");
+    if state == "success" {
+        Ok(())
+    } else {
+        Err(format!("task {id} failed"))
+    }
 }
 
 fn bus(args: &Args) -> Result<BusTarget, String> {
@@ -214,6 +290,92 @@ async fn run(args: Args) -> Result<(), String> {
                     for s in steps {
                         println!("    {s}");
                     }
+                }
+            }
+        }
+        Command::Mode {
+            address,
+            mode,
+            vfs,
+            wait,
+        } => {
+            let d = client::device(&conn, &address).await.map_err(describe)?;
+            let path = d
+                .set_mode(&mode, vfs.unwrap_or(0))
+                .await
+                .map_err(|e| describe(e.into()))?;
+            start_and_follow(&conn, path, wait).await?;
+        }
+        Command::Task(TaskCommand::Start {
+            address,
+            kind,
+            vfs,
+            wait,
+        }) => {
+            let d = client::device(&conn, &address).await.map_err(describe)?;
+            let path = match kind.as_str() {
+                "split" => d.set_mode("vf", vfs.unwrap_or(0)).await,
+                "restore" => d.set_mode("pf", 0).await,
+                _ => d.apply().await,
+            }
+            .map_err(|e| describe(e.into()))?;
+            start_and_follow(&conn, path, wait).await?;
+        }
+        Command::Task(TaskCommand::Show { id }) => {
+            let path =
+                zbus::OwnedObjectPath::try_from(format!("{}/task/{id}", vfiod::dbus::ROOT_PATH))
+                    .map_err(|e| e.to_string())?;
+            let t = client::task(&conn, path).await.map_err(describe)?;
+            let get = async {
+                Ok::<_, zbus::Error>((
+                    t.kind().await?,
+                    t.device().await?,
+                    t.state().await?,
+                    t.step().await?,
+                    t.percent().await?,
+                    t.result().await?,
+                ))
+            };
+            let (kind, dev, state, step, pct, result) =
+                get.await.map_err(|e| describe(e.into()))?;
+            println!("task {id}: {kind} on {dev}: {state} ({pct}%)");
+            if !step.is_empty() {
+                println!("step:   {step}");
+            }
+            if !result.is_empty() {
+                println!("result: {result}");
+            }
+        }
+        Command::Task(TaskCommand::Reset { address }) => {
+            let d = client::device(&conn, &address).await.map_err(describe)?;
+            d.reset_task().await.map_err(|e| describe(e.into()))?;
+            println!("{address}: task reset; the device is idle");
+        }
+        Command::Task(TaskCommand::List {
+            address,
+            limit,
+            json,
+        }) => {
+            let m = client::manager(&conn).await.map_err(describe)?;
+            let tasks = m
+                .get_tasks(address.as_deref().unwrap_or(""), limit)
+                .await
+                .map_err(|e| describe(e.into()))?;
+            if json {
+                let v: Vec<_> = tasks
+                    .iter()
+                    .map(|(id, kind, a, state, step, pct, result, created, finished, by)| {
+                        serde_json::json!({"id": id, "kind": kind, "address": a, "state": state, "step": step,
+                            "percent": pct, "result": result, "created_ms": created, "finished_ms": finished, "requested_by": by})
+                    })
+                    .collect();
+                print_json(&v)?;
+            } else {
+                for (id, kind, a, state, _step, pct, result, created, _f, _by) in tasks {
+                    println!(
+                        "{id:>5}  {}  {a}  {kind:<8} {state:<8} {pct:>3}%  {result}",
+                        format_time(created)
+                    );
                 }
             }
         }

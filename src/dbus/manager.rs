@@ -158,6 +158,58 @@ impl Manager {
             .collect())
     }
 
+    /// Task history, newest first: (id, kind, address, state, step, percent, result, created
+    /// ms, finished ms or 0, requested by). `address` "" means every device.
+    #[allow(clippy::type_complexity)]
+    async fn get_tasks(
+        &self,
+        address: &str,
+        limit: u32,
+    ) -> Result<
+        Vec<(
+            i64,
+            String,
+            String,
+            String,
+            String,
+            u8,
+            String,
+            i64,
+            i64,
+            String,
+        )>,
+        Error,
+    > {
+        let a = if address.is_empty() {
+            None
+        } else {
+            Some(parse_address(address)?)
+        };
+        if limit == 0 || limit > 10_000 {
+            return Err(Error::InvalidArgument(format!(
+                "limit must be 1..=10000, got {limit}"
+            )));
+        }
+        let tasks = self.service.engine.store().tasks(a, limit as usize)?;
+        Ok(tasks
+            .into_iter()
+            .map(|t| {
+                (
+                    t.id,
+                    t.kind,
+                    t.address.to_string(),
+                    t.state.as_str().to_string(),
+                    t.step,
+                    t.percent,
+                    t.message,
+                    t.created_ms,
+                    t.finished_ms.unwrap_or(0),
+                    t.requested_by,
+                )
+            })
+            .collect())
+    }
+
     /// Re-reads the configuration (as SIGHUP does) and runs an inventory pass. A bad file is
     /// refused with InvalidConfig and the running settings are kept.
     async fn reload(

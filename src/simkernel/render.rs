@@ -34,8 +34,13 @@ fn remove_if_exists(path: &Path) -> io::Result<()> {
     }
 }
 
+/// Replaces a file atomically (write a hidden sibling, rename over): a reader never sees a
+/// half-written attribute, as with the kernel's sysfs.
 fn write(path: &Path, content: impl AsRef<[u8]>) -> io::Result<()> {
-    fs::write(path, content)
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("attr");
+    let tmp = path.with_file_name(format!(".{name}.new"));
+    fs::write(&tmp, content)?;
+    fs::rename(&tmp, path)
 }
 
 pub(super) fn skeleton(root: &Path, st: &State) -> io::Result<()> {
@@ -255,11 +260,6 @@ pub(super) fn device(root: &Path, st: &State, dev: &SimDevice) -> io::Result<()>
         )?;
     }
     rel_link(root, &dev.dev_rel("subsystem"), Path::new("sys/bus/pci"))?;
-    rel_link(
-        root,
-        &Path::new("sys/bus/pci/devices").join(s.address.to_string()),
-        &dev.dir,
-    )?;
     if let Some(g) = dev.group {
         let gdir = PathBuf::from(format!("sys/kernel/iommu_groups/{g}"));
         fs::create_dir_all(root.join(&gdir).join("devices"))?;
@@ -280,7 +280,13 @@ pub(super) fn device(root: &Path, st: &State, dev: &SimDevice) -> io::Result<()>
             .unwrap_or_default();
         rel_link(root, &dev.dev_rel("physfn"), &pf_dir)?;
     }
-    device_attrs(root, st, dev)
+    device_attrs(root, st, dev)?;
+    // Listed on the bus last, once every attribute exists: the kernel shows a device whole.
+    rel_link(
+        root,
+        &Path::new("sys/bus/pci/devices").join(s.address.to_string()),
+        &dev.dir,
+    )
 }
 
 pub(super) fn device_driver(root: &Path, st: &State, dev: &SimDevice) -> io::Result<()> {
