@@ -223,8 +223,9 @@ pub fn run(
     let mut last_pct = 0u8;
     let mut progress = |done: usize, _total: usize, step: &Step| {
         let pct = ((done * 100) / total).min(99) as u8;
-        // Progress is durable; a 64-VF split has ~200 steps, so record whole-percent changes only.
-        if done == 0 || pct != last_pct {
+        // Progress is durable (one commit each) and a 64-VF split has ~200 steps: record the
+        // first step and then every 10%, which is what a progress bar needs.
+        if done == 0 || pct / 10 != last_pct / 10 {
             last_pct = pct;
             if store.task_progress(id, &step.to_string(), pct).is_ok() {
                 notify(id);

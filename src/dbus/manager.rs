@@ -18,6 +18,15 @@ pub struct Manager {
     pub simulated: bool,
 }
 
+fn check_limit(limit: u32) -> Result<(), Error> {
+    if limit == 0 || limit > 10_000 {
+        return Err(Error::InvalidArgument(format!(
+            "limit must be 1..=10000, got {limit}"
+        )));
+    }
+    Ok(())
+}
+
 fn parse_address(s: &str) -> Result<PciAddress, Error> {
     s.parse()
         .map_err(|e: crate::pci::AddressError| Error::InvalidArgument(e.to_string()))
@@ -98,11 +107,7 @@ impl Manager {
         } else {
             Some(parse_address(address)?)
         };
-        if limit == 0 || limit > 10_000 {
-            return Err(Error::InvalidArgument(format!(
-                "limit must be 1..=10000, got {limit}"
-            )));
-        }
+        check_limit(limit)?;
         let events = self
             .service
             .engine
@@ -185,11 +190,7 @@ impl Manager {
         } else {
             Some(parse_address(address)?)
         };
-        if limit == 0 || limit > 10_000 {
-            return Err(Error::InvalidArgument(format!(
-                "limit must be 1..=10000, got {limit}"
-            )));
-        }
+        check_limit(limit)?;
         let tasks = self.service.engine.store().tasks(a, limit as usize)?;
         Ok(tasks
             .into_iter()

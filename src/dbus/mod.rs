@@ -143,19 +143,7 @@ impl DbusPublisher {
                 let iface = server.interface::<_, DeviceObject>(&path).await?;
                 iface.get_mut().await.device = new.clone();
                 let changed = device::changed_properties(old, new);
-                if !changed.is_empty() {
-                    let map: HashMap<&str, zbus::Variant<'_>> = changed
-                        .into_iter()
-                        .map(|(k, v)| (k, zbus::Variant::from(v)))
-                        .collect();
-                    zbus::fdo::Properties::properties_changed(
-                        iface.signal_emitter(),
-                        device::INTERFACE.try_into()?,
-                        map,
-                        std::borrow::Cow::Borrowed(&[]),
-                    )
-                    .await?;
-                }
+                signal_changed(iface.signal_emitter(), device::INTERFACE, changed).await?;
             }
         }
         Ok(())
@@ -175,19 +163,7 @@ impl DbusPublisher {
             Ok(iface) => {
                 let old = std::mem::replace(&mut iface.get_mut().await.task, t.clone());
                 let changed = task::changed_properties(&old, &t);
-                if !changed.is_empty() {
-                    let map: HashMap<&str, zbus::Variant<'_>> = changed
-                        .into_iter()
-                        .map(|(k, v)| (k, zbus::Variant::from(v)))
-                        .collect();
-                    zbus::fdo::Properties::properties_changed(
-                        iface.signal_emitter(),
-                        task::INTERFACE.try_into()?,
-                        map,
-                        std::borrow::Cow::Borrowed(&[]),
-                    )
-                    .await?;
-                }
+                signal_changed(iface.signal_emitter(), task::INTERFACE, changed).await?;
             }
             Err(_) => {
                 server
@@ -327,6 +303,28 @@ pub async fn serve(
         }
     }
     Ok((conn, service))
+}
+
+/// One PropertiesChanged signal carrying every changed property of `interface` (none: no signal).
+async fn signal_changed(
+    emitter: &zbus::object_server::SignalEmitter<'_>,
+    interface: &'static str,
+    changed: HashMap<&'static str, zbus::OwnedVariant>,
+) -> zbus::Result<()> {
+    if changed.is_empty() {
+        return Ok(());
+    }
+    let map: HashMap<&str, zbus::Variant<'_>> = changed
+        .into_iter()
+        .map(|(k, v)| (k, zbus::Variant::from(v)))
+        .collect();
+    zbus::fdo::Properties::properties_changed(
+        emitter,
+        interface.try_into()?,
+        map,
+        std::borrow::Cow::Borrowed(&[]),
+    )
+    .await
 }
 
 /// Takes the well-known name: from here on clients find vfiod.
