@@ -34,7 +34,8 @@ struct Args {
     /// the purpose. Authorization is relaxed there: every caller may use every method.
     #[arg(long)]
     simulate: bool,
-    /// With --simulate: build the simulated tree here instead of a temporary directory.
+    /// With --simulate: keep the simulated host here instead of a temporary directory; a later
+    /// run with the same directory reopens it (its devices and vfiod's state survive).
     #[arg(long, requires = "simulate")]
     sim_root: Option<PathBuf>,
     /// With --simulate: run this command with VFIOD_BUS pointing at the simulation, then stop
@@ -209,14 +210,24 @@ async fn simulate(args: Args) -> Result<ExitCode, String> {
         }
     };
     let root = base.join("root");
-    if root.join("sys").exists() {
-        return Err(format!(
-            "{} already holds a simulated tree; give an empty --sim-root",
-            root.display()
-        ));
-    }
-    let kernel = SimKernel::build(&root, &HostModel::reference())
-        .map_err(|e| format!("cannot build the simulated host: {e}"))?;
+    // With --sim-root the simulated host persists: a second run (after a stop, or a kill)
+    // reopens the same kernel state, as a real host keeps its devices across a daemon restart.
+    let kernel = if root.join("sys").exists() {
+        SimKernel::open(&root).map_err(|e| {
+            format!(
+                "cannot reopen the simulated host in {}: {e}",
+                root.display()
+            )
+        })?
+    } else {
+        let k = SimKernel::build(&root, &HostModel::reference())
+            .map_err(|e| format!("cannot build the simulated host: {e}"))?;
+        if args.sim_root.is_some() {
+            k.make_persistent()
+                .map_err(|e| format!("cannot save the simulated host: {e}"))?;
+        }
+        k
+    };
     let (settings, source) = match &args.config {
         Some(path) => {
             let source = ConfigSource {

@@ -62,7 +62,7 @@ struct Fault {
 }
 
 /// One function's live state.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 struct SimDevice {
     spec: FunctionSpec,
     /// Path relative to the root, e.g. `sys/devices/pci0000:00/0000:00:01.0/0000:17:00.0`.
@@ -93,6 +93,20 @@ struct State {
     write_log: Vec<(PathBuf, String)>,
 }
 
+/// What survives the process when persistence is on: enough to reopen the tree later as the
+/// same kernel (faults and subscribers do not survive).
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Persisted {
+    devices: BTreeMap<PciAddress, SimDevice>,
+    removed: BTreeMap<PciAddress, SimDevice>,
+    drivers: BTreeMap<String, DriverSpec>,
+    next_group: u32,
+    seqnum: u64,
+}
+
+/// Where [`Persisted`] lives under the root.
+const STATE_FILE: &str = ".simkernel-state.json";
+
 /// A simulated kernel rooted at a directory.
 pub struct SimKernel {
     root: PathBuf,
@@ -101,6 +115,9 @@ pub struct SimKernel {
     subscribers: Mutex<Vec<mpsc::UnboundedSender<Uevent>>>,
     /// Fast path for reads: most of the time no read fault is armed.
     read_faults_armed: AtomicBool,
+    /// Save the state after every change, so another process can reopen this kernel (a
+    /// restarted `vfiod --simulate`, the kill -9 test). Off by default: tests are faster.
+    persistent: AtomicBool,
 }
 
 impl std::fmt::Debug for SimKernel {
@@ -127,6 +144,7 @@ impl SimKernel {
             hang_gate: (Mutex::new(0), Condvar::new()),
             subscribers: Mutex::new(Vec::new()),
             read_faults_armed: AtomicBool::new(false),
+            persistent: AtomicBool::new(false),
         };
         {
             let mut st = k.lock();
@@ -173,6 +191,54 @@ impl SimKernel {
 
     pub fn root(&self) -> &Path {
         &self.root
+    }
+
+    /// Saves the state now and after every change from here on.
+    pub fn make_persistent(&self) -> io::Result<()> {
+        self.persistent.store(true, Ordering::SeqCst);
+        let st = self.lock();
+        self.persist(&st)
+    }
+
+    /// Reopens a kernel that [`SimKernel::make_persistent`] saved under `root` (its tree is
+    /// already there). It stays persistent.
+    pub fn open(root: &Path) -> io::Result<Arc<SimKernel>> {
+        let root = std::fs::canonicalize(root)?;
+        let text = std::fs::read(root.join(STATE_FILE))?;
+        let p: Persisted = serde_json::from_slice(&text).map_err(io::Error::other)?;
+        let st = State {
+            devices: p.devices,
+            removed: p.removed,
+            drivers: p.drivers,
+            next_group: p.next_group,
+            seqnum: p.seqnum,
+            ..State::default()
+        };
+        Ok(Arc::new(SimKernel {
+            root,
+            state: Mutex::new(st),
+            hang_gate: (Mutex::new(0), Condvar::new()),
+            subscribers: Mutex::new(Vec::new()),
+            read_faults_armed: AtomicBool::new(false),
+            persistent: AtomicBool::new(true),
+        }))
+    }
+
+    fn persist(&self, st: &State) -> io::Result<()> {
+        if !self.persistent.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        let p = Persisted {
+            devices: st.devices.clone(),
+            removed: st.removed.clone(),
+            drivers: st.drivers.clone(),
+            next_group: st.next_group,
+            seqnum: st.seqnum,
+        };
+        let text = serde_json::to_vec(&p).map_err(io::Error::other)?;
+        let tmp = self.root.join(format!("{STATE_FILE}.new"));
+        std::fs::write(&tmp, text)?;
+        std::fs::rename(tmp, self.root.join(STATE_FILE))
     }
 
     /// A sysfs handle backed by this kernel.
@@ -861,6 +927,7 @@ impl Backend for SimKernel {
         {
             let mut st = self.lock();
             st.write_log.push((rel, value));
+            self.persist(&st)?;
             if let Some(a) = vanish {
                 let _ = self.remove_device(&mut st, a);
             }

@@ -2,9 +2,10 @@
 //! what the host itself has mounted and up.
 
 use crate::pci::{ClassCode, PciAddress};
+use serde::{Deserialize, Serialize};
 
 /// SR-IOV capability of a physical function.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SriovSpec {
     pub total_vfs: u32,
     pub vf_device_id: u16,
@@ -18,7 +19,7 @@ pub struct SriovSpec {
 }
 
 /// Which IOMMU group a function lands in.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum GroupSpec {
     /// A group of its own (ACS-isolated).
     Own,
@@ -29,7 +30,7 @@ pub enum GroupSpec {
 }
 
 /// One PCI function of the model.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FunctionSpec {
     pub address: PciAddress,
     pub vendor_id: u16,
@@ -130,7 +131,7 @@ impl FunctionSpec {
 }
 
 /// A kernel driver the model has loaded.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DriverSpec {
     pub name: String,
     /// vendor:device pairs it binds to by itself. `vfio-pci` has none: it binds only through

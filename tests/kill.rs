@@ -1,0 +1,155 @@
+//! vfiod killed with SIGKILL at each step of a split (the `VFIOD_TEST_KILL_AT_STEP` hook), then
+//! restarted on the same (persistent) simulated host: the task shows `error: interrupted`, the
+//! device's state is consistent and re-read, and after a reset a new split succeeds.
+
+mod common;
+
+use std::os::unix::process::ExitStatusExt;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+use vfiod::pci::PciAddress;
+use vfiod::private_bus::PrivateBus;
+
+const FPGA: &str = "0000:af:00.0";
+const CONFIG: &str = "scenario = \"public\"\npoll_interval = 3600\n[[select]]\nclass = \"0x12\"\n";
+
+fn vfiod(dir: &Path, bus: &str, kill_at: Option<usize>) -> Child {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_vfiod"));
+    c.args(["--simulate", "--sim-root"])
+        .arg(dir.join("sim"))
+        .arg("--config")
+        .arg(dir.join("vfiod.toml"))
+        .args(["--bus", bus])
+        .env("VFIOD_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    match kill_at {
+        Some(k) => c.env("VFIOD_TEST_KILL_AT_STEP", k.to_string()),
+        None => c.env_remove("VFIOD_TEST_KILL_AT_STEP"),
+    };
+    c.spawn().expect("start vfiod")
+}
+
+fn vfioctl(bus: &str, args: &[&str]) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_vfioctl"))
+        .args(args)
+        .env("VFIOD_BUS", bus)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
+}
+
+fn wait_ready(bus: &str) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !vfioctl(bus, &["status"]).0 {
+        assert!(Instant::now() < deadline, "vfiod did not come up");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// What the simulated kernel's files say about the FPGA: (numvfs, VF links, VFs on vfio-pci).
+fn kernel_view(root: &Path) -> (u32, usize, usize) {
+    let dev = root.join("sys/bus/pci/devices").join(FPGA);
+    let numvfs: u32 = std::fs::read_to_string(dev.join("sriov_numvfs"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let mut links = 0;
+    let mut on_vfio = 0;
+    for i in 0..4 {
+        if let Ok(t) = std::fs::read_link(dev.join(format!("virtfn{i}"))) {
+            links += 1;
+            let vf: PciAddress = t.file_name().unwrap().to_str().unwrap().parse().unwrap();
+            let drv = std::fs::read_link(
+                root.join("sys/bus/pci/devices")
+                    .join(vf.to_string())
+                    .join("driver"),
+            );
+            if drv.is_ok_and(|d| d.ends_with("vfio-pci")) {
+                on_vfio += 1;
+            }
+        }
+    }
+    (numvfs, links, on_vfio)
+}
+
+#[test]
+fn killed_at_every_step_of_a_split_then_restarted() {
+    // The FPGA split plan: autoprobe, numvfs, wait, then override + probe + check per VF (15).
+    for k in [0usize, 1, 2, 3, 5, 8, 14] {
+        let dir = common::fast_tempdir();
+        std::fs::write(dir.path().join("vfiod.toml"), CONFIG).unwrap();
+        let bus = PrivateBus::start(&dir.path().join("bus"), "").unwrap();
+        let addr = bus.address().to_string();
+
+        // First run: the start-up reconciliation splits the FPGA and dies at step k.
+        let mut first = vfiod(dir.path(), &addr, Some(k));
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let status = loop {
+            if let Some(s) = first.try_wait().unwrap() {
+                break s;
+            }
+            assert!(Instant::now() < deadline, "k={k}: vfiod was not killed");
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        assert_eq!(
+            status.signal(),
+            Some(9),
+            "k={k}: expected death by SIGKILL, got {status:?}"
+        );
+        let root = dir.path().join("sim/root");
+        let (numvfs, links, _) = kernel_view(&root);
+        assert_eq!(
+            numvfs as usize, links,
+            "k={k}: the kernel itself is never half-split"
+        );
+
+        // Restart: the interrupted task is reported, nothing is retried behind the operator's back.
+        let mut second = vfiod(dir.path(), &addr, None);
+        wait_ready(&addr);
+        let (ok, tasks) = vfioctl(&addr, &["task", "list", "--json"]);
+        assert!(ok, "{tasks}");
+        let tasks: Vec<serde_json::Value> = serde_json::from_str(&tasks).unwrap();
+        assert_eq!(tasks.len(), 1, "k={k}: {tasks:?}");
+        assert_eq!(tasks[0]["state"], "error", "k={k}");
+        assert!(
+            tasks[0]["result"].as_str().unwrap().contains("interrupted"),
+            "k={k}: {tasks:?}"
+        );
+        assert_eq!(
+            kernel_view(&root).0,
+            numvfs,
+            "k={k}: the restart changed the device"
+        );
+        let (_, show) = vfioctl(&addr, &["show", FPGA, "--json"]);
+        let shown: serde_json::Value = serde_json::from_str(&show).unwrap();
+        assert_eq!(
+            shown["num_vfs"], numvfs,
+            "k={k}: the store re-read the device"
+        );
+
+        // Busy until reset; then a new split succeeds from whatever state was left.
+        let (ok, out) = vfioctl(&addr, &["mode", FPGA, "vf", "--wait"]);
+        assert!(!ok && out.contains("Busy"), "k={k}: {out}");
+        let (ok, out) = vfioctl(&addr, &["task", "reset", FPGA]);
+        assert!(ok, "k={k}: {out}");
+        let (ok, out) = vfioctl(&addr, &["mode", FPGA, "vf", "--wait"]);
+        assert!(ok, "k={k}: {out}");
+        assert_eq!(kernel_view(&root), (4, 4, 4), "k={k}");
+
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(second.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        let _ = second.wait();
+    }
+}
