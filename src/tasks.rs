@@ -25,6 +25,13 @@ pub enum TaskError {
     NotManaged(PciAddress),
     #[error("{address}: {reason}")]
     Refused { address: PciAddress, reason: String },
+    /// A VM has the device (or one of its functions): claimed or attached, or its VFIO group is
+    /// open.
+    #[error("{address} is in use: {}", .users.join("; "))]
+    InUse {
+        address: PciAddress,
+        users: Vec<String>,
+    },
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error(transparent)]
@@ -118,6 +125,12 @@ pub fn prepare(
         }
     };
     let (program, plan, before) = modes::plan_to(engine.sysfs(), store, &device, &target)?;
+    if let Some(plan) = &plan {
+        let users = in_use(engine, plan, &before)?;
+        if !users.is_empty() {
+            return Err(TaskError::InUse { address, users });
+        }
+    }
     let params = serde_json::to_string(&target).unwrap_or_else(|_| "{}".into());
     let task = store.create_task(address, program_name(&program), &params, requested_by)?;
     Ok(Prepared {
@@ -159,6 +172,32 @@ fn touched(plan: &Plan, before: &Snapshot) -> Vec<PciAddress> {
     out
 }
 
+/// Who uses the functions `plan` would unbind or destroy: claims in the store (claimed or
+/// attached to a VM) and processes holding their VFIO group open (a running VM's QEMU).
+/// Never take a device away from a running VM.
+fn in_use(engine: &Engine, plan: &Plan, before: &Snapshot) -> Result<Vec<String>, StoreError> {
+    let sysfs = engine.sysfs();
+    let touched = touched(plan, before);
+    let mut users: Vec<String> = engine
+        .store()
+        .active_claims(&touched)?
+        .into_iter()
+        .map(|(a, vm)| format!("{a} is claimed by VM {vm}"))
+        .collect();
+    let mut groups = Vec::new();
+    for a in &touched {
+        if let Ok(r) = sysfs.read_function(*a) {
+            if let (Some(g), Some("vfio-pci")) = (r.iommu_group, r.driver.as_deref()) {
+                groups.push(g);
+            }
+        }
+    }
+    for (g, procs) in hostuse::vfio_users(sysfs, &groups) {
+        users.push(format!("IOMMU group {g} is open by {}", procs.join(", ")));
+    }
+    Ok(users)
+}
+
 /// Runs a prepared task to its end and returns the final record. `notify(id)` is called after
 /// each recorded change (the D-Bus layer publishes it).
 pub fn run(
@@ -181,28 +220,14 @@ pub fn run(
         return Ok(t);
     };
 
-    // Never take a device away from a running VM: a function bound to vfio-pci whose group
-    // device is open belongs to one.
-    let touched = touched(&plan, &prepared.before);
-    let mut groups = Vec::new();
-    for a in &touched {
-        if let Ok(r) = sysfs.read_function(*a) {
-            if let (Some(g), Some("vfio-pci")) = (r.iommu_group, r.driver.as_deref()) {
-                groups.push(g);
-            }
-        }
-    }
-    let users = hostuse::vfio_users(sysfs, &groups);
+    // Checked again here: a VM may have started between the request and now.
+    let users = in_use(engine, &plan, &prepared.before)?;
     if !users.is_empty() {
-        let who: Vec<String> = users
-            .iter()
-            .map(|(g, u)| format!("IOMMU group {g} is open by {}", u.join(", ")))
-            .collect();
         let t = store.task_failed(
             id,
             &format!(
-                "refused: a VM uses the device ({}); nothing was changed",
-                who.join("; ")
+                "refused: {address} is in use ({}); nothing was changed",
+                users.join("; ")
             ),
         )?;
         notify(id);

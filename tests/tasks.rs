@@ -276,14 +276,43 @@ async fn a_device_a_vm_holds_open_is_never_taken_down() {
     std::os::unix::fs::symlink(format!("/dev/vfio/{group}"), proc_dir.join("fd/17")).unwrap();
     h.kernel.take_write_log();
 
-    let (state, result, _) = finish(&h, &fpga.set_mode("pf", 0).await.unwrap()).await;
-    assert_eq!(state, "error");
-    assert!(result.contains("pid 4242 (qemu-system-x86)"), "{result}");
+    let (name, msg) = error_name(fpga.set_mode("pf", 0).await.unwrap_err());
+    assert_eq!(name, "org.vfiod.Vfiod1.Error.InUse");
+    assert!(msg.contains("pid 4242 (qemu-system-x86)"), "{msg}");
+    assert_eq!(
+        fpga.task_state().await.unwrap(),
+        "idle",
+        "a refusal is not a failed task"
+    );
     assert_eq!(h.kernel.num_vfs(addr("0000:af:00.0")), Some(2));
     assert!(
         h.kernel.take_write_log().is_empty(),
         "the guard must act before any write"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claimed_device_is_not_converted() {
+    let h = Harness::start(STEADY_CONFIG).await;
+    let fpga = device(&h, "0000:af:00.0").await;
+    assert_eq!(
+        finish(&h, &fpga.set_mode("vf", 2).await.unwrap()).await.0,
+        "success"
+    );
+    {
+        let db = rusqlite::Connection::open(h.store().path()).unwrap();
+        db.execute(
+            "INSERT INTO claims (address, vm_name, state, created_ms, updated_ms) VALUES ('0000:af:00.2', 'web-7', 'attached', 0, 0)",
+            [],
+        )
+        .unwrap();
+    }
+    h.kernel.take_write_log();
+    let (name, msg) = error_name(fpga.set_mode("pf", 0).await.unwrap_err());
+    assert_eq!(name, "org.vfiod.Vfiod1.Error.InUse");
+    assert!(msg.contains("0000:af:00.2 is claimed by VM web-7"), "{msg}");
+    assert!(h.kernel.take_write_log().is_empty());
+    assert_eq!(h.kernel.num_vfs(addr("0000:af:00.0")), Some(2));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -14,6 +14,7 @@ pub enum Error {
     InvalidArgument(String),
     NotAuthorized(String),
     Busy(String),
+    InUse(String),
     Protected(String),
     NoDeviceAvailable(String),
     HardwareFailed(String),
@@ -39,6 +40,7 @@ impl From<crate::tasks::TaskError> for Error {
             p @ T::Protected { .. } => Error::Protected(p.to_string()),
             n @ T::NotManaged(_) => Error::Protected(n.to_string()),
             r @ T::Refused { .. } => Error::InvalidArgument(r.to_string()),
+            u @ T::InUse { .. } => Error::InUse(u.to_string()),
             T::Store(s) => s.into(),
             T::Mode(m) => m.into(),
         }

@@ -11,6 +11,7 @@
 //! writer, SQLite serialises writers anyway, and one connection keeps the per-connection settings
 //! (`synchronous`, `foreign_keys`, `busy_timeout`) in one place.
 
+mod claims;
 mod device_row;
 mod migrations;
 mod original_drivers;
