@@ -114,6 +114,73 @@ pub struct Sysfs {
     root: PathBuf,
     backend: Arc<dyn Backend>,
     write_timeout: Duration,
+    writer: Arc<Writer>,
+}
+
+type WriteJob = (
+    PathBuf,
+    Vec<u8>,
+    std::sync::mpsc::Sender<std::io::Result<()>>,
+);
+
+/// Runs writes off the caller's thread: a blocked sysfs store cannot be interrupted, and the
+/// caller must be able to give up on it. One long-lived thread serves writes while it is free
+/// (a thread per write costs more than the write itself on a busy host); a write that finds it
+/// busy, e.g. still stuck in a driver's unbind, gets a thread of its own.
+struct Writer {
+    jobs: std::sync::Mutex<Option<std::sync::mpsc::Sender<WriteJob>>>,
+    busy: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Writer {
+    fn new() -> Writer {
+        Writer {
+            jobs: std::sync::Mutex::new(None),
+            busy: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+        }
+    }
+
+    /// Hands the job to the long-lived thread if it is free, else to a new thread.
+    fn submit(&self, backend: &Arc<dyn Backend>, job: WriteJob) -> std::io::Result<()> {
+        use std::sync::atomic::Ordering;
+        if self
+            .busy
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
+            let backend = Arc::clone(backend);
+            std::thread::Builder::new()
+                .name("sysfs-write".into())
+                .spawn(move || {
+                    let (path, data, reply) = job;
+                    let _ = reply.send(backend.write(&path, &data));
+                })?;
+            return Ok(());
+        }
+        let mut slot = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.is_none() {
+            let (tx, rx) = std::sync::mpsc::channel::<WriteJob>();
+            let backend = Arc::clone(backend);
+            let busy = Arc::clone(&self.busy);
+            std::thread::Builder::new()
+                .name("sysfs-writer".into())
+                .spawn(move || {
+                    for (path, data, reply) in rx {
+                        let r = backend.write(&path, &data);
+                        busy.store(false, Ordering::Release);
+                        let _ = reply.send(r);
+                    }
+                })?;
+            *slot = Some(tx);
+        }
+        slot.as_ref()
+            .expect("writer started")
+            .send(job)
+            .map_err(|_| {
+                self.busy.store(false, Ordering::Release);
+                std::io::Error::other("sysfs writer thread is gone")
+            })
+    }
 }
 
 impl std::fmt::Debug for Sysfs {
@@ -128,6 +195,7 @@ impl Sysfs {
             root: root.into(),
             backend,
             write_timeout: DEFAULT_WRITE_TIMEOUT,
+            writer: Arc::new(Writer::new()),
         }
     }
 
@@ -261,27 +329,21 @@ impl Sysfs {
     /// because a blocked sysfs store cannot be interrupted; on timeout the thread is left to
     /// finish on its own and the caller gets [`SysfsError::WriteTimeout`].
     pub fn write(&self, path: &Path, value: &str) -> Result<(), SysfsError> {
-        let (tx, rx) = std::sync::mpsc::channel();
-        let backend = Arc::clone(&self.backend);
-        let p = path.to_path_buf();
-        let data = value.as_bytes().to_vec();
-        std::thread::Builder::new()
-            .name("sysfs-write".into())
-            .spawn(move || {
-                let _ = tx.send(backend.write(&p, &data));
-            })
-            .map_err(|source| SysfsError::Write {
-                path: path.to_path_buf(),
-                value: value.to_string(),
-                source,
-            })?;
+        let failed = |source| SysfsError::Write {
+            path: path.to_path_buf(),
+            value: value.to_string(),
+            source,
+        };
+        let (reply, rx) = std::sync::mpsc::channel();
+        self.writer
+            .submit(
+                &self.backend,
+                (path.to_path_buf(), value.as_bytes().to_vec(), reply),
+            )
+            .map_err(failed)?;
         match rx.recv_timeout(self.write_timeout) {
             Ok(Ok(())) => Ok(()),
-            Ok(Err(source)) => Err(SysfsError::Write {
-                path: path.to_path_buf(),
-                value: value.to_string(),
-                source,
-            }),
+            Ok(Err(source)) => Err(failed(source)),
             Err(_) => Err(SysfsError::WriteTimeout {
                 path: path.to_path_buf(),
                 value: value.to_string(),
