@@ -113,9 +113,9 @@ impl Engine {
         for e in &events {
             match e.kind.as_str() {
                 "broken" | "removed" => {
-                    tracing::warn!(address = ?e.address.map(|a| a.to_string()), "{}", e.message)
+                    tracing::warn!("{}", e.message)
                 }
-                _ => tracing::info!(address = ?e.address.map(|a| a.to_string()), "{}", e.message),
+                _ => tracing::info!("{}", e.message),
             }
         }
         Ok(Pass { changes, events })
