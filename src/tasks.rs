@@ -198,6 +198,46 @@ fn in_use(engine: &Engine, plan: &Plan, before: &Snapshot) -> Result<Vec<String>
     Ok(users)
 }
 
+/// Loads (with modprobe) every driver the plan binds to that the kernel does not have yet. Only
+/// on the real kernel (sysfs root `/`); the simulated kernel has its drivers.
+fn ensure_drivers(engine: &Engine, plan: &Plan) -> Result<(), String> {
+    let sysfs = engine.sysfs();
+    let mut wanted: Vec<&str> = Vec::new();
+    for s in &plan.steps {
+        if let Step::ExpectDriver {
+            driver: Some(d), ..
+        } = s
+        {
+            if !wanted.contains(&d.as_str()) {
+                wanted.push(d);
+            }
+        }
+    }
+    for d in wanted {
+        if sysfs.driver_dir(d).exists() {
+            continue;
+        }
+        if sysfs.root() != std::path::Path::new("/") {
+            return Err(format!("driver {d} is not loaded"));
+        }
+        // Module names use underscores where driver names may use dashes (vfio-pci: vfio_pci);
+        // modprobe accepts either.
+        let out = std::process::Command::new("modprobe")
+            .arg("--")
+            .arg(d)
+            .output()
+            .map_err(|e| format!("driver {d} is not loaded and modprobe could not run: {e}"))?;
+        if !out.status.success() || !sysfs.driver_dir(d).exists() {
+            return Err(format!(
+                "driver {d} is not loaded and `modprobe {d}` did not load it: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        tracing::info!("loaded kernel module for driver {d}");
+    }
+    Ok(())
+}
+
 /// Runs a prepared task to its end and returns the final record. `notify(id)` is called after
 /// each recorded change (the D-Bus layer publishes it).
 pub fn run(
@@ -230,6 +270,14 @@ pub fn run(
                 users.join("; ")
             ),
         )?;
+        notify(id);
+        return Ok(t);
+    }
+
+    // The drivers the plan binds to must be loaded: drivers_probe never loads a module, so a
+    // missing vfio-pci would only show up as a failed bind half-way through the program.
+    if let Err(why) = ensure_drivers(engine, &plan) {
+        let t = store.task_failed(id, &format!("refused: {why}; nothing was changed"))?;
         notify(id);
         return Ok(t);
     }

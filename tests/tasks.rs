@@ -147,6 +147,12 @@ async fn set_mode_splits_and_restores_with_a_visible_task() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_requests_one_accepted_the_rest_busy() {
     let h = Harness::start(STEADY_CONFIG).await;
+    // A slow sriov_numvfs keeps the first task running while every request arrives.
+    h.kernel.inject(
+        FaultTarget::DeviceAttr(addr("0000:af:00.0"), "sriov_numvfs".into()),
+        FaultAction::Delay(Duration::from_secs(2)),
+        Some(1),
+    );
     let fpga = device(&h, "0000:af:00.0").await;
     let calls = (0..6).map(|_| fpga.set_mode("vf", 4));
     let results = futures_util::future::join_all(calls).await;

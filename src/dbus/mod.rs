@@ -113,6 +113,11 @@ impl Publish for DbusPublisher {
     }
 
     async fn task_changed(&self, id: i64) {
+        // The task object itself is published at once, so a caller that got its path in a
+        // reply can read it; the device's task properties follow through the queue.
+        if let Err(e) = self.publish_task_object(id).await {
+            tracing::error!("cannot publish task {id} on D-Bus: {e}");
+        }
         let _ = self.task_updates.send(id);
     }
 
@@ -147,6 +152,30 @@ impl DbusPublisher {
             }
         }
         Ok(())
+    }
+
+    /// Creates or updates `/org/vfiod/Vfiod1/task/<id>` from the store. Touches no device object,
+    /// so it may run inside a device method.
+    async fn publish_task_object(&self, id: i64) -> zbus::Result<()> {
+        let Some(service) = self.ctx.get().and_then(|c| c.service.upgrade()) else {
+            return Ok(());
+        };
+        let Ok(Some(t)) = service.engine.store().task(id) else {
+            return Ok(());
+        };
+        let server = self.conn.object_server();
+        let path = task::task_path(id);
+        match server.interface::<_, task::TaskObject>(&path).await {
+            Ok(iface) => {
+                let old = std::mem::replace(&mut iface.get_mut().await.task, t.clone());
+                let changed = task::changed_properties(&old, &t);
+                signal_changed(iface.signal_emitter(), task::INTERFACE, changed).await
+            }
+            Err(_) => server
+                .at(&path, task::TaskObject { task: t })
+                .await
+                .map(|_| ()),
+        }
     }
 
     async fn publish_task(&self, id: i64) -> zbus::Result<()> {

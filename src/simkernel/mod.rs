@@ -38,6 +38,8 @@ pub enum FaultAction {
     Hang(Duration),
     /// Let the write happen, then make this device vanish (surprise removal).
     VanishAfter(PciAddress),
+    /// Let the write happen after this long: a slow driver (e.g. a long `sriov_numvfs`).
+    Delay(Duration),
 }
 
 /// Which writes a fault applies to.
@@ -921,6 +923,7 @@ impl Backend for SimKernel {
                 return Err(err(libc::EINTR));
             }
             Some(FaultAction::VanishAfter(a)) => vanish = Some(a),
+            Some(FaultAction::Delay(d)) => std::thread::sleep(d),
             None => {}
         }
         self.apply_write(&target, &value)?;
