@@ -306,7 +306,26 @@ impl<P: Publish> Service<P> {
             }
         };
         let mut started = Vec::new();
+        // A group program (bind, unbind) moves every member: one task per IOMMU group.
+        let mut groups_taken = std::collections::BTreeSet::new();
         for p in plans {
+            if matches!(
+                p.program,
+                crate::policy::Program::Bind { .. } | crate::policy::Program::Unbind
+            ) {
+                let group = self
+                    .engine
+                    .store()
+                    .device(p.address)
+                    .ok()
+                    .flatten()
+                    .and_then(|d| d.iommu_group);
+                if let Some(g) = group {
+                    if !groups_taken.insert(g) {
+                        continue;
+                    }
+                }
+            }
             match (&p.decision, &p.program) {
                 (crate::policy::Decision::Target { .. }, crate::policy::Program::Nothing) => {}
                 (crate::policy::Decision::Target { target, .. }, _) => {

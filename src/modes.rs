@@ -73,6 +73,12 @@ pub fn plan_to(
         num_vfs: snapshot.num_vfs,
         vf_drivers: &vf_drivers,
         group_drivers: &group_drivers,
+        returnable: snapshot.group.iter().any(|b| {
+            snapshot
+                .original_drivers
+                .get(&b.address)
+                .is_some_and(|orig| b.driver != *orig || b.driver_override.is_some())
+        }),
     };
     let program = policy::program(&current, target);
     if program == Program::Nothing {

@@ -308,6 +308,15 @@ pub fn build(snapshot: &Snapshot, program: &Program, vf_driver: &str) -> Result<
                 bind_steps(&mut steps, m, driver);
             }
         }
+        Program::Unbind => {
+            for m in &snapshot.group {
+                if let Some(orig) = snapshot.original_drivers.get(&m.address) {
+                    if m.driver != *orig || m.driver_override.is_some() {
+                        unbind_steps(&mut steps, m, orig.as_deref());
+                    }
+                }
+            }
+        }
     }
     Ok(Plan {
         device: snapshot.pf.address,

@@ -131,6 +131,9 @@ pub enum Program {
     RebindVfs,
     /// PF mode: move the function (and its IOMMU group) to `driver`.
     Bind { driver: String },
+    /// PF mode without a driver: return the group's functions to the drivers they had before
+    /// vfiod bound them.
+    Unbind,
 }
 
 /// What the planner needs to know about a device's current state.
@@ -142,6 +145,9 @@ pub struct Current<'a> {
     pub vf_drivers: &'a [Option<String>],
     /// Drivers of the PF's IOMMU group's endpoints other than bridges (the PF included).
     pub group_drivers: &'a [Option<String>],
+    /// Some group member is on a driver vfiod chose: its pre-vfiod driver is recorded and
+    /// differs from the current one, or it has an override.
+    pub returnable: bool,
 }
 
 pub fn program(current: &Current<'_>, target: &Target) -> Program {
@@ -175,6 +181,7 @@ pub fn program(current: &Current<'_>, target: &Target) -> Program {
                 {
                     Program::Bind { driver: d.clone() }
                 }
+                None if current.returnable => Program::Unbind,
                 _ => Program::Nothing,
             },
         },
@@ -330,6 +337,7 @@ mod tests {
             num_vfs: n,
             vf_drivers: vfs,
             group_drivers: g,
+            returnable: false,
         };
         let leak = |v: Vec<Option<String>>| -> &'static [Option<String>] {
             Box::leak(v.into_boxed_slice())
@@ -363,6 +371,8 @@ mod tests {
             (cur(Mode::Pf, 0, &[], group_host), &pf, Program::Nothing),
             (cur(Mode::Pf, 0, &[], group_host), &pf_vfio, Program::Bind { driver: VFIO_PCI.into() }),
             (cur(Mode::Pf, 0, &[], group_vfio), &pf_vfio, Program::Nothing),
+            (Current { returnable: true, ..cur(Mode::Pf, 0, &[], group_vfio) }, &pf, Program::Unbind),
+            (Current { returnable: true, ..cur(Mode::Pf, 0, &[], group_vfio) }, &pf_vfio, Program::Nothing),
         ];
         for (c, t, want) in table {
             assert_eq!(program(&c, t), want, "{c:?} -> {t:?}");

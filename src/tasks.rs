@@ -61,6 +61,7 @@ fn program_name(p: &Program) -> &'static str {
         Program::Resplit { .. } => "resplit",
         Program::RebindVfs => "rebind",
         Program::Bind { .. } => "bind",
+        Program::Unbind => "unbind",
     }
 }
 
@@ -309,7 +310,7 @@ pub fn run(
     let result = convert::apply(sysfs, &plan, &prepared.before, &mut progress);
     let t = match result {
         Ok(()) => {
-            if matches!(prepared.program, Program::Restore) {
+            if matches!(prepared.program, Program::Restore | Program::Unbind) {
                 for b in prepared
                     .before
                     .group
@@ -334,6 +335,7 @@ fn success_message(p: &Program, a: PciAddress) -> String {
         Program::Restore => format!("{a} restored to PF mode"),
         Program::RebindVfs => format!("{a}: VFs rebound"),
         Program::Bind { driver } => format!("{a} and its IOMMU group bound to {driver}"),
+        Program::Unbind => format!("{a} and its IOMMU group returned to their own drivers"),
         Program::Nothing => format!("{a} unchanged"),
     }
 }

@@ -434,3 +434,49 @@ async fn an_interrupted_task_is_reported_and_needs_a_reset() {
         "success"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn whole_device_passthrough_binds_the_group_and_gives_it_back() {
+    let with_vfio = "scenario = \"private\"\npoll_interval = 3600\n[[select]]\nclass = \"0x03\"\npf_driver = \"vfio-pci\"\n[[select]]\nid = \"10de:1aef\"\npf_driver = \"vfio-pci\"\n";
+    let h = Harness::start(with_vfio).await;
+    // Boot: the GPU and its audio function move to vfio-pci together, in one task.
+    for a in ["0000:17:00.0", "0000:17:00.1"] {
+        assert_eq!(
+            h.kernel.driver_of(addr(a)).as_deref(),
+            Some("vfio-pci"),
+            "{a}"
+        );
+    }
+    let tasks = h.store().tasks(None, 10).unwrap();
+    assert_eq!(tasks.len(), 1, "one task for the group: {tasks:?}");
+    assert_eq!(tasks[0].kind, "bind");
+    // The configuration no longer asks for vfio-pci: reload returns both to their own drivers.
+    std::fs::write(
+        &h.config_path,
+        with_vfio.replace("pf_driver = \"vfio-pci\"\n", ""),
+    )
+    .unwrap();
+    h.manager().await.reload().await.unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while h.kernel.driver_of(addr("0000:17:00.0")).as_deref() != Some("nouveau")
+        || h.kernel.driver_of(addr("0000:17:00.1")).as_deref() != Some("snd_hda_intel")
+    {
+        assert!(std::time::Instant::now() < deadline, "group not given back");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let t = h.store().tasks(None, 10).unwrap();
+    assert_eq!(
+        (t[0].kind.as_str(), t[0].state.as_str()),
+        ("unbind", "success"),
+        "{t:?}"
+    );
+    let raw = h
+        .kernel
+        .sysfs()
+        .read_function(addr("0000:17:00.1"))
+        .unwrap();
+    assert_eq!(
+        raw.driver_override, None,
+        "the override vfiod set is cleared"
+    );
+}
