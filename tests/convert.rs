@@ -1,6 +1,8 @@
 //! Conversion programs against the simulated kernel: the resulting sysfs state after split,
 //! restore, rebind and group binding, and rollback after every injected fault.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -24,11 +26,7 @@ struct Host {
 /// `write_timeout` bounds each sysfs write; enabling 64 simulated VFs on a loaded 2-core
 /// machine takes seconds, so only the fault tests use a short bound.
 fn host_with(write_timeout: Duration) -> Host {
-    // tmpfs when available: the simulated kernel renders many small files.
-    let dir = tempfile::Builder::new()
-        .tempdir_in("/dev/shm")
-        .or_else(|_| tempfile::tempdir())
-        .unwrap();
+    let dir = common::fast_tempdir();
     let kernel = SimKernel::build(dir.path(), &HostModel::reference()).unwrap();
     let sysfs = kernel.sysfs().with_write_timeout(write_timeout);
     Host {

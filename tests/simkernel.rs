@@ -5,6 +5,9 @@
 //!
 //! Everything lives under a fresh temporary root per test; nothing touches the real /sys.
 
+mod common;
+
+use common::fast_tempdir as scratch_dir;
 use std::collections::BTreeSet;
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -173,25 +176,6 @@ impl Host {
             .read_function(addr(a))
             .unwrap_or_else(|e| panic!("read_function {a}: {}", vfiod::error_chain(&e)))
     }
-}
-
-/// A fresh temporary directory, on tmpfs (`/dev/shm`) when there is one: the trees hold
-/// tens of thousands of small files and links (like sysfs, which lives in memory too), and on
-/// a busy disk building the large model takes far longer than the test itself.
-fn scratch_dir() -> tempfile::TempDir {
-    let shm = Path::new("/dev/shm");
-    if shm.is_dir() {
-        if let Ok(d) = tempfile::Builder::new()
-            .prefix("vfiod-simkernel-")
-            .tempdir_in(shm)
-        {
-            return d;
-        }
-    }
-    tempfile::Builder::new()
-        .prefix("vfiod-simkernel-")
-        .tempdir()
-        .expect("tempdir")
 }
 
 /// Entry names of a directory (empty when it does not exist).

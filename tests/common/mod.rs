@@ -167,13 +167,22 @@ pub async fn wait_for<T>(
 
 pub type Props = HashMap<String, OwnedVariant>;
 
-/// A temporary directory on tmpfs when there is one: the simulated kernel renders thousands
-/// of small files, ten times faster there than on a disk.
+/// A temporary directory in memory (`/dev/shm`) unless `TMPDIR` says otherwise: the simulated
+/// kernel renders thousands of small files and links (like sysfs, which lives in memory too),
+/// ten times faster there than on a busy disk.
 pub fn fast_tempdir() -> tempfile::TempDir {
+    let shm = std::path::Path::new("/dev/shm");
+    if std::env::var_os("TMPDIR").is_none() && shm.is_dir() {
+        if let Ok(d) = tempfile::Builder::new()
+            .prefix("vfiod-test.")
+            .tempdir_in(shm)
+        {
+            return d;
+        }
+    }
     tempfile::Builder::new()
         .prefix("vfiod-test.")
-        .tempdir_in("/dev/shm")
-        .or_else(|_| tempfile::tempdir())
+        .tempdir()
         .expect("tempdir")
 }
 

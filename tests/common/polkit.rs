@@ -310,18 +310,7 @@ impl PolkitHarness {
     }
 }
 
-/// A temporary directory for one harness: in memory (`/dev/shm`) unless `TMPDIR` says
-/// otherwise. Building the simulated host there takes milliseconds instead of seconds on a
-/// slow disk, like the real sysfs it stands for.
-pub fn scratch_dir() -> tempfile::TempDir {
-    let shm = Path::new("/dev/shm");
-    if std::env::var_os("TMPDIR").is_none() && shm.is_dir() {
-        if let Ok(d) = tempfile::tempdir_in(shm) {
-            return d;
-        }
-    }
-    tempfile::tempdir().expect("tempdir")
-}
+pub use super::fast_tempdir as scratch_dir;
 
 /// vfioctl at a path every uid can execute. The build directory may not be reachable (a
 /// checkout under /root): then a copy in a temporary directory that is.
