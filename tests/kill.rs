@@ -14,7 +14,18 @@ use vfiod::private_bus::PrivateBus;
 const FPGA: &str = "0000:af:00.0";
 const CONFIG: &str = "scenario = \"public\"\npoll_interval = 3600\n[[select]]\nclass = \"0x12\"\n";
 
-fn vfiod(dir: &Path, bus: &str, kill_at: Option<usize>) -> Child {
+/// The daemon under test, stopped whatever happens to the test (a failed assertion must not
+/// leave a vfiod running on the machine).
+struct Daemon(Child);
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn vfiod(dir: &Path, bus: &str, kill_at: Option<usize>) -> Daemon {
     let mut c = Command::new(env!("CARGO_BIN_EXE_vfiod"));
     c.args(["--simulate", "--sim-root"])
         .arg(dir.join("sim"))
@@ -28,7 +39,7 @@ fn vfiod(dir: &Path, bus: &str, kill_at: Option<usize>) -> Child {
         Some(k) => c.env("VFIOD_TEST_KILL_AT_STEP", k.to_string()),
         None => c.env_remove("VFIOD_TEST_KILL_AT_STEP"),
     };
-    c.spawn().expect("start vfiod")
+    Daemon(c.spawn().expect("start vfiod"))
 }
 
 fn vfioctl(bus: &str, args: &[&str]) -> (bool, String) {
@@ -95,7 +106,7 @@ fn killed_at_every_step_of_a_split_then_restarted() {
         let mut first = vfiod(dir.path(), &addr, Some(k));
         let deadline = Instant::now() + Duration::from_secs(60);
         let status = loop {
-            if let Some(s) = first.try_wait().unwrap() {
+            if let Some(s) = first.0.try_wait().unwrap() {
                 break s;
             }
             assert!(Instant::now() < deadline, "k={k}: vfiod was not killed");
@@ -114,7 +125,7 @@ fn killed_at_every_step_of_a_split_then_restarted() {
         );
 
         // Restart: the interrupted task is reported, nothing is retried behind the operator's back.
-        let mut second = vfiod(dir.path(), &addr, None);
+        let second = vfiod(dir.path(), &addr, None);
         wait_ready(&addr);
         let (ok, tasks) = vfioctl(&addr, &["task", "list", "--json"]);
         assert!(ok, "{tasks}");
@@ -146,10 +157,6 @@ fn killed_at_every_step_of_a_split_then_restarted() {
         assert!(ok, "k={k}: {out}");
         assert_eq!(kernel_view(&root), (4, 4, 4), "k={k}");
 
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(second.id() as i32),
-            nix::sys::signal::Signal::SIGTERM,
-        );
-        let _ = second.wait();
+        drop(second);
     }
 }
