@@ -39,6 +39,8 @@ impl SysPath {
     }
 }
 
+/// The path as an operator reads it (`vfioctl plan`): the kernel's own `/sys` spelling, whatever
+/// sysfs root vfiod runs on. I/O never uses this; it goes through [`SysPath::resolve`].
 impl fmt::Display for SysPath {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {

@@ -229,32 +229,27 @@ impl DbusPublisher {
         Ok(())
     }
 
-    async fn counts_changed(&self) -> zbus::Result<()> {
-        let iface = self
-            .conn
+    async fn manager(&self) -> zbus::Result<zbus::object_server::InterfaceRef<manager::Manager>> {
+        self.conn
             .object_server()
             .interface::<_, manager::Manager>(ROOT_PATH)
-            .await?;
-        let m = iface.get().await;
-        let em = iface.signal_emitter();
+            .await
+    }
+
+    async fn counts_changed(&self) -> zbus::Result<()> {
+        let iface = self.manager().await?;
+        let (m, em) = (iface.get().await, iface.signal_emitter());
         m.device_count_changed(em).await?;
         m.usable_count_changed(em).await?;
         m.protected_count_changed(em).await?;
-        m.broken_count_changed(em).await?;
-        Ok(())
+        m.broken_count_changed(em).await
     }
 
     async fn manager_settings_changed(&self) -> zbus::Result<()> {
-        let iface = self
-            .conn
-            .object_server()
-            .interface::<_, manager::Manager>(ROOT_PATH)
-            .await?;
-        let m = iface.get().await;
-        let em = iface.signal_emitter();
+        let iface = self.manager().await?;
+        let (m, em) = (iface.get().await, iface.signal_emitter());
         m.scenario_changed(em).await?;
-        m.config_sources_changed(em).await?;
-        Ok(())
+        m.config_sources_changed(em).await
     }
 }
 

@@ -68,9 +68,22 @@ impl Harness {
         let dir = fast_tempdir();
         let kernel = SimKernel::build(&dir.path().join("root"), &model).expect("simulated host");
         let bus = PrivateBus::start(&dir.path().join("bus"), "").expect("private dbus-daemon");
+        let mut h = Harness::assemble(dir, kernel, bus, config).await;
+        h.start_server().await;
+        h
+    }
+
+    /// A harness around a host and a bus that the caller started (vfiod not started yet):
+    /// writes `config` where reloads read it and connects a client.
+    pub async fn assemble(
+        dir: tempfile::TempDir,
+        kernel: Arc<SimKernel>,
+        bus: PrivateBus,
+        config: &str,
+    ) -> Harness {
         let config_path = dir.path().join("vfiod.toml");
         std::fs::write(&config_path, config).expect("write config");
-        let mut h = Harness {
+        Harness {
             client: zbus::connection::Builder::address(bus.address())
                 .build()
                 .await
@@ -80,9 +93,7 @@ impl Harness {
             bus,
             server: None,
             config_path,
-        };
-        h.start_server().await;
-        h
+        }
     }
 
     pub fn source(&self) -> ConfigSource {

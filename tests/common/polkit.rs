@@ -245,20 +245,8 @@ impl PolkitHarness {
             .expect("simulated host");
         let bus = start_system_bus(dir.path());
         let polkitd = Polkitd::start(&bus, &dir.path().join("polkit"), actions, rules).await;
-        let config_path = dir.path().join("vfiod.toml");
-        std::fs::write(&config_path, config).expect("write config");
         let (vfioctl, vfioctl_dir) = vfioctl_for_any_uid();
-        let h = Harness {
-            client: zbus::connection::Builder::address(bus.address())
-                .build()
-                .await
-                .expect("client connection"),
-            dir,
-            kernel,
-            bus,
-            server: None,
-            config_path,
-        };
+        let h = Harness::assemble(dir, kernel, bus, config).await;
         let mut p = PolkitHarness {
             polkitd,
             h,
