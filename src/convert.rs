@@ -8,6 +8,9 @@ use crate::sysfs::{Sysfs, SysfsError};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+/// How often a running program reports its progress, at most.
+pub const PROGRESS_EVERY: Duration = Duration::from_millis(100);
+
 /// How long VFs may take to appear or go after an `sriov_numvfs` write.
 pub const VF_WAIT: Duration = Duration::from_secs(10);
 
@@ -127,24 +130,37 @@ fn read_back(sysfs: &Sysfs, path: &SysPath, value: &str) -> Result<Option<String
     )
 }
 
+/// Polls until the PF shows `count` VFs: `sriov_numvfs` says so and each `virtfnN` link leads
+/// to a device directory (one stat per VF through its link). Only what the steps after it need:
+/// a poll that re-read the whole PF would cost more than the writes it waits for.
 fn wait_vfs(sysfs: &Sysfs, pf: PciAddress, count: u32) -> Result<Option<String>, SysfsError> {
     let deadline = Instant::now() + VF_WAIT;
+    let numvfs = sysfs.device_attr(pf, "sriov_numvfs");
     loop {
-        let raw = sysfs.read_function(pf)?;
-        let (n, links) = raw
-            .sriov
-            .as_ref()
-            .map_or((0, 0), |s| (s.num_vfs, s.vfs.len() as u32));
-        let dirs_ok = raw
-            .sriov
-            .as_ref()
-            .is_none_or(|s| s.vfs.iter().all(|v| sysfs.device_dir(*v).exists()));
-        if n == count && links == count && dirs_ok {
+        let n: u32 = match sysfs.read_text(&numvfs) {
+            Ok(t) => t.parse().map_err(|_| SysfsError::Parse {
+                path: numvfs.clone(),
+                value: t.clone(),
+                reason: "not a number".into(),
+            })?,
+            // A PF without SR-IOV (or one that went away) shows no VFs.
+            Err(e) if e.is_not_found() && count == 0 => 0,
+            Err(e) => return Err(e),
+        };
+        let links = (0..count.max(n))
+            .take_while(|i| {
+                sysfs
+                    .device_attr(pf, &format!("virtfn{i}"))
+                    .metadata()
+                    .is_ok()
+            })
+            .count() as u32;
+        if n == count && links == count {
             return Ok(None);
         }
         if Instant::now() >= deadline {
             return Ok(Some(format!(
-                "{pf} shows {n} VFs ({links} links) after {VF_WAIT:?}, expected {count}"
+                "{pf} shows {n} VFs ({links} present) after {VF_WAIT:?}, expected {count}"
             )));
         }
         std::thread::sleep(Duration::from_millis(10));
@@ -227,15 +243,55 @@ pub struct Failed {
     pub rollback: Result<(), ConvertError>,
 }
 
-/// Runs `plan`; on failure, re-reads the device and runs the rollback plan back to `before`.
+/// Runs `plan` as one bounded job on the sysfs writer thread (see [`Sysfs::run_bounded`]); on
+/// failure, re-reads the device and runs the rollback plan back to `before`.
+///
+/// `progress(done, total, step)` runs on the caller's thread at the first step, then at most
+/// every [`PROGRESS_EVERY`], and at the end: each report crosses threads and is recorded, and a
+/// progress bar needs no more. A slow step is reported as soon as the one before it ends.
 pub fn apply(
     sysfs: &Sysfs,
     plan: &Plan,
     before: &Snapshot,
     progress: &mut dyn FnMut(usize, usize, &Step),
 ) -> Result<(), Box<Failed>> {
-    let Err(error) = execute(sysfs, plan, progress) else {
-        return Ok(());
+    let owned = plan.clone();
+    let current = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let at = std::sync::Arc::clone(&current);
+    let outcome = sysfs.run_bounded(
+        move |inline: &Sysfs, post: &dyn Fn((usize, usize))| {
+            let mut reported: Option<Instant> = None;
+            execute(inline, &owned, &mut |done, total, _| {
+                at.store(done, std::sync::atomic::Ordering::Relaxed);
+                if done == total || reported.is_none_or(|t| t.elapsed() >= PROGRESS_EVERY) {
+                    reported = Some(Instant::now());
+                    post((done, total));
+                }
+                test_hook_stop_at(done);
+            })
+        },
+        &mut |(done, total)| {
+            let step = plan.steps.get(done).or(plan.steps.last());
+            if let Some(step) = step {
+                progress(done, total, step);
+            }
+        },
+    );
+    let error = match outcome {
+        Ok(Ok(())) => return Ok(()),
+        Ok(Err(e)) => e,
+        Err(source) => {
+            let index = current.load(std::sync::atomic::Ordering::Relaxed);
+            ConvertError::Sysfs {
+                index,
+                step: plan
+                    .steps
+                    .get(index)
+                    .map(|s| s.to_string())
+                    .unwrap_or_default(),
+                source,
+            }
+        }
     };
     tracing::warn!(
         "{}: {}; rolling back",
@@ -247,4 +303,18 @@ pub fn apply(
         execute(sysfs, &back, &mut |_, _, _| {})
     });
     Err(Box::new(Failed { error, rollback }))
+}
+
+/// For the kill-9 test: `VFIOD_TEST_KILL_AT_STEP=k` makes the daemon kill itself (SIGKILL, no
+/// cleanup) just before step k of a program.
+fn test_hook_stop_at(step: usize) {
+    static KILL_AT: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let at = KILL_AT.get_or_init(|| {
+        std::env::var("VFIOD_TEST_KILL_AT_STEP")
+            .ok()
+            .and_then(|k| k.parse().ok())
+    });
+    if *at == Some(step) {
+        let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
+    }
 }

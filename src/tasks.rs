@@ -185,11 +185,16 @@ fn in_use(engine: &Engine, plan: &Plan, before: &Snapshot) -> Result<Vec<String>
         .into_iter()
         .map(|(a, vm)| format!("{a} is claimed by VM {vm}"))
         .collect();
+    // Only functions on vfio-pci can have a VFIO group open; two link reads each, not a whole
+    // read_function (a restore touches 65 functions).
     let mut groups = Vec::new();
     for a in &touched {
-        if let Ok(r) = sysfs.read_function(*a) {
-            if let (Some(g), Some("vfio-pci")) = (r.iommu_group, r.driver.as_deref()) {
-                groups.push(g);
+        let link = |attr| sysfs.read_optional_link_name(&sysfs.device_attr(*a, attr));
+        if let (Ok(Some(driver)), Ok(Some(group))) = (link("driver"), link("iommu_group")) {
+            if let (Ok(g), "vfio-pci") = (group.parse::<u32>(), driver.as_str()) {
+                if !groups.contains(&g) {
+                    groups.push(g);
+                }
             }
         }
     }
@@ -293,19 +298,12 @@ pub fn run(
         store.remember_original_driver(b.address, b.driver.as_deref())?;
     }
 
-    let total = plan.steps.len().max(1);
-    let mut last_pct = 0u8;
-    let mut progress = |done: usize, _total: usize, step: &Step| {
-        let pct = ((done * 100) / total).min(99) as u8;
-        // Progress is durable (one commit each) and a 64-VF split has ~200 steps: record the
-        // first step and then every 10%, which is what a progress bar needs.
-        if done == 0 || pct / 10 != last_pct / 10 {
-            last_pct = pct;
-            if store.task_progress(id, &step.to_string(), pct).is_ok() {
-                notify(id);
-            }
+    // convert reports the first step and then at most every 100 ms: one commit each.
+    let mut progress = |done: usize, total: usize, step: &Step| {
+        let pct = ((done * 100) / total.max(1)).min(99) as u8;
+        if store.task_progress(id, &step.to_string(), pct).is_ok() {
+            notify(id);
         }
-        test_hook_stop_at(done);
     };
     let result = convert::apply(sysfs, &plan, &prepared.before, &mut progress);
     let t = match result {
@@ -337,15 +335,5 @@ fn success_message(p: &Program, a: PciAddress) -> String {
         Program::Bind { driver } => format!("{a} and its IOMMU group bound to {driver}"),
         Program::Unbind => format!("{a} and its IOMMU group returned to their own drivers"),
         Program::Nothing => format!("{a} unchanged"),
-    }
-}
-
-/// For the kill-9 test: `VFIOD_TEST_KILL_AT_STEP=k` makes the daemon kill itself (SIGKILL,
-/// no cleanup) just before step k of a program.
-fn test_hook_stop_at(step: usize) {
-    if let Ok(k) = std::env::var("VFIOD_TEST_KILL_AT_STEP") {
-        if k.parse() == Ok(step) {
-            let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
-        }
     }
 }

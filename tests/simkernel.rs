@@ -1518,3 +1518,80 @@ fn large_model_builds_over_1000_functions() {
             .unwrap_or_else(|e| panic!("{a}: {}", vfiod::error_chain(&e)));
     }
 }
+
+/// A program run as one bounded job ([`Sysfs::run_bounded`]): its posts reach the caller in
+/// order, a write that hangs inside it is reported with its path after the timeout, the
+/// abandoned job's later writes are refused once the hang ends, and other writes keep working.
+#[test]
+fn bounded_job_reports_a_hung_write_and_is_abandoned() {
+    let h = Host::reference();
+    let sysfs = h
+        .sysfs
+        .clone()
+        .with_write_timeout(Duration::from_millis(200));
+    h.kernel.inject(
+        FaultTarget::DriverAttr(Some("nvme".into()), "unbind".into()),
+        FaultAction::Hang(Duration::from_secs(120)),
+        Some(1),
+    );
+    let (after_tx, after_rx) = mpsc::channel();
+    let mut posts = Vec::new();
+    let t = Instant::now();
+    let r = sysfs.run_bounded(
+        move |inline: &Sysfs, post: &dyn Fn(u32)| {
+            post(1);
+            inline
+                .write_device_attr(addr(NIC), "sriov_drivers_autoprobe", "0")
+                .expect("first write");
+            post(2);
+            let hung = inline.write(&inline.driver_dir("nvme").join("unbind"), DATA_NVME);
+            let later = inline.write_device_attr(addr(NIC), "sriov_drivers_autoprobe", "1");
+            let _ = after_tx.send((hung.is_ok(), later));
+        },
+        &mut |m| posts.push(m),
+    );
+    let took = t.elapsed();
+    match &r {
+        Err(SysfsError::WriteTimeout { path, value, .. }) => {
+            assert!(path.ends_with("drivers/nvme/unbind"), "{path:?}");
+            assert_eq!(value, DATA_NVME);
+        }
+        other => panic!("expected WriteTimeout, got {other:?}"),
+    }
+    assert!(took >= Duration::from_millis(200), "{took:?}");
+    assert!(took < Duration::from_secs(3), "{took:?}");
+    assert_eq!(posts, vec![1, 2]);
+    assert_eq!(h.attr(NIC, "sriov_drivers_autoprobe"), "0");
+
+    // The writer thread is stuck in the job: plain writes get a thread of their own.
+    sysfs
+        .write_device_attr(addr(NIC), "sriov_drivers_autoprobe", "1")
+        .expect("a write while the job hangs");
+    sysfs
+        .write_device_attr(addr(NIC), "sriov_drivers_autoprobe", "0")
+        .unwrap();
+
+    h.kernel.release_hangs();
+    let (hung_ok, later) = after_rx
+        .recv_timeout(Duration::from_secs(5))
+        .expect("the job ends once the hang is released");
+    assert!(!hung_ok, "a released hang fails (EINTR)");
+    let msg = vfiod::error_chain(&later.expect_err("the abandoned job must not write on"));
+    assert!(msg.contains("abandoned"), "{msg}");
+    assert_eq!(
+        h.attr(NIC, "sriov_drivers_autoprobe"),
+        "0",
+        "written after abandon"
+    );
+
+    // A job that panics is reported as an error and leaves the writer usable.
+    let r = sysfs.run_bounded(
+        |_: &Sysfs, _: &dyn Fn(())| -> () { panic!("job bug") },
+        &mut |_| {},
+    );
+    assert!(r.is_err());
+    sysfs
+        .write_device_attr(addr(NIC), "sriov_drivers_autoprobe", "1")
+        .expect("a write after a job panicked");
+    assert_eq!(h.attr(NIC, "sriov_drivers_autoprobe"), "1");
+}

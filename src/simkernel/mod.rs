@@ -902,7 +902,7 @@ impl Backend for SimKernel {
                 return Err(err(*errno));
             }
         }
-        std::fs::read(path)
+        crate::sysfs::read_file(path)
     }
 
     fn write(&self, path: &Path, data: &[u8]) -> io::Result<()> {

@@ -7,6 +7,7 @@
 
 mod function;
 pub mod hostuse;
+mod writer;
 
 pub use function::{config_is_all_ones, AerCounters, Health, RawFunction, SriovInfo};
 
@@ -31,9 +32,35 @@ pub trait Backend: Send + Sync + 'static {
 #[derive(Debug, Default, Clone, Copy)]
 pub struct HostFs;
 
+/// Reads a whole file with open, read until end, close. `std::fs::read` also asks the file's
+/// size first, which sysfs does not know (attributes report 4096), so that is one system call
+/// per read spent for nothing; scans and read-backs make thousands of these reads.
+pub fn read_file(path: &Path) -> io::Result<Vec<u8>> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path)?;
+    let mut buf = Vec::with_capacity(4096);
+    loop {
+        if buf.len() == buf.capacity() {
+            buf.reserve(4096);
+        }
+        let spare = buf.capacity() - buf.len();
+        let start = buf.len();
+        buf.resize(start + spare, 0);
+        match f.read(&mut buf[start..]) {
+            Ok(0) => {
+                buf.truncate(start);
+                return Ok(buf);
+            }
+            Ok(n) => buf.truncate(start + n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => buf.truncate(start),
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 impl Backend for HostFs {
     fn read(&self, path: &Path) -> io::Result<Vec<u8>> {
-        std::fs::read(path)
+        read_file(path)
     }
     fn write(&self, path: &Path, data: &[u8]) -> io::Result<()> {
         use std::io::Write;
@@ -114,73 +141,10 @@ pub struct Sysfs {
     root: PathBuf,
     backend: Arc<dyn Backend>,
     write_timeout: Duration,
-    writer: Arc<Writer>,
-}
-
-type WriteJob = (
-    PathBuf,
-    Vec<u8>,
-    std::sync::mpsc::Sender<std::io::Result<()>>,
-);
-
-/// Runs writes off the caller's thread: a blocked sysfs store cannot be interrupted, and the
-/// caller must be able to give up on it. One long-lived thread serves writes while it is free
-/// (a thread per write costs more than the write itself on a busy host); a write that finds it
-/// busy, e.g. still stuck in a driver's unbind, gets a thread of its own.
-struct Writer {
-    jobs: std::sync::Mutex<Option<std::sync::mpsc::Sender<WriteJob>>>,
-    busy: Arc<std::sync::atomic::AtomicBool>,
-}
-
-impl Writer {
-    fn new() -> Writer {
-        Writer {
-            jobs: std::sync::Mutex::new(None),
-            busy: Arc::new(std::sync::atomic::AtomicBool::new(false)),
-        }
-    }
-
-    /// Hands the job to the long-lived thread if it is free, else to a new thread.
-    fn submit(&self, backend: &Arc<dyn Backend>, job: WriteJob) -> std::io::Result<()> {
-        use std::sync::atomic::Ordering;
-        if self
-            .busy
-            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
-            .is_err()
-        {
-            let backend = Arc::clone(backend);
-            std::thread::Builder::new()
-                .name("sysfs-write".into())
-                .spawn(move || {
-                    let (path, data, reply) = job;
-                    let _ = reply.send(backend.write(&path, &data));
-                })?;
-            return Ok(());
-        }
-        let mut slot = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
-        if slot.is_none() {
-            let (tx, rx) = std::sync::mpsc::channel::<WriteJob>();
-            let backend = Arc::clone(backend);
-            let busy = Arc::clone(&self.busy);
-            std::thread::Builder::new()
-                .name("sysfs-writer".into())
-                .spawn(move || {
-                    for (path, data, reply) in rx {
-                        let r = backend.write(&path, &data);
-                        busy.store(false, Ordering::Release);
-                        let _ = reply.send(r);
-                    }
-                })?;
-            *slot = Some(tx);
-        }
-        slot.as_ref()
-            .expect("writer started")
-            .send(job)
-            .map_err(|_| {
-                self.busy.store(false, Ordering::Release);
-                std::io::Error::other("sysfs writer thread is gone")
-            })
-    }
+    writer: Arc<writer::Writer>,
+    /// Set on the handle a [`Sysfs::run_bounded`] job gets: writes go straight to the backend,
+    /// watched by the caller.
+    inline: Option<Arc<writer::Watch>>,
 }
 
 impl std::fmt::Debug for Sysfs {
@@ -195,7 +159,8 @@ impl Sysfs {
             root: root.into(),
             backend,
             write_timeout: DEFAULT_WRITE_TIMEOUT,
-            writer: Arc::new(Writer::new()),
+            writer: Arc::new(writer::Writer::new()),
+            inline: None,
         }
     }
 
@@ -325,21 +290,33 @@ impl Sysfs {
         }
     }
 
-    /// Write one attribute, bounded by the write timeout. The write runs on its own thread
-    /// because a blocked sysfs store cannot be interrupted; on timeout the thread is left to
-    /// finish on its own and the caller gets [`SysfsError::WriteTimeout`].
+    /// Write one attribute, bounded by the write timeout. The write runs on another thread
+    /// because a blocked sysfs store cannot be interrupted; on timeout that thread is left to
+    /// finish on its own and the caller gets [`SysfsError::WriteTimeout`]. Inside a
+    /// [`Sysfs::run_bounded`] job the write is made inline and the job's caller keeps the bound.
     pub fn write(&self, path: &Path, value: &str) -> Result<(), SysfsError> {
         let failed = |source| SysfsError::Write {
             path: path.to_path_buf(),
             value: value.to_string(),
             source,
         };
+        if let Some(watch) = &self.inline {
+            return watch
+                .write(self.backend.as_ref(), path, value)
+                .map_err(failed);
+        }
         let (reply, rx) = std::sync::mpsc::channel();
+        let (backend, owned_path, data) = (
+            Arc::clone(&self.backend),
+            path.to_path_buf(),
+            value.as_bytes().to_vec(),
+        );
         self.writer
-            .submit(
-                &self.backend,
-                (path.to_path_buf(), value.as_bytes().to_vec(), reply),
-            )
+            .submit(Box::new(move |release: &dyn Fn()| {
+                let r = backend.write(&owned_path, &data);
+                release();
+                let _ = reply.send(r);
+            }))
             .map_err(failed)?;
         match rx.recv_timeout(self.write_timeout) {
             Ok(Ok(())) => Ok(()),
@@ -348,6 +325,56 @@ impl Sysfs {
                 path: path.to_path_buf(),
                 value: value.to_string(),
                 timeout: self.write_timeout,
+            }),
+        }
+    }
+
+    /// Runs `job` on the writer thread with a handle whose writes are made inline, one hand-off
+    /// for a whole program instead of one per write. Each write stays bounded: when one has run
+    /// for the write timeout, the job is abandoned (its later writes fail, it is left to finish
+    /// on its own) and the caller gets [`SysfsError::WriteTimeout`] for that write. The job can
+    /// `post` messages; `on_post` receives them on the caller's thread while the job runs.
+    pub fn run_bounded<T, M>(
+        &self,
+        job: impl FnOnce(&Sysfs, &dyn Fn(M)) -> T + Send + 'static,
+        on_post: &mut dyn FnMut(M),
+    ) -> Result<T, SysfsError>
+    where
+        T: Send + 'static,
+        M: Send + 'static,
+    {
+        let watch = Arc::new(writer::Watch::default());
+        let inline = Sysfs {
+            inline: Some(Arc::clone(&watch)),
+            ..self.clone()
+        };
+        let (tx, rx) = std::sync::mpsc::channel();
+        self.writer
+            .submit(Box::new(move |release: &dyn Fn()| {
+                let post_tx = tx.clone();
+                let post = move |m: M| {
+                    let _ = post_tx.send(writer::Msg::Post(m));
+                };
+                let result = job(&inline, &post);
+                release();
+                let _ = tx.send(writer::Msg::Done(result));
+            }))
+            .map_err(|source| SysfsError::Write {
+                path: self.root.clone(),
+                value: String::new(),
+                source,
+            })?;
+        match writer::watch(rx, &watch, self.write_timeout, on_post) {
+            writer::Outcome::Done(t) => Ok(t),
+            writer::Outcome::Overdue(path, value) => Err(SysfsError::WriteTimeout {
+                path,
+                value,
+                timeout: self.write_timeout,
+            }),
+            writer::Outcome::Lost => Err(SysfsError::Write {
+                path: self.root.clone(),
+                value: String::new(),
+                source: io::Error::other("the sysfs writer thread ended without a result"),
             }),
         }
     }
