@@ -133,13 +133,47 @@ pub fn prepare(
         }
     }
     let params = serde_json::to_string(&target).unwrap_or_else(|_| "{}".into());
-    let task = store.create_task(address, program_name(&program), &params, requested_by)?;
+    let task = store.create_task_covering(
+        address,
+        &scope(plan.as_ref(), &before),
+        program_name(&program),
+        &params,
+        requested_by,
+    )?;
     Ok(Prepared {
         task,
         program,
         plan,
         before,
     })
+}
+
+/// Every function the task may change: its IOMMU group, its VFs now and after the plan, and any
+/// function a step of the plan names. Two tasks whose scopes meet are never run together.
+fn scope(plan: Option<&Plan>, before: &Snapshot) -> Vec<PciAddress> {
+    let mut out: Vec<PciAddress> = before
+        .group
+        .iter()
+        .chain(&before.vfs)
+        .map(|b| b.address)
+        .collect();
+    for step in plan.map_or(&[][..], |p| &p.steps[..]) {
+        match step {
+            Step::Write {
+                path: SysPath::Device { address, .. },
+                ..
+            }
+            | Step::ExpectDriver { address, .. } => out.push(*address),
+            Step::Write {
+                path: SysPath::Driver { .. } | SysPath::Bus { .. },
+                value,
+            } => out.extend(value.trim().parse::<PciAddress>().ok()),
+            Step::WaitVfs { .. } => {}
+        }
+    }
+    out.sort();
+    out.dedup();
+    out
 }
 
 /// Functions whose binding the plan changes or whose existence it ends.

@@ -425,6 +425,107 @@ fn racing_creators_through_two_stores_on_one_file_get_one_task() {
     race_create_task(vec![one, two]);
 }
 
+const GPU: &str = "0000:17:00.0";
+const AUDIO: &str = "0000:17:00.1";
+
+/// The Busy error's (blocked function, blocking task); panics on anything else.
+fn busy(result: Result<TaskRecord, StoreError>) -> (PciAddress, TaskRecord, String) {
+    match result {
+        Err(e @ StoreError::Busy { .. }) => {
+            let msg = e.to_string();
+            let StoreError::Busy { address, task } = e else {
+                unreachable!()
+            };
+            (address, *task, msg)
+        }
+        other => panic!("expected Busy, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_task_blocks_every_function_in_its_scope_until_it_ends() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path()).unwrap();
+    // The GPU's bind moves its audio function too.
+    let bind = store
+        .create_task_covering(addr(GPU), &[addr(AUDIO), addr(GPU)], "bind", "{}", "uid 0")
+        .unwrap();
+    assert_eq!(store.task_scope(bind.id).unwrap(), vec![addr(AUDIO)]);
+
+    // A task on the audio function itself.
+    let (blocked, task, msg) = busy(store.create_task(addr(AUDIO), "bind", "{}", "uid 0"));
+    assert_eq!((blocked, task.id), (addr(AUDIO), bind.id));
+    assert_eq!(
+        msg,
+        format!(
+            "device {AUDIO} is busy: task {} bind on {GPU} is preparing",
+            bind.id
+        )
+    );
+    // A task elsewhere whose own scope reaches into the GPU's.
+    let (blocked, task, _) = busy(store.create_task_covering(
+        addr("0000:18:00.0"),
+        &[addr(AUDIO)],
+        "bind",
+        "{}",
+        "uid 0",
+    ));
+    assert_eq!((blocked, task.id), (addr(AUDIO), bind.id));
+    let (blocked, task, _) =
+        busy(store.create_task_covering(addr("0000:18:00.0"), &[addr(GPU)], "bind", "{}", "uid 0"));
+    assert_eq!((blocked, task.id), (addr(GPU), bind.id));
+    // Unrelated functions are free, and nothing was created by the refusals.
+    let other = split(&store, PF);
+    assert_eq!(store.tasks(None, 10).unwrap().len(), 2);
+
+    // An error keeps the whole scope busy until the reset; then the audio function is free.
+    store.task_failed(bind.id, "EIO on unbind").unwrap();
+    busy(store.create_task(addr(AUDIO), "bind", "{}", "uid 0"));
+    store.reset_task(addr(GPU), "uid 0").unwrap();
+    let audio = store
+        .create_task(addr(AUDIO), "bind", "{}", "uid 0")
+        .unwrap();
+    // ... and now the audio task's device blocks a new GPU task that covers it.
+    let (blocked, task, _) =
+        busy(store.create_task_covering(addr(GPU), &[addr(AUDIO)], "bind", "{}", "uid 0"));
+    assert_eq!((blocked, task.id), (addr(AUDIO), audio.id));
+    assert!(other.is_active());
+}
+
+/// Group mates requested at the same moment through two stores on one file (two processes):
+/// exactly one task is created each round.
+#[test]
+fn racing_group_mates_get_one_task() {
+    let dir = tempfile::tempdir().unwrap();
+    let stores = [
+        Arc::new(Store::open(dir.path()).unwrap()),
+        Arc::new(Store::open(dir.path()).unwrap()),
+    ];
+    for round in 0..ROUNDS {
+        let fns: Vec<PciAddress> = (0..THREADS)
+            .map(|f| addr(&format!("0000:{:02x}:00.{}", round + 0x40, f % 8)))
+            .collect();
+        let barrier = Arc::new(Barrier::new(THREADS));
+        let handles: Vec<_> = (0..THREADS)
+            .map(|t| {
+                let store = stores[t % 2].clone();
+                let (barrier, fns) = (barrier.clone(), fns.clone());
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    store.create_task_covering(fns[t], &fns, "bind", "{}", "uid 0")
+                })
+            })
+            .collect();
+        let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        let winners: Vec<&TaskRecord> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
+        assert_eq!(winners.len(), 1, "round {round}: {results:?}");
+        let winner = winners[0].clone();
+        for r in results.into_iter().filter(Result::is_err) {
+            assert_eq!(busy(r).1, winner, "round {round}");
+        }
+    }
+}
+
 #[test]
 fn tasks_cut_short_by_a_crash_become_interrupted_errors_at_start_up() {
     let dir = tempfile::tempdir().unwrap();
@@ -589,8 +690,8 @@ fn a_version_1_database_migrates_and_keeps_its_rows() {
     }
 
     let store = Store::open(dir.path()).unwrap();
-    assert_eq!(SCHEMA_VERSION, 2);
-    assert_eq!(store.schema_version().unwrap(), 2);
+    assert_eq!(SCHEMA_VERSION, 3);
+    assert_eq!(store.schema_version().unwrap(), 3);
     let tasks = store.tasks(None, 10).unwrap();
     assert_eq!(tasks.len(), 3);
     let old_error = &tasks[2];

@@ -480,3 +480,74 @@ async fn whole_device_passthrough_binds_the_group_and_gives_it_back() {
         "the override vfiod set is cleared"
     );
 }
+
+/// One task at a time per IOMMU group: while the GPU's group moves to vfio-pci (started by a
+/// reload), a request on its audio function is refused with Busy naming the GPU's task, and a
+/// request on the GPU too; both end on vfio-pci through the one task.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_on_one_function_makes_its_group_mates_busy() {
+    let h = Harness::start(STEADY_CONFIG).await;
+    assert_eq!(h.store().tasks(None, 10).unwrap().len(), 0);
+    // A slow unbind of the GPU keeps the group's task running while the requests arrive.
+    h.kernel.inject(
+        FaultTarget::DriverAttr(Some("nouveau".into()), "unbind".into()),
+        FaultAction::Delay(Duration::from_secs(2)),
+        Some(1),
+    );
+    let with_vfio = STEADY_CONFIG
+        .replace(
+            "class = \"0x03\"\n",
+            "class = \"0x03\"\npf_driver = \"vfio-pci\"\n",
+        )
+        .replace(
+            "id = \"10de:1aef\"\n",
+            "id = \"10de:1aef\"\npf_driver = \"vfio-pci\"\n",
+        );
+    assert_ne!(with_vfio, STEADY_CONFIG);
+    std::fs::write(&h.config_path, &with_vfio).unwrap();
+    h.manager().await.reload().await.unwrap();
+    let bind = h
+        .store()
+        .active_task(addr("0000:17:00.0"))
+        .unwrap()
+        .expect("the reload started the group's task");
+    assert_eq!(bind.kind, "bind");
+
+    let audio = device(&h, "0000:17:00.1").await;
+    let gpu = device(&h, "0000:17:00.0").await;
+    let (a, g, apply) = tokio::join!(
+        audio.set_mode("pf", 0),
+        gpu.set_mode("pf", 0),
+        audio.apply()
+    );
+    for r in [a, apply] {
+        let (name, msg) = error_name(r.unwrap_err());
+        assert_eq!(name, "org.vfiod.Vfiod1.Error.Busy");
+        assert!(
+            msg.contains(&format!("task {} bind on 0000:17:00.0", bind.id)),
+            "Busy must name the group's task: {msg}"
+        );
+    }
+    assert_eq!(error_name(g.unwrap_err()).0, "org.vfiod.Vfiod1.Error.Busy");
+
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while h
+        .store()
+        .active_task(addr("0000:17:00.0"))
+        .unwrap()
+        .is_some()
+    {
+        assert!(std::time::Instant::now() < deadline, "the bind did not end");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for a in ["0000:17:00.0", "0000:17:00.1"] {
+        assert_eq!(
+            h.kernel.driver_of(addr(a)).as_deref(),
+            Some("vfio-pci"),
+            "{a}"
+        );
+    }
+    let tasks = h.store().tasks(None, 10).unwrap();
+    assert_eq!(tasks.len(), 1, "refused requests create no task: {tasks:?}");
+    assert_eq!(tasks[0].state.as_str(), "success", "{tasks:?}");
+}

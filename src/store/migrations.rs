@@ -17,7 +17,7 @@ use rusqlite::{Connection, TransactionBehavior};
 pub(super) const APPLICATION_ID: i32 = 0x7666_696f;
 
 /// Every migration step, oldest first. [`super::SCHEMA_VERSION`] is its length.
-pub(super) const MIGRATIONS: &[&str] = &[V1_INITIAL, V2_TASKS];
+pub(super) const MIGRATIONS: &[&str] = &[V1_INITIAL, V2_TASKS, V3_TASK_SCOPE];
 
 /// Version 1: the inventory, its history, and the tables claims, tasks and driver restore will
 /// fill.
@@ -139,6 +139,19 @@ CREATE UNIQUE INDEX tasks_one_open_per_address
 CREATE INDEX tasks_by_address ON tasks (address, id);
 ";
 
+/// Version 3: what a task works on besides its own device.
+const V3_TASK_SCOPE: &str = "
+-- The other functions a task changes: the rest of its IOMMU group (a GPU's task moves its audio
+-- function too), the VFs it creates or removes. A new task is refused while an active task has
+-- its device or any of these in its scope, so two tasks never write to one function.
+CREATE TABLE task_scope (
+    task_id INTEGER NOT NULL REFERENCES tasks (id) ON DELETE CASCADE,
+    address TEXT NOT NULL,
+    PRIMARY KEY (task_id, address)
+);
+CREATE INDEX task_scope_by_address ON task_scope (address);
+";
+
 /// Why [`migrate`] stopped: the step that failed (1-based target version) and SQLite's error.
 #[derive(Debug)]
 pub(super) struct MigrationError {
@@ -207,7 +220,7 @@ mod tests {
              VALUES ('0000:3b:00.0', 'split', 'error', 'enable VFs', 40, 'EBUSY', 7);",
         )
         .unwrap();
-        assert_eq!(migrate(&mut conn, MIGRATIONS).unwrap(), (1, 2));
+        assert_eq!(migrate(&mut conn, &MIGRATIONS[..2]).unwrap(), (1, 2));
 
         let row: (String, i64, String, String, Option<i64>) = conn
             .query_row(
@@ -224,6 +237,31 @@ mod tests {
         conn.execute("UPDATE tasks SET reset_ms = 9, reset_by = 'root'", [])
             .unwrap();
         conn.execute(insert, []).unwrap();
+    }
+
+    #[test]
+    fn version_3_scopes_go_with_their_task() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        conn.pragma_update(None, "foreign_keys", true).unwrap();
+        assert_eq!(migrate(&mut conn, MIGRATIONS).unwrap(), (0, 3));
+        conn.execute_batch(
+            "INSERT INTO tasks (id, address, kind, state, created_ms) \
+                 VALUES (1, '0000:17:00.0', 'bind', 'success', 1); \
+             INSERT INTO task_scope (task_id, address) VALUES (1, '0000:17:00.1');",
+        )
+        .unwrap();
+        // No scope row without its task.
+        assert!(conn
+            .execute(
+                "INSERT INTO task_scope (task_id, address) VALUES (2, '0000:17:00.1')",
+                []
+            )
+            .is_err());
+        conn.execute("DELETE FROM tasks WHERE id = 1", []).unwrap();
+        let left: i64 = conn
+            .query_row("SELECT count(*) FROM task_scope", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(left, 0);
     }
 
     #[test]

@@ -115,8 +115,11 @@ pub enum StoreError {
         old: PciAddress,
         new: PciAddress,
     },
-    /// The device already has an active task (prepare, running, or error not yet reset).
-    #[error("device {address} is busy: task {} {} is {}", .task.id, .task.kind, .task.status())]
+    /// The device already has an active task (prepare, running, or error not yet reset), its
+    /// own or one whose scope covers it (another function of its IOMMU group, its PF).
+    #[error("device {address} is busy: task {} {}{} is {}", .task.id, .task.kind,
+        if .task.address == *.address { String::new() } else { format!(" on {}", .task.address) },
+        .task.status())]
     Busy {
         address: PciAddress,
         /// The task that blocks. Boxed: a `Result<_, StoreError>` stays small.

@@ -192,6 +192,20 @@ impl Store {
         params: &str,
         requested_by: &str,
     ) -> Result<TaskRecord, StoreError> {
+        self.create_task_covering(address, &[], kind, params, requested_by)
+    }
+
+    /// [`Store::create_task`] for a task that also changes the functions in `covers` (its IOMMU
+    /// group, its VFs). Refused with `Busy` when an active task has `address` or any of `covers`
+    /// as its device or in its own scope; the error names that task.
+    pub fn create_task_covering(
+        &self,
+        address: PciAddress,
+        covers: &[PciAddress],
+        kind: &str,
+        params: &str,
+        requested_by: &str,
+    ) -> Result<TaskRecord, StoreError> {
         check_not_empty("task kind", kind)?;
         check_not_empty("requested_by", requested_by)?;
         match serde_json::from_str::<serde_json::Value>(params) {
@@ -208,9 +222,19 @@ impl Store {
             }
         }
         let action = "create a task";
+        let mut scope: Vec<String> = covers
+            .iter()
+            .filter(|a| **a != address)
+            .map(|a| a.to_string())
+            .collect();
+        scope.sort();
+        scope.dedup();
         self.write(action, |conn| {
             if let Some(active) = self.active_in(conn, action, address)? {
                 return Err(busy(address, active));
+            }
+            if let Some((blocked, active)) = self.active_covering(conn, action, address, &scope)? {
+                return Err(busy(blocked, active));
             }
             let now = now_ms();
             let inserted = conn
@@ -241,6 +265,11 @@ impl Store {
                 Err(e) => return Err(self.sqlite(action, e)),
             }
             let task = self.must_read(conn, action, conn.last_insert_rowid())?;
+            for a in &scope {
+                conn.prepare_cached("INSERT INTO task_scope (task_id, address) VALUES (?1, ?2)")
+                    .and_then(|mut stmt| stmt.execute(params![task.id, a]))
+                    .map_err(|e| self.sqlite(action, e))?;
+            }
             self.task_event(conn, action, &task, event_message(&task), now)?;
             Ok(task)
         })
@@ -479,6 +508,76 @@ impl Store {
             &format!("WHERE address = ?1 AND {ACTIVE}"),
             params![address.to_string()],
         )
+    }
+
+    /// An active task other than `address`'s own that has `address` or one of `scope` in its
+    /// scope, or has one of `scope` as its device; with the function it blocks.
+    fn active_covering(
+        &self,
+        conn: &Connection,
+        action: &'static str,
+        address: PciAddress,
+        scope: &[String],
+    ) -> Result<Option<(PciAddress, TaskRecord)>, StoreError> {
+        let mut wanted: Vec<String> = scope.to_vec();
+        wanted.push(address.to_string());
+        let wanted = serde_json::to_string(&wanted).unwrap_or_else(|_| "[]".into());
+        let Some(task) = self.read_one(
+            conn,
+            action,
+            &format!(
+                "WHERE {ACTIVE} AND (address IN (SELECT value FROM json_each(?1)) \
+                 OR id IN (SELECT task_id FROM task_scope \
+                           WHERE address IN (SELECT value FROM json_each(?1)))) \
+                 ORDER BY id LIMIT 1"
+            ),
+            params![wanted],
+        )?
+        else {
+            return Ok(None);
+        };
+        // Name the function the two tasks share: the request's own device if it is covered.
+        let covered = self.scope_of(conn, action, task.id)?;
+        let blocked = std::iter::once(address)
+            .chain(scope.iter().filter_map(|a| a.parse().ok()))
+            .find(|a| *a == task.address || covered.contains(a))
+            .unwrap_or(address);
+        Ok(Some((blocked, task)))
+    }
+
+    fn scope_of(
+        &self,
+        conn: &Connection,
+        action: &'static str,
+        id: i64,
+    ) -> Result<Vec<PciAddress>, StoreError> {
+        let mut stmt = conn
+            .prepare_cached("SELECT address FROM task_scope WHERE task_id = ?1 ORDER BY address")
+            .map_err(|e| self.sqlite(action, e))?;
+        let rows = stmt
+            .query_map([id], |r| r.get::<_, String>(0))
+            .map_err(|e| self.sqlite(action, e))?;
+        let mut out = Vec::new();
+        for r in rows {
+            let text = r.map_err(|e| self.sqlite(action, e))?;
+            out.push(
+                text.parse()
+                    .map_err(|e: crate::pci::AddressError| StoreError::Decode {
+                        path: self.path.clone(),
+                        table: "task_scope",
+                        key: id.to_string(),
+                        column: "address",
+                        source: Box::new(e),
+                    })?,
+            );
+        }
+        Ok(out)
+    }
+
+    /// The other functions task `id` changes (see [`Store::create_task_covering`]).
+    pub fn task_scope(&self, id: i64) -> Result<Vec<PciAddress>, StoreError> {
+        let conn = self.lock();
+        self.scope_of(&conn, "read a task's scope", id)
     }
 
     fn must_read(
