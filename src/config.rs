@@ -33,6 +33,8 @@ pub const DEFAULT_DROPIN_DIR: &str = "/etc/vfiod/conf.d";
 
 /// Default seconds between safety-net rescans (uevents drive normal operation).
 const DEFAULT_POLL_SECS: u64 = 30;
+/// The local system QEMU driver, where libvirt keeps the domains of a host like this one.
+pub const DEFAULT_LIBVIRT_URI: &str = "qemu:///system";
 /// Longest accepted rescan interval: one day. A longer one would leave missed events unnoticed
 /// for so long that it is more likely a unit mistake (milliseconds?) than an intent.
 const MAX_POLL_SECS: i64 = 86_400;
@@ -87,6 +89,9 @@ pub struct Settings {
     pub state_dir: PathBuf,
     /// Absolute; every sysfs and proc path is derived from it (tests point it at a fake tree).
     pub sysfs_root: PathBuf,
+    /// libvirt connection asked which running domains use a device before vfiod takes it
+    /// down; `None` (configured as "") skips that question.
+    pub libvirt_uri: Option<String>,
     /// Devices vfiod manages, in file order; the first matching rule applies.
     pub select: Vec<DeviceRule>,
     /// Devices vfiod must never touch, on top of those the host is detected to use.
@@ -103,6 +108,7 @@ impl Default for Settings {
             poll_interval: Duration::from_secs(DEFAULT_POLL_SECS),
             state_dir: PathBuf::from("/var/lib/vfiod"),
             sysfs_root: PathBuf::from("/"),
+            libvirt_uri: Some(DEFAULT_LIBVIRT_URI.to_string()),
             select: Vec::new(),
             protect: Vec::new(),
             sources: Vec::new(),
@@ -321,6 +327,9 @@ impl Settings {
         if let Some(sysfs_root) = layer.sysfs_root {
             self.sysfs_root = sysfs_root;
         }
+        if let Some(uri) = layer.libvirt_uri {
+            self.libvirt_uri = (!uri.is_empty()).then_some(uri);
+        }
         self.select.extend(layer.select);
         self.protect.extend(layer.protect);
         self.sources.push(source.to_path_buf());
@@ -365,6 +374,8 @@ struct Layer {
     poll_interval: Option<Duration>,
     state_dir: Option<PathBuf>,
     sysfs_root: Option<PathBuf>,
+    /// "" = no libvirt check.
+    libvirt_uri: Option<String>,
     select: Vec<DeviceRule>,
     protect: Vec<Selector>,
 }
@@ -409,6 +420,7 @@ struct RawFile {
     poll_interval: Option<Spanned<i64>>,
     state_dir: Option<Spanned<String>>,
     sysfs_root: Option<Spanned<String>>,
+    libvirt_uri: Option<Spanned<String>>,
     #[serde(default)]
     select: Vec<Spanned<RawRule>>,
     #[serde(default)]
@@ -552,6 +564,10 @@ impl Document<'_> {
             layer.sysfs_root =
                 Some(self.check(&value, top("sysfs_root"), absolute_path(&value))?);
         }
+        if let Some(value) = raw.libvirt_uri {
+            layer.libvirt_uri =
+                Some(self.check(&value, top("libvirt_uri"), libvirt_uri(&value))?);
+        }
         for (index, rule) in raw.select.iter().enumerate() {
             layer.select.push(self.rule(rule, index)?);
         }
@@ -679,6 +695,27 @@ fn check_range(value: i64, min: i64, max: i64, unit: &str) -> Result<i64, String
             "{value} is out of range: expected {min}..={max}{unit}"
         ))
     }
+}
+
+/// "" (no libvirt check) or a libvirt URI: `driver[+transport]://[host]/path[?query]`.
+fn libvirt_uri(value: &Spanned<String>) -> Result<String, String> {
+    let uri = value.get_ref();
+    if uri.is_empty() {
+        return Ok(String::new());
+    }
+    let scheme_ok = uri.split_once("://").is_some_and(|(scheme, _)| {
+        !scheme.is_empty()
+            && scheme
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'+' || b == b'-')
+    });
+    if !scheme_ok || uri.chars().any(char::is_whitespace) {
+        return Err(format!(
+            "invalid libvirt_uri {uri:?}: expected a libvirt URI such as \"qemu:///system\", \
+             or \"\" to skip the libvirt check"
+        ));
+    }
+    Ok(uri.clone())
 }
 
 fn absolute_path(value: &Spanned<String>) -> Result<PathBuf, String> {

@@ -32,6 +32,14 @@ pub enum TaskError {
         address: PciAddress,
         users: Vec<String>,
     },
+    /// libvirt could not say which running domains use the device; nothing is changed without
+    /// that answer.
+    #[error("{address}: cannot check which running domains use it (set libvirt_uri = \"\" to skip this check)")]
+    Libvirt {
+        address: PciAddress,
+        #[source]
+        source: crate::libvirt::LibvirtError,
+    },
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error(transparent)]
@@ -208,9 +216,10 @@ fn touched(plan: &Plan, before: &Snapshot) -> Vec<PciAddress> {
 }
 
 /// Who uses the functions `plan` would unbind or destroy: claims in the store (claimed or
-/// attached to a VM) and processes holding their VFIO group open (a running VM's QEMU).
-/// Never take a device away from a running VM.
-fn in_use(engine: &Engine, plan: &Plan, before: &Snapshot) -> Result<Vec<String>, StoreError> {
+/// attached to a VM), running libvirt domains they are assigned to, and processes holding their
+/// VFIO group open (a running VM's QEMU, libvirt's or not). Never take a device away from a
+/// running VM.
+fn in_use(engine: &Engine, plan: &Plan, before: &Snapshot) -> Result<Vec<String>, TaskError> {
     let sysfs = engine.sysfs();
     let touched = touched(plan, before);
     let mut users: Vec<String> = engine
@@ -234,6 +243,19 @@ fn in_use(engine: &Engine, plan: &Plan, before: &Snapshot) -> Result<Vec<String>
     }
     for (g, procs) in hostuse::vfio_users(sysfs, &groups) {
         users.push(format!("IOMMU group {g} is open by {}", procs.join(", ")));
+    }
+    if let Some(uri) = &engine.settings().libvirt_uri {
+        let domains = crate::libvirt::running_domains(uri, sysfs.root()).map_err(|source| {
+            TaskError::Libvirt {
+                address: plan.device,
+                source,
+            }
+        })?;
+        for d in domains {
+            for f in d.functions.iter().filter(|f| touched.contains(f)) {
+                users.push(format!("{f} is assigned to running domain {}", d.domain));
+            }
+        }
     }
     Ok(users)
 }
@@ -301,7 +323,16 @@ pub fn run(
     };
 
     // Checked again here: a VM may have started between the request and now.
-    let users = in_use(engine, &plan, &prepared.before)?;
+    let users = match in_use(engine, &plan, &prepared.before) {
+        Ok(users) => users,
+        Err(TaskError::Store(e)) => return Err(e),
+        Err(other) => {
+            let why = crate::error_chain(&other);
+            let t = store.task_failed(id, &format!("refused: {why}; nothing was changed"))?;
+            notify(id);
+            return Ok(t);
+        }
+    };
     if !users.is_empty() {
         let t = store.task_failed(
             id,

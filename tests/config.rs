@@ -140,7 +140,13 @@ fn shipped_default_file_loads_to_the_defaults() {
 #[test]
 fn shipped_default_sets_every_key_and_its_examples_are_valid() {
     let text = fs::read_to_string(repo_path("conf/vfiod.toml")).unwrap();
-    for key in ["scenario", "poll_interval", "state_dir", "sysfs_root"] {
+    for key in [
+        "scenario",
+        "poll_interval",
+        "state_dir",
+        "sysfs_root",
+        "libvirt_uri",
+    ] {
         let set = text
             .lines()
             .any(|line| line.starts_with(&format!("{key} = ")));
@@ -206,4 +212,33 @@ fn every_toml_example_in_the_docs_loads() {
             panic!("{err}\n{block}");
         }
     }
+}
+
+#[test]
+fn libvirt_uri_defaults_to_the_system_qemu_driver_and_empty_turns_the_check_off() {
+    let parse = |t: &str| Settings::from_toml_str(t, Path::new("t.toml")).unwrap();
+    assert_eq!(
+        parse("").libvirt_uri.as_deref(),
+        Some(vfiod::config::DEFAULT_LIBVIRT_URI)
+    );
+    assert_eq!(parse("libvirt_uri = \"\"\n").libvirt_uri, None);
+    assert_eq!(
+        parse("libvirt_uri = \"qemu+unix:///system?socket=/run/x\"\n")
+            .libvirt_uri
+            .as_deref(),
+        Some("qemu+unix:///system?socket=/run/x")
+    );
+    // A later file replaces the value, "" included.
+    let dir = tempfile::tempdir().unwrap();
+    let main = dir.path().join("vfiod.toml");
+    let conf_d = dir.path().join("conf.d");
+    fs::create_dir(&conf_d).unwrap();
+    fs::write(&main, "libvirt_uri = \"test:///default\"\n").unwrap();
+    fs::write(conf_d.join("10-off.toml"), "libvirt_uri = \"\"\n").unwrap();
+    assert_eq!(
+        Settings::load(&main, Some(&conf_d), true)
+            .unwrap()
+            .libvirt_uri,
+        None
+    );
 }

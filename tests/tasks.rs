@@ -551,3 +551,86 @@ async fn a_task_on_one_function_makes_its_group_mates_busy() {
     assert_eq!(tasks.len(), 1, "refused requests create no task: {tasks:?}");
     assert_eq!(tasks[0].state.as_str(), "success", "{tasks:?}");
 }
+
+/// A libvirt test-driver host: one running domain, `web1`, with the NIC's first VF assigned.
+fn libvirt_host(dir: &std::path::Path) -> String {
+    let path = dir.join("libvirt-node.xml");
+    std::fs::write(
+        &path,
+        "<node>
+           <domain type='test'>
+             <name>web1</name>
+             <memory>65536</memory>
+             <os><type>hvm</type></os>
+             <devices>
+               <hostdev mode='subsystem' type='pci' managed='no'>
+                 <source><address domain='0x0000' bus='0x3b' slot='0x02' function='0x0'/></source>
+               </hostdev>
+             </devices>
+           </domain>
+         </node>",
+    )
+    .unwrap();
+    format!("test://{}", path.display())
+}
+
+/// A VF assigned to a running libvirt domain is never taken away: the restore is refused with
+/// InUse naming the domain (as libvirt itself reports it) and writes nothing; when libvirt cannot
+/// be asked, the restore is refused too; with the check switched off it runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vf_a_running_domain_uses_is_not_taken_away() {
+    let dir = tempfile::tempdir().unwrap();
+    let uri = libvirt_host(dir.path());
+    let config = |uri: &str| {
+        format!(
+            "scenario = \"private\"\nlibvirt_uri = \"{uri}\"\n[[select]]\nid = \"8086:1572\"\nmode = \"vf\"\nnum_vfs = 4\n"
+        )
+    };
+    let h = Harness::start(&config(&uri)).await;
+    // Boot split the NIC (no VF existed, so no domain could use one).
+    assert_eq!(h.kernel.num_vfs(addr("0000:3b:00.0")), Some(4));
+    h.kernel.take_write_log();
+
+    let nic = device(&h, "0000:3b:00.0").await;
+    let (name, msg) = error_name(nic.set_mode("pf", 0).await.unwrap_err());
+    assert_eq!(name, "org.vfiod.Vfiod1.Error.InUse", "{msg}");
+    assert!(
+        msg.contains("0000:3b:02.0 is assigned to running domain web1"),
+        "{msg}"
+    );
+    let (name, _) = error_name(nic.set_mode("vf", 2).await.unwrap_err());
+    assert_eq!(name, "org.vfiod.Vfiod1.Error.InUse");
+    assert!(
+        h.kernel.take_write_log().is_empty(),
+        "nothing may be written"
+    );
+    assert_eq!(h.kernel.num_vfs(addr("0000:3b:00.0")), Some(4));
+
+    // libvirt cannot be asked: refused, named, nothing written.
+    let missing = format!("test://{}", dir.path().join("missing.xml").display());
+    std::fs::write(&h.config_path, config(&missing)).unwrap();
+    h.manager().await.reload().await.unwrap();
+    let (name, msg) = error_name(nic.set_mode("pf", 0).await.unwrap_err());
+    assert_eq!(name, "org.vfiod.Vfiod1.Error.Failed", "{msg}");
+    assert!(
+        msg.contains("cannot check which running domains use it") && msg.contains("missing.xml"),
+        "{msg}"
+    );
+    assert!(
+        h.kernel.take_write_log().is_empty(),
+        "nothing may be written"
+    );
+
+    // The check is off: the restore runs.
+    std::fs::write(
+        &h.config_path,
+        config("").replace("mode = \"vf\"\nnum_vfs = 4\n", ""),
+    )
+    .unwrap();
+    h.manager().await.reload().await.unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while h.kernel.num_vfs(addr("0000:3b:00.0")) != Some(0) {
+        assert!(std::time::Instant::now() < deadline, "not restored");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

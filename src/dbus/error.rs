@@ -41,6 +41,7 @@ impl From<crate::tasks::TaskError> for Error {
             n @ T::NotManaged(_) => Error::Protected(n.to_string()),
             r @ T::Refused { .. } => Error::InvalidArgument(r.to_string()),
             u @ T::InUse { .. } => Error::InUse(u.to_string()),
+            l @ T::Libvirt { .. } => Error::Failed(crate::error_chain(&l)),
             T::Store(s) => s.into(),
             T::Mode(m) => m.into(),
         }
