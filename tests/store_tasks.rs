@@ -478,10 +478,28 @@ fn a_task_blocks_every_function_in_its_scope_until_it_ends() {
     let other = split(&store, PF);
     assert_eq!(store.tasks(None, 10).unwrap().len(), 2);
 
-    // An error keeps the whole scope busy until the reset; then the audio function is free.
+    // The audio function shows the GPU's task as the one keeping it busy.
+    assert_eq!(
+        store.blocking_task(addr(AUDIO)).unwrap(),
+        Some(bind.clone())
+    );
+    assert_eq!(store.active_task(addr(AUDIO)).unwrap(), None, "not its own");
+    assert_eq!(store.blocking_task(addr("0000:18:00.0")).unwrap(), None);
+
+    // An error keeps the whole scope busy until the reset, which the audio function can ask for;
+    // then it is free.
     store.task_failed(bind.id, "EIO on unbind").unwrap();
     busy(store.create_task(addr(AUDIO), "bind", "{}", "uid 0"));
-    store.reset_task(addr(GPU), "uid 0").unwrap();
+    let reset = store.reset_task(addr(AUDIO), "uid 0").unwrap();
+    assert_eq!(
+        (reset.id, reset.reset_by.as_deref()),
+        (bind.id, Some("uid 0"))
+    );
+    assert_eq!(store.blocking_task(addr(AUDIO)).unwrap(), None);
+    assert!(matches!(
+        store.reset_task(addr(GPU), "uid 0"),
+        Err(StoreError::NotInError { .. })
+    ));
     let audio = store
         .create_task(addr(AUDIO), "bind", "{}", "uid 0")
         .unwrap();

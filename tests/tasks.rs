@@ -19,6 +19,8 @@ trait Device {
     #[zbus(property)]
     fn task_state(&self) -> zbus::Result<String>;
     #[zbus(property)]
+    fn current_task(&self) -> zbus::Result<OwnedObjectPath>;
+    #[zbus(property)]
     fn last_result(&self) -> zbus::Result<String>;
     #[zbus(property)]
     fn num_vfs(&self) -> zbus::Result<u32>;
@@ -515,6 +517,12 @@ async fn a_task_on_one_function_makes_its_group_mates_busy() {
 
     let audio = device(&h, "0000:17:00.1").await;
     let gpu = device(&h, "0000:17:00.0").await;
+    // The audio function shows the group's task as its current one.
+    assert_ne!(audio.task_state().await.unwrap(), "idle");
+    assert_eq!(
+        audio.current_task().await.unwrap().as_str(),
+        format!("/org/vfiod/Vfiod1/task/{}", bind.id)
+    );
     let (a, g, apply) = tokio::join!(
         audio.set_mode("pf", 0),
         gpu.set_mode("pf", 0),
@@ -550,6 +558,13 @@ async fn a_task_on_one_function_makes_its_group_mates_busy() {
     let tasks = h.store().tasks(None, 10).unwrap();
     assert_eq!(tasks.len(), 1, "refused requests create no task: {tasks:?}");
     assert_eq!(tasks[0].state.as_str(), "success", "{tasks:?}");
+    // Published when the task ended: the audio function is idle again.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while audio.task_state().await.unwrap() != "idle" {
+        assert!(std::time::Instant::now() < deadline, "audio still busy");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(audio.current_task().await.unwrap().as_str(), "/");
 }
 
 /// A libvirt test-driver host: one running domain, `web1`, with the NIC's first VF assigned.

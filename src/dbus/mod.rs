@@ -84,7 +84,7 @@ impl DbusPublisher {
             .map(|s| Arc::clone(s.engine.store()));
         let (task, last) = match store {
             Some(st) => (
-                st.active_task(d.address).ok().flatten(),
+                st.blocking_task(d.address).ok().flatten(),
                 st.last_result(d.address).ok().flatten(),
             ),
             None => (None, None),
@@ -178,7 +178,10 @@ impl DbusPublisher {
         }
     }
 
+    /// Publishes the task object, then the current task and last result of every device object
+    /// it concerns: its own device and each function in its scope.
     async fn publish_task(&self, id: i64) -> zbus::Result<()> {
+        self.publish_task_object(id).await?;
         let Some(service) = self.ctx.get().and_then(|c| c.service.upgrade()) else {
             return Ok(());
         };
@@ -186,25 +189,18 @@ impl DbusPublisher {
         let Ok(Some(t)) = store.task(id) else {
             return Ok(());
         };
+        let mut addresses = vec![t.address];
+        addresses.extend(store.task_scope(id).unwrap_or_default());
         let server = self.conn.object_server();
-        let path = task::task_path(id);
-        match server.interface::<_, task::TaskObject>(&path).await {
-            Ok(iface) => {
-                let old = std::mem::replace(&mut iface.get_mut().await.task, t.clone());
-                let changed = task::changed_properties(&old, &t);
-                signal_changed(iface.signal_emitter(), task::INTERFACE, changed).await?;
-            }
-            Err(_) => {
-                server
-                    .at(&path, task::TaskObject { task: t.clone() })
-                    .await?;
-            }
-        }
-        // The device shows its current task and last result.
-        let dpath = device_path(t.address);
-        if let Ok(iface) = server.interface::<_, DeviceObject>(&dpath).await {
-            let active = store.active_task(t.address).ok().flatten();
-            let last = store.last_result(t.address).ok().flatten();
+        for address in addresses {
+            let Ok(iface) = server
+                .interface::<_, DeviceObject>(&device_path(address))
+                .await
+            else {
+                continue;
+            };
+            let active = store.blocking_task(address).ok().flatten();
+            let last = store.last_result(address).ok().flatten();
             let (old_state, old_path, old_last) = {
                 let d = iface.get().await;
                 (d.task_state(), d.current_task(), d.last_result())

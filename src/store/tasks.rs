@@ -287,6 +287,19 @@ impl Store {
         self.active_in(&conn, "read the active task", address)
     }
 
+    /// The task that keeps `address` busy, its own or one whose scope covers it (the GPU's task
+    /// for its audio function, the PF's for a VF): what the device shows as its current task.
+    pub fn blocking_task(&self, address: PciAddress) -> Result<Option<TaskRecord>, StoreError> {
+        let action = "read the blocking task";
+        let conn = self.lock();
+        if let Some(own) = self.active_in(&conn, action, address)? {
+            return Ok(Some(own));
+        }
+        Ok(self
+            .active_covering(&conn, action, address, &[])?
+            .map(|(_, task)| task))
+    }
+
     /// The most recent final task of `address` (success, or error whether reset or not).
     pub fn last_result(&self, address: PciAddress) -> Result<Option<TaskRecord>, StoreError> {
         let conn = self.lock();
@@ -357,14 +370,23 @@ impl Store {
         self.change(id, "record a task failure", Change::Failed { message })
     }
 
-    /// An operator's reset of the task in error on `address`: the row stays `error` as history,
-    /// gains `reset_ms`/`reset_by`, and no longer keeps the device busy. Records an event naming
-    /// `by`. Refused (`NotInError`) when the device is idle or its task has not failed.
+    /// An operator's reset of the task in error on `address` (its own, or the one covering it):
+    /// the row stays `error` as history, gains `reset_ms`/`reset_by`, and no longer keeps the
+    /// device busy. Records an event naming `by`. Refused (`NotInError`) when the device is idle
+    /// or its task has not failed.
     pub fn reset_task(&self, address: PciAddress, by: &str) -> Result<TaskRecord, StoreError> {
         check_not_empty("the resetting operator", by)?;
         let action = "reset a task";
         self.write(action, |conn| {
-            let Some(task) = self.active_in(conn, action, address)? else {
+            // The task that blocks the device: its own, or one that covers it (resetting the
+            // audio function resets the failed task of its GPU's group).
+            let blocking = match self.active_in(conn, action, address)? {
+                Some(own) => Some(own),
+                None => self
+                    .active_covering(conn, action, address, &[])?
+                    .map(|(_, t)| t),
+            };
+            let Some(task) = blocking else {
                 return Err(StoreError::NotInError {
                     address,
                     state: None,
