@@ -1,6 +1,6 @@
 """PF/VF modes on a real kernel: the guest's SR-IOV NVMe is split at boot onto vfio-pci (vfiod loads the
 module), restored with its nvme driver on reload, split again before libvirtd after a reboot; a VM holding
-a VF open is never disturbed; a driver that cannot load fails the task before any write; split time
+a VF open or a running libvirt domain with a VF assigned is never disturbed; a driver that cannot load fails the task before any write; split time
 against a shell script."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import time
 
 from testbed import vfiod
 from testbed.guest import Guest
+from testbed.nested import define_small_domain
 from testbed.runner import Testbed, scenario
 from scenarios.service import check_running, check_started_before_libvirtd
 
@@ -80,7 +81,8 @@ def timed_ms(g: Guest, script: str) -> float:
 @scenario()
 def modes(tb: Testbed) -> None:
     """the NVMe split at boot onto vfio-pci, restored on reload, re-applied after reboot before libvirtd;
-    a held VF is refused; an unloadable driver fails cleanly; vfiod's split against a shell script"""
+    a VF held open or assigned to a running domain is refused; an unloadable driver fails cleanly;
+    vfiod's split against a shell script"""
     g = tb.boot()
     # Scenario public: vfiod splits the selected NVMe before it takes its bus name.
     tb.note("install+enable (split at start)", vfiod.install(g, dropin=PUBLIC))
@@ -134,6 +136,20 @@ def modes(tb: Testbed) -> None:
     check_split(g)
     g.run(f"kill {holder}")
     time.sleep(1)
+    g.run(f"vfioctl mode {PF} pf --wait", quiet=True)
+    check_whole(g)
+
+    # A running libvirt domain has a VF assigned: the refusal names the domain (asked of libvirtd),
+    # nothing is written; once the domain is gone the restore goes through.
+    g.run(f"vfioctl mode {PF} vf --vfs 2 --wait", quiet=True)
+    vf = vfs(g)[1]
+    tb.note("domain with a VF start", define_small_domain(g, "vfuser", hostdevs=(vf,)))
+    res = g.run(f"vfioctl mode {PF} pf --wait", check=False)
+    assert res.rc != 0 and "org.vfiod.Vfiod1.Error.InUse" in res.err, res.describe()
+    assert f"{vf} is assigned to running domain vfuser" in res.err, res.describe()
+    print(f"    refused while vfuser runs: {res.err.strip()}")
+    check_split(g)
+    g.run("virsh destroy vfuser && virsh undefine vfuser")
     g.run(f"vfioctl mode {PF} pf --wait", quiet=True)
     check_whole(g)
 

@@ -19,16 +19,32 @@ SMALL_DOMAIN = """<domain type='kvm'>
     <controller type='pci' model='pcie-root-port'/>
     <controller type='usb' model='none'/>
     <serial type='pty'/>
-    <memballoon model='none'/>
+    <memballoon model='none'/>{hostdevs}
   </devices>
 </domain>
 """
 
 
-def define_small_domain(guest: Guest, name: str = "small", memory_mib: int = 128, start: bool = True) -> float:
-    """Defines (and starts) a small persistent domain; returns the seconds `virsh start` took."""
+HOSTDEV = """
+    <hostdev mode='subsystem' type='pci' managed='no'>
+      <source><address domain='0x{domain}' bus='0x{bus}' slot='0x{slot}' function='0x{function}'/></source>
+    </hostdev>"""
+
+
+def hostdev_xml(address: str) -> str:
+    """A `managed='no'` PCI hostdev for a function already on vfio-pci, e.g. `0000:02:00.1`."""
+    domain, bus, rest = address.split(":")
+    slot, function = rest.split(".")
+    return HOSTDEV.format(domain=domain, bus=bus, slot=slot, function=function)
+
+
+def define_small_domain(guest: Guest, name: str = "small", memory_mib: int = 128, start: bool = True,
+                        hostdevs: tuple[str, ...] = ()) -> float:
+    """Defines (and starts) a small persistent domain, with `hostdevs` (PCI addresses on vfio-pci)
+    assigned; returns the seconds `virsh start` took."""
     path = f"/tmp/{name}.xml"
-    guest.run(f"cat > {path}", input=SMALL_DOMAIN.format(name=name, memory_mib=memory_mib))
+    xml = SMALL_DOMAIN.format(name=name, memory_mib=memory_mib, hostdevs="".join(hostdev_xml(a) for a in hostdevs))
+    guest.run(f"cat > {path}", input=xml)
     guest.run(f"virsh define {path}")
     if not start:
         return 0.0
