@@ -16,7 +16,16 @@ pub enum LibvirtError {
     Query { uri: String, message: String },
     #[error("domain {domain}: {message}")]
     DomainXml { domain: String, message: String },
+    #[error("libvirt at {uri} did not answer within {timeout:?}")]
+    Timeout {
+        uri: String,
+        timeout: std::time::Duration,
+    },
 }
+
+/// How long a question to libvirt may take. A hung libvirtd must not hang the D-Bus call that
+/// asked (its caller gives up after 25 s) or the task.
+pub const ANSWER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// A running domain and the host PCI functions assigned to it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -125,11 +134,41 @@ fn local_daemon_running(root: &Path) -> bool {
 /// The running domains that have host PCI functions assigned, as `uri` reports them. With a local
 /// QEMU URI and no libvirt daemon running there is no domain to report (and nothing is started):
 /// a QEMU that outlived its daemon still holds its VFIO group open, which vfiod checks apart.
+/// Bounded by [`ANSWER_TIMEOUT`]: the question runs on its own thread, which is left behind if
+/// libvirt does not answer.
 pub fn running_domains(uri: &str, root: &Path) -> Result<Vec<DomainDevices>, LibvirtError> {
+    running_domains_within(uri, root, ANSWER_TIMEOUT)
+}
+
+fn running_domains_within(
+    uri: &str,
+    root: &Path,
+    timeout: std::time::Duration,
+) -> Result<Vec<DomainDevices>, LibvirtError> {
     if needs_running_daemon(uri) && !local_daemon_running(root) {
         tracing::debug!("no libvirt daemon runs: no domain to ask about");
         return Ok(Vec::new());
     }
+    let (tx, rx) = std::sync::mpsc::channel();
+    let owned = uri.to_string();
+    std::thread::Builder::new()
+        .name("libvirt-query".into())
+        .spawn(move || {
+            let _ = tx.send(ask(&owned));
+        })
+        .map_err(|e| LibvirtError::Connect {
+            uri: uri.to_string(),
+            message: format!("cannot start a thread: {e}"),
+        })?;
+    rx.recv_timeout(timeout).unwrap_or_else(|_| {
+        Err(LibvirtError::Timeout {
+            uri: uri.to_string(),
+            timeout,
+        })
+    })
+}
+
+fn ask(uri: &str) -> Result<Vec<DomainDevices>, LibvirtError> {
     quiet_libvirt();
     let conn =
         virt::connect::Connect::open_read_only(Some(uri)).map_err(|e| LibvirtError::Connect {
@@ -247,6 +286,28 @@ mod tests {
         assert!(needs_running_daemon("qemu+unix:///system?socket=/x"));
         assert!(!needs_running_daemon("qemu+ssh://host/system"));
         assert!(!needs_running_daemon("test:///default"));
+    }
+
+    /// A libvirtd that accepts the connection and never answers: the question gives up.
+    #[test]
+    fn a_libvirt_that_does_not_answer_times_out() {
+        let root = tempfile::tempdir().unwrap();
+        let pid = std::process::id().to_string();
+        std::fs::create_dir_all(root.path().join("run")).unwrap();
+        std::fs::create_dir_all(root.path().join("proc").join(&pid)).unwrap();
+        std::fs::write(root.path().join("run/libvirtd.pid"), &pid).unwrap();
+        let sock = root.path().join("libvirt-sock");
+        let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+        let _held = std::thread::spawn(move || {
+            let conn = listener.accept();
+            std::thread::sleep(std::time::Duration::from_secs(30));
+            drop(conn);
+        });
+        let uri = format!("qemu+unix:///system?socket={}", sock.display());
+        let t = std::time::Instant::now();
+        let r = running_domains_within(&uri, root.path(), std::time::Duration::from_millis(300));
+        assert!(matches!(r, Err(LibvirtError::Timeout { .. })), "{r:?}");
+        assert!(t.elapsed() < std::time::Duration::from_secs(5));
     }
 
     #[test]
