@@ -46,7 +46,7 @@ fn main() {
     let rounds: usize = std::env::var("VFIOD_BENCH_ROUNDS")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(15);
+        .unwrap_or(31);
 
     let restore = || {
         let p = vfiod::tasks::prepare(&engine, nic, Some(Target::Pf { driver: None }), "bench")

@@ -143,7 +143,7 @@ pub fn prepare(
     let params = serde_json::to_string(&target).unwrap_or_else(|_| "{}".into());
     let task = store.create_task_covering(
         address,
-        &scope(plan.as_ref(), &before),
+        &scope(&before),
         program_name(&program),
         &params,
         requested_by,
@@ -156,32 +156,11 @@ pub fn prepare(
     })
 }
 
-/// Every function the task may change: its IOMMU group, its VFs now and after the plan, and any
-/// function a step of the plan names. Two tasks whose scopes meet are never run together.
-fn scope(plan: Option<&Plan>, before: &Snapshot) -> Vec<PciAddress> {
-    let mut out: Vec<PciAddress> = before
-        .group
-        .iter()
-        .chain(&before.vfs)
-        .map(|b| b.address)
-        .collect();
-    for step in plan.map_or(&[][..], |p| &p.steps[..]) {
-        match step {
-            Step::Write {
-                path: SysPath::Device { address, .. },
-                ..
-            }
-            | Step::ExpectDriver { address, .. } => out.push(*address),
-            Step::Write {
-                path: SysPath::Driver { .. } | SysPath::Bus { .. },
-                value,
-            } => out.extend(value.trim().parse::<PciAddress>().ok()),
-            Step::WaitVfs { .. } => {}
-        }
-    }
-    out.sort();
-    out.dedup();
-    out
+/// The functions besides its own device that a task may rebind: the endpoints of its IOMMU
+/// group (a GPU's task moves its audio function). A PF's VFs need no entry: they cannot have
+/// tasks of their own, and the store finds a VF's blocking task through its PF.
+fn scope(before: &Snapshot) -> Vec<PciAddress> {
+    before.group.iter().map(|b| b.address).collect()
 }
 
 /// Functions whose binding the plan changes or whose existence it ends.
@@ -354,12 +333,7 @@ pub fn run(
     }
 
     // Remember what each function was bound to before vfiod first changed it.
-    for b in prepared
-        .before
-        .group
-        .iter()
-        .chain(std::iter::once(&prepared.before.pf))
-    {
+    for b in group_and_pf(&prepared.before) {
         store.remember_original_driver(b.address, b.driver.as_deref())?;
     }
 
@@ -374,12 +348,7 @@ pub fn run(
     let t = match result {
         Ok(()) => {
             if matches!(prepared.program, Program::Restore | Program::Unbind) {
-                for b in prepared
-                    .before
-                    .group
-                    .iter()
-                    .chain(std::iter::once(&prepared.before.pf))
-                {
+                for b in group_and_pf(&prepared.before) {
                     store.forget_original_driver(b.address)?;
                 }
             }
@@ -389,6 +358,14 @@ pub fn run(
     };
     notify(id);
     Ok(t)
+}
+
+/// The functions whose driver a program may change: the IOMMU group's endpoints and the PF
+/// (which is one of them whenever it has an IOMMU group), each once.
+fn group_and_pf(before: &Snapshot) -> impl Iterator<Item = &crate::plan::Binding> {
+    let pf_outside =
+        (!before.group.iter().any(|b| b.address == before.pf.address)).then_some(&before.pf);
+    before.group.iter().chain(pf_outside)
 }
 
 fn success_message(p: &Program, a: PciAddress) -> String {

@@ -460,8 +460,13 @@ async fn whole_device_passthrough_binds_the_group_and_gives_it_back() {
     .unwrap();
     h.manager().await.reload().await.unwrap();
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    // The drivers come back before the task records its end: wait for both.
     while h.kernel.driver_of(addr("0000:17:00.0")).as_deref() != Some("nouveau")
         || h.kernel.driver_of(addr("0000:17:00.1")).as_deref() != Some("snd_hda_intel")
+        || h.store()
+            .active_task(addr("0000:17:00.0"))
+            .unwrap()
+            .is_some()
     {
         assert!(std::time::Instant::now() < deadline, "group not given back");
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -517,8 +522,13 @@ async fn a_task_on_one_function_makes_its_group_mates_busy() {
 
     let audio = device(&h, "0000:17:00.1").await;
     let gpu = device(&h, "0000:17:00.0").await;
-    // The audio function shows the group's task as its current one.
-    assert_ne!(audio.task_state().await.unwrap(), "idle");
+    // The audio function shows the group's task as its current one (published right after the
+    // task is recorded).
+    let deadline = std::time::Instant::now() + Duration::from_secs(2);
+    while audio.task_state().await.unwrap() == "idle" {
+        assert!(std::time::Instant::now() < deadline, "audio shows no task");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     assert_eq!(
         audio.current_task().await.unwrap().as_str(),
         format!("/org/vfiod/Vfiod1/task/{}", bind.id)
@@ -648,4 +658,35 @@ async fn a_vf_a_running_domain_uses_is_not_taken_away() {
         assert!(std::time::Instant::now() < deadline, "not restored");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// A PF's task covers its VFs: while the FPGA is restored, each VF's object shows that task as
+/// its current one, and idle again once it has ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vf_shows_its_pf_task() {
+    let h = Harness::start(STEADY_CONFIG).await;
+    let fpga = device(&h, "0000:af:00.0").await;
+    let split = fpga.set_mode("vf", 4).await.unwrap();
+    assert_eq!(finish(&h, &split).await.0, "success");
+    // A slow unbind of a VF keeps the restore running while we look.
+    h.kernel.inject(
+        FaultTarget::DriverAttr(Some("vfio-pci".into()), "unbind".into()),
+        FaultAction::Delay(Duration::from_millis(1500)),
+        Some(1),
+    );
+    let vf = device(&h, "0000:af:00.1").await;
+    assert_eq!(vf.task_state().await.unwrap(), "idle");
+    let restore = fpga.set_mode("pf", 0).await.unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(2);
+    while vf.current_task().await.unwrap() != restore {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the VF does not show its PF's task"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_ne!(vf.task_state().await.unwrap(), "idle");
+    let (name, msg) = error_name(vf.set_mode("pf", 0).await.unwrap_err());
+    assert_eq!(name, "org.vfiod.Vfiod1.Error.InvalidArgument", "{msg}");
+    assert_eq!(finish(&h, &restore).await.0, "success");
 }

@@ -179,7 +179,7 @@ impl DbusPublisher {
     }
 
     /// Publishes the task object, then the current task and last result of every device object
-    /// it concerns: its own device and each function in its scope.
+    /// it concerns: its own device, each function in its scope, and its device's VFs.
     async fn publish_task(&self, id: i64) -> zbus::Result<()> {
         self.publish_task_object(id).await?;
         let Some(service) = self.ctx.get().and_then(|c| c.service.upgrade()) else {
@@ -191,6 +191,7 @@ impl DbusPublisher {
         };
         let mut addresses = vec![t.address];
         addresses.extend(store.task_scope(id).unwrap_or_default());
+        addresses.extend(store.vfs_of(t.address).unwrap_or_default());
         let server = self.conn.object_server();
         for address in addresses {
             let Ok(iface) = server

@@ -10,7 +10,7 @@ use super::device_row::{DecodeError, Fields};
 use super::task_state::{self, TaskState};
 use super::{insert_event, now_ms, NewEvent, Store, StoreError};
 use crate::pci::PciAddress;
-use rusqlite::{named_params, params, Connection, ErrorCode, Row};
+use rusqlite::{named_params, params, Connection, ErrorCode, OptionalExtension, Row};
 use serde::Serialize;
 
 /// One task as stored.
@@ -265,10 +265,13 @@ impl Store {
                 Err(e) => return Err(self.sqlite(action, e)),
             }
             let task = self.must_read(conn, action, conn.last_insert_rowid())?;
-            for a in &scope {
-                conn.prepare_cached("INSERT INTO task_scope (task_id, address) VALUES (?1, ?2)")
-                    .and_then(|mut stmt| stmt.execute(params![task.id, a]))
-                    .map_err(|e| self.sqlite(action, e))?;
+            if !scope.is_empty() {
+                let list = serde_json::to_string(&scope).unwrap_or_else(|_| "[]".into());
+                conn.prepare_cached(
+                    "INSERT INTO task_scope (task_id, address) SELECT ?1, value FROM json_each(?2)",
+                )
+                .and_then(|mut stmt| stmt.execute(params![task.id, list]))
+                .map_err(|e| self.sqlite(action, e))?;
             }
             self.task_event(conn, action, &task, event_message(&task), now)?;
             Ok(task)
@@ -287,17 +290,66 @@ impl Store {
         self.active_in(&conn, "read the active task", address)
     }
 
-    /// The task that keeps `address` busy, its own or one whose scope covers it (the GPU's task
-    /// for its audio function, the PF's for a VF): what the device shows as its current task.
+    /// The task that keeps `address` busy, its own or one that covers it (the GPU's task for its
+    /// audio function, the PF's for a VF): what the device shows as its current task.
     pub fn blocking_task(&self, address: PciAddress) -> Result<Option<TaskRecord>, StoreError> {
         let action = "read the blocking task";
         let conn = self.lock();
-        if let Some(own) = self.active_in(&conn, action, address)? {
+        self.blocking_in(&conn, action, address)
+    }
+
+    fn blocking_in(
+        &self,
+        conn: &Connection,
+        action: &'static str,
+        address: PciAddress,
+    ) -> Result<Option<TaskRecord>, StoreError> {
+        if let Some(own) = self.active_in(conn, action, address)? {
             return Ok(Some(own));
         }
-        Ok(self
-            .active_covering(&conn, action, address, &[])?
-            .map(|(_, task)| task))
+        if let Some((_, task)) = self.active_covering(conn, action, address, &[])? {
+            return Ok(Some(task));
+        }
+        match self.parent_pf(conn, action, address)? {
+            Some(pf) => self.active_in(conn, action, pf),
+            None => Ok(None),
+        }
+    }
+
+    /// The PF of a VF as the inventory recorded it.
+    fn parent_pf(
+        &self,
+        conn: &Connection,
+        action: &'static str,
+        address: PciAddress,
+    ) -> Result<Option<PciAddress>, StoreError> {
+        let text: Option<Option<String>> = conn
+            .prepare_cached("SELECT parent_pf FROM devices WHERE address = ?1")
+            .and_then(|mut stmt| {
+                stmt.query_row([address.to_string()], |r| r.get(0))
+                    .optional()
+            })
+            .map_err(|e| self.sqlite(action, e))?;
+        Ok(text.flatten().and_then(|t| t.parse().ok()))
+    }
+
+    /// The VFs of `pf` as the inventory recorded them.
+    pub fn vfs_of(&self, pf: PciAddress) -> Result<Vec<PciAddress>, StoreError> {
+        let action = "read the VFs of a PF";
+        let conn = self.lock();
+        let mut stmt = conn
+            .prepare_cached("SELECT address FROM devices WHERE parent_pf = ?1 ORDER BY address")
+            .map_err(|e| self.sqlite(action, e))?;
+        let rows = stmt
+            .query_map([pf.to_string()], |r| r.get::<_, String>(0))
+            .map_err(|e| self.sqlite(action, e))?;
+        let mut out = Vec::new();
+        for r in rows {
+            if let Ok(a) = r.map_err(|e| self.sqlite(action, e))?.parse() {
+                out.push(a);
+            }
+        }
+        Ok(out)
     }
 
     /// The most recent final task of `address` (success, or error whether reset or not).
@@ -379,14 +431,8 @@ impl Store {
         let action = "reset a task";
         self.write(action, |conn| {
             // The task that blocks the device: its own, or one that covers it (resetting the
-            // audio function resets the failed task of its GPU's group).
-            let blocking = match self.active_in(conn, action, address)? {
-                Some(own) => Some(own),
-                None => self
-                    .active_covering(conn, action, address, &[])?
-                    .map(|(_, t)| t),
-            };
-            let Some(task) = blocking else {
+            // audio function resets the failed task of its GPU's group, a VF its PF's).
+            let Some(task) = self.blocking_in(conn, action, address)? else {
                 return Err(StoreError::NotInError {
                     address,
                     state: None,
