@@ -1162,8 +1162,9 @@ fn fault_with_zero_times_never_fires() {
     assert_eq!(h.attr(NIC, "sriov_drivers_autoprobe"), "1");
 }
 
-#[test]
-fn hung_write_times_out_quickly_and_blocks_nothing_else() {
+/// The reference host with a 200 ms write timeout, where the next unbind from nvme hangs (for
+/// two minutes, or until released).
+fn host_with_a_hung_nvme_unbind() -> (Host, Sysfs) {
     let h = Host::reference();
     let sysfs = h
         .sysfs
@@ -1174,6 +1175,12 @@ fn hung_write_times_out_quickly_and_blocks_nothing_else() {
         FaultAction::Hang(Duration::from_secs(120)),
         Some(1),
     );
+    (h, sysfs)
+}
+
+#[test]
+fn hung_write_times_out_quickly_and_blocks_nothing_else() {
+    let (h, sysfs) = host_with_a_hung_nvme_unbind();
     let unbind = sysfs.driver_dir("nvme").join("unbind");
 
     let t = Instant::now();
@@ -1524,16 +1531,7 @@ fn large_model_builds_over_1000_functions() {
 /// abandoned job's later writes are refused once the hang ends, and other writes keep working.
 #[test]
 fn bounded_job_reports_a_hung_write_and_is_abandoned() {
-    let h = Host::reference();
-    let sysfs = h
-        .sysfs
-        .clone()
-        .with_write_timeout(Duration::from_millis(200));
-    h.kernel.inject(
-        FaultTarget::DriverAttr(Some("nvme".into()), "unbind".into()),
-        FaultAction::Hang(Duration::from_secs(120)),
-        Some(1),
-    );
+    let (h, sysfs) = host_with_a_hung_nvme_unbind();
     let (after_tx, after_rx) = mpsc::channel();
     let mut posts = Vec::new();
     let t = Instant::now();

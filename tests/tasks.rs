@@ -437,11 +437,7 @@ async fn an_interrupted_task_is_reported_and_needs_a_reset() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn whole_device_passthrough_binds_the_group_and_gives_it_back() {
-    let with_vfio = "scenario = \"private\"\npoll_interval = 3600\n[[select]]\nclass = \"0x03\"\npf_driver = \"vfio-pci\"\n[[select]]\nid = \"10de:1aef\"\npf_driver = \"vfio-pci\"\n";
-    let h = Harness::start(with_vfio).await;
-    // Boot: the GPU and its audio function move to vfio-pci together, in one task.
+fn assert_gpu_group_on_vfio(h: &Harness) {
     for a in ["0000:17:00.0", "0000:17:00.1"] {
         assert_eq!(
             h.kernel.driver_of(addr(a)).as_deref(),
@@ -449,6 +445,14 @@ async fn whole_device_passthrough_binds_the_group_and_gives_it_back() {
             "{a}"
         );
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn whole_device_passthrough_binds_the_group_and_gives_it_back() {
+    let with_vfio = "scenario = \"private\"\npoll_interval = 3600\n[[select]]\nclass = \"0x03\"\npf_driver = \"vfio-pci\"\n[[select]]\nid = \"10de:1aef\"\npf_driver = \"vfio-pci\"\n";
+    let h = Harness::start(with_vfio).await;
+    // Boot: the GPU and its audio function move to vfio-pci together, in one task.
+    assert_gpu_group_on_vfio(&h);
     let tasks = h.store().tasks(None, 10).unwrap();
     assert_eq!(tasks.len(), 1, "one task for the group: {tasks:?}");
     assert_eq!(tasks[0].kind, "bind");
@@ -558,13 +562,7 @@ async fn a_task_on_one_function_makes_its_group_mates_busy() {
         assert!(std::time::Instant::now() < deadline, "the bind did not end");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    for a in ["0000:17:00.0", "0000:17:00.1"] {
-        assert_eq!(
-            h.kernel.driver_of(addr(a)).as_deref(),
-            Some("vfio-pci"),
-            "{a}"
-        );
-    }
+    assert_gpu_group_on_vfio(&h);
     let tasks = h.store().tasks(None, 10).unwrap();
     assert_eq!(tasks.len(), 1, "refused requests create no task: {tasks:?}");
     assert_eq!(tasks[0].state.as_str(), "success", "{tasks:?}");
