@@ -160,12 +160,18 @@ fn running_domains_within(
             uri: uri.to_string(),
             message: format!("cannot start a thread: {e}"),
         })?;
-    rx.recv_timeout(timeout).unwrap_or_else(|_| {
-        Err(LibvirtError::Timeout {
+    match rx.recv_timeout(timeout) {
+        Ok(answer) => answer,
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Err(LibvirtError::Timeout {
             uri: uri.to_string(),
             timeout,
-        })
-    })
+        }),
+        // The virt crate panics when closing a connection fails.
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Err(LibvirtError::Query {
+            uri: uri.to_string(),
+            message: "the libvirt client failed while asking (see the daemon's log)".into(),
+        }),
+    }
 }
 
 fn ask(uri: &str) -> Result<Vec<DomainDevices>, LibvirtError> {
