@@ -110,11 +110,20 @@ impl Engine {
             return Ok(Pass::default());
         }
         let events = self.store.apply_changes(&changes, &new_events)?;
+        // A function that vanishes or breaks deserves the operator's attention; VFs removed
+        // because their PF's VF count went down do not (a restore removes 64 at once).
+        let vfs_removed: Vec<PciAddress> = changes
+            .iter()
+            .filter_map(|c| match c {
+                DeviceChange::Removed(d) if d.role == crate::device::Role::Vf => Some(d.address),
+                _ => None,
+            })
+            .collect();
         for e in &events {
+            let expected = e.address.is_some_and(|a| vfs_removed.contains(&a));
             match e.kind.as_str() {
-                "broken" | "removed" => {
-                    tracing::warn!("{}", e.message)
-                }
+                "broken" => tracing::warn!("{}", e.message),
+                "removed" if !expected => tracing::warn!("{}", e.message),
                 _ => tracing::info!("{}", e.message),
             }
         }

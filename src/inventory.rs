@@ -317,7 +317,12 @@ pub fn diff(
     }
     for (a, o) in old {
         if !new_addrs.contains(a) {
-            events.push(ev(*a, "removed", format!("{} {} disappeared", o.kind, a)));
+            let message = match (o.role, o.parent_pf) {
+                // A VF goes when its PF's VF count is lowered: expected, not a disappearance.
+                (crate::device::Role::Vf, Some(pf)) => format!("{} VF {a} of {pf} removed", o.kind),
+                _ => format!("{} {} disappeared", o.kind, a),
+            };
+            events.push(ev(*a, "removed", message));
             changes.push(DeviceChange::Removed(o.clone()));
         }
     }

@@ -227,7 +227,32 @@ fn broken_and_vanished_devices_and_their_events() {
         kinds.contains(&("0000:d8:00.0".into(), "removed".into())),
         "{kinds:?}"
     );
+    let gone = events.iter().find(|e| e.kind == "removed").unwrap();
+    assert_eq!(gone.message, "nvme 0000:d8:00.0 disappeared");
     assert_eq!(changes.len(), 2);
+
+    // VFs that go because their PF's count went down are "removed", said as such.
+    let nic = "0000:3b:00.0";
+    let numvfs = sysfs.device_attr(common::addr(nic), "sriov_numvfs");
+    sysfs.write(&numvfs, "2").unwrap();
+    let prev: BTreeMap<_, _> = second.into_iter().map(|d| (d.address, d)).collect();
+    let third = inventory::scan(&sysfs, &settings, &prev).unwrap();
+    let prev: BTreeMap<_, _> = third.into_iter().map(|d| (d.address, d)).collect();
+    sysfs.write(&numvfs, "0").unwrap();
+    let fourth = inventory::scan(&sysfs, &settings, &prev).unwrap();
+    let (_, events) = inventory::diff(&prev, &fourth);
+    let removed: Vec<&str> = events
+        .iter()
+        .filter(|e| e.kind == "removed")
+        .map(|e| e.message.as_str())
+        .collect();
+    assert_eq!(
+        removed,
+        [
+            "nic VF 0000:3b:02.0 of 0000:3b:00.0 removed",
+            "nic VF 0000:3b:02.1 of 0000:3b:00.0 removed"
+        ]
+    );
 
     // A broken device seen for the first time still gets a record, not a silent skip.
     let fresh = inventory::scan(&sysfs, &settings, &BTreeMap::new()).unwrap();
