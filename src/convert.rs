@@ -6,6 +6,8 @@ use crate::pci::PciAddress;
 use crate::plan::{Binding, Plan, Snapshot, Step, SysPath};
 use crate::sysfs::{Sysfs, SysfsError};
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// How often a running program reports its progress, at most.
@@ -256,13 +258,14 @@ pub fn apply(
     progress: &mut dyn FnMut(usize, usize, &Step),
 ) -> Result<(), Box<Failed>> {
     let owned = plan.clone();
-    let current = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let at = std::sync::Arc::clone(&current);
+    // The step running on the writer thread, to name the one a timed-out write belongs to.
+    let current = Arc::new(AtomicUsize::new(0));
+    let at = Arc::clone(&current);
     let outcome = sysfs.run_bounded(
         move |inline: &Sysfs, post: &dyn Fn((usize, usize))| {
             let mut reported: Option<Instant> = None;
             execute(inline, &owned, &mut |done, total, _| {
-                at.store(done, std::sync::atomic::Ordering::Relaxed);
+                at.store(done, Ordering::Relaxed);
                 if done == total || reported.is_none_or(|t| t.elapsed() >= PROGRESS_EVERY) {
                     reported = Some(Instant::now());
                     post((done, total));
@@ -281,7 +284,7 @@ pub fn apply(
         Ok(Ok(())) => return Ok(()),
         Ok(Err(e)) => e,
         Err(source) => {
-            let index = current.load(std::sync::atomic::Ordering::Relaxed);
+            let index = current.load(Ordering::Relaxed);
             ConvertError::Sysfs {
                 index,
                 step: plan
