@@ -29,40 +29,16 @@ pub trait Manager {
     #[zbus(property)]
     fn config_sources(&self) -> zbus::Result<Vec<String>>;
     fn get_device(&self, address: &str) -> zbus::Result<zbus::OwnedObjectPath>;
-    #[allow(clippy::type_complexity)]
     fn get_events(
         &self,
         address: &str,
         after_id: i64,
         limit: u32,
-    ) -> zbus::Result<Vec<(i64, i64, String, String, String)>>;
-    #[allow(clippy::type_complexity)]
-    fn get_plan(
-        &self,
-        address: &str,
-    ) -> zbus::Result<(String, String, String, Vec<String>, String)>;
-    #[allow(clippy::type_complexity)]
-    fn get_plans(&self)
-        -> zbus::Result<Vec<(String, String, String, String, Vec<String>, String)>>;
-    #[allow(clippy::type_complexity)]
-    fn get_tasks(
-        &self,
-        address: &str,
-        limit: u32,
-    ) -> zbus::Result<
-        Vec<(
-            i64,
-            String,
-            String,
-            String,
-            String,
-            u8,
-            String,
-            i64,
-            i64,
-            String,
-        )>,
-    >;
+    ) -> zbus::Result<Vec<crate::dbus::wire::EventRow>>;
+    fn get_plan(&self, address: &str) -> zbus::Result<crate::dbus::wire::Plan>;
+    fn get_plans(&self) -> zbus::Result<Vec<crate::dbus::wire::PlanRow>>;
+    fn get_tasks(&self, address: &str, limit: u32)
+        -> zbus::Result<Vec<crate::dbus::wire::TaskRow>>;
     fn reload(&self) -> zbus::Result<()>;
     fn rescan(&self) -> zbus::Result<()>;
 }

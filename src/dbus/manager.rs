@@ -101,7 +101,7 @@ impl Manager {
         address: &str,
         after_id: i64,
         limit: u32,
-    ) -> Result<Vec<(i64, i64, String, String, String)>, Error> {
+    ) -> Result<Vec<super::wire::EventRow>, Error> {
         let a = if address.is_empty() {
             None
         } else {
@@ -129,10 +129,7 @@ impl Manager {
 
     /// The policy's plan for one device, as a dry run: (decision, reason, program, steps as
     /// shell-like lines, plan as JSON). Nothing is written.
-    async fn get_plan(
-        &self,
-        address: &str,
-    ) -> Result<(String, String, String, Vec<String>, String), Error> {
+    async fn get_plan(&self, address: &str) -> Result<super::wire::Plan, Error> {
         let a = parse_address(address)?;
         let engine = Arc::clone(&self.service.engine);
         let p = tokio::task::spawn_blocking(move || {
@@ -144,10 +141,7 @@ impl Manager {
     }
 
     /// Plans for every selected device: (address, decision, reason, program, steps, JSON).
-    #[allow(clippy::type_complexity)]
-    async fn get_plans(
-        &self,
-    ) -> Result<Vec<(String, String, String, String, Vec<String>, String)>, Error> {
+    async fn get_plans(&self) -> Result<Vec<super::wire::PlanRow>, Error> {
         let engine = Arc::clone(&self.service.engine);
         let plans = tokio::task::spawn_blocking(move || {
             crate::modes::plan_all(engine.sysfs(), engine.store(), &engine.settings())
@@ -165,26 +159,11 @@ impl Manager {
 
     /// Task history, newest first: (id, kind, address, state, step, percent, result, created
     /// ms, finished ms or 0, requested by). `address` "" means every device.
-    #[allow(clippy::type_complexity)]
     async fn get_tasks(
         &self,
         address: &str,
         limit: u32,
-    ) -> Result<
-        Vec<(
-            i64,
-            String,
-            String,
-            String,
-            String,
-            u8,
-            String,
-            i64,
-            i64,
-            String,
-        )>,
-        Error,
-    > {
+    ) -> Result<Vec<super::wire::TaskRow>, Error> {
         let a = if address.is_empty() {
             None
         } else {
@@ -238,7 +217,7 @@ impl Manager {
     }
 }
 
-fn plan_tuple(p: &crate::modes::DevicePlan) -> (String, String, String, Vec<String>, String) {
+fn plan_tuple(p: &crate::modes::DevicePlan) -> super::wire::Plan {
     let decision = match &p.decision {
         crate::policy::Decision::Leave { .. } => "leave",
         crate::policy::Decision::Target { .. } => "target",

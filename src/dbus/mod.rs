@@ -8,6 +8,31 @@ pub mod error;
 pub mod manager;
 pub mod task;
 
+/// The shapes of the manager's list replies, one definition for the service and its proxy
+/// (`crate::client`): a change on one side is a change on both.
+pub mod wire {
+    /// GetEvents: (id, time in ms since the epoch, address or "", kind, message).
+    pub type EventRow = (i64, i64, String, String, String);
+    /// GetPlan: (decision, reason, program, steps as shell-like lines, plan as JSON).
+    pub type Plan = (String, String, String, Vec<String>, String);
+    /// GetPlans: (address, decision, reason, program, steps, plan as JSON).
+    pub type PlanRow = (String, String, String, String, Vec<String>, String);
+    /// GetTasks: (id, kind, address, state, step, percent, result, created ms, finished ms or
+    /// 0, requested by).
+    pub type TaskRow = (
+        i64,
+        String,
+        String,
+        String,
+        String,
+        u8,
+        String,
+        i64,
+        i64,
+        String,
+    );
+}
+
 use crate::daemon::{Pass, Publish, Service};
 use crate::pci::PciAddress;
 use crate::store::DeviceChange;
