@@ -31,33 +31,17 @@ impl PrivateBus {
     /// `extra_policy` is inserted into the config (e.g. a `<policy>` that restricts owners, or
     /// `<servicedir>` entries).
     pub fn start(dir: &Path, extra_policy: &str) -> Result<PrivateBus, PrivateBusError> {
-        let setup = |source| PrivateBusError::Setup {
-            dir: dir.to_path_buf(),
-            source,
-        };
-        std::fs::create_dir_all(dir).map_err(setup)?;
-        let socket = dir.join("bus.sock");
-        let config = dir.join("bus.conf");
-        let text = format!(
-            r#"<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
- "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
-<busconfig>
-  <type>session</type>
-  <listen>unix:path={}</listen>
-  <auth>EXTERNAL</auth>
-  <policy context="default">
+        let body = format!(
+            r#"  <policy context="default">
     <allow send_destination="*" eavesdrop="true"/>
     <allow eavesdrop="true"/>
     <allow own="*"/>
     <allow user="*"/>
   </policy>
   {extra_policy}
-</busconfig>
-"#,
-            socket.display()
+"#
         );
-        std::fs::write(&config, text).map_err(setup)?;
-        Self::launch(dir, &config)
+        Self::launch(dir, "session", &body)
     }
 
     /// Starts `dbus-daemon` as a private *system* bus: `<type>system</type>` and the policy of
@@ -66,25 +50,12 @@ impl PrivateBus {
     /// service's own `dbus-1/system.d/*.conf`. No service directories: nothing is ever
     /// activated on it, so a service is only there if the caller started it.
     pub fn start_system(dir: &Path, policy_files: &[&Path]) -> Result<PrivateBus, PrivateBusError> {
-        let setup = |source| PrivateBusError::Setup {
-            dir: dir.to_path_buf(),
-            source,
-        };
-        std::fs::create_dir_all(dir).map_err(setup)?;
-        let socket = dir.join("bus.sock");
-        let config = dir.join("bus.conf");
         let includes: String = policy_files
             .iter()
             .map(|p| format!("  <include>{}</include>\n", p.display()))
             .collect();
-        let text = format!(
-            r#"<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
- "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
-<busconfig>
-  <type>system</type>
-  <listen>unix:path={}</listen>
-  <auth>EXTERNAL</auth>
-  <policy context="default">
+        let body = format!(
+            r#"  <policy context="default">
     <allow user="*"/>
     <deny own="*"/>
     <deny send_type="method_call"/>
@@ -100,19 +71,32 @@ impl PrivateBus {
     <allow send_destination="org.freedesktop.DBus" send_interface="org.freedesktop.DBus.Properties"/>
     <deny send_destination="org.freedesktop.DBus" send_interface="org.freedesktop.DBus" send_member="UpdateActivationEnvironment"/>
   </policy>
-{includes}</busconfig>
-"#,
-            socket.display()
+{includes}"#
         );
-        std::fs::write(&config, text).map_err(setup)?;
-        Self::launch(dir, &config)
+        Self::launch(dir, "system", &body)
     }
 
-    fn launch(dir: &Path, config: &Path) -> Result<PrivateBus, PrivateBusError> {
+    /// Writes `dir/bus.conf` (bus type, a socket in `dir`, `body` for the policy) and starts
+    /// `dbus-daemon` on it.
+    fn launch(dir: &Path, bus_type: &str, body: &str) -> Result<PrivateBus, PrivateBusError> {
         let setup = |source| PrivateBusError::Setup {
             dir: dir.to_path_buf(),
             source,
         };
+        std::fs::create_dir_all(dir).map_err(setup)?;
+        let config = dir.join("bus.conf");
+        let text = format!(
+            r#"<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
+ "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
+<busconfig>
+  <type>{bus_type}</type>
+  <listen>unix:path={}</listen>
+  <auth>EXTERNAL</auth>
+{body}</busconfig>
+"#,
+            dir.join("bus.sock").display()
+        );
+        std::fs::write(&config, text).map_err(setup)?;
         // Its warnings (e.g. that it cannot raise the fd limit) go to a log beside the socket.
         let log = std::fs::File::create(dir.join("bus.log")).map_err(setup)?;
         let mut child = Command::new("dbus-daemon")
