@@ -412,12 +412,17 @@ mod tests {
         s.parse().unwrap()
     }
 
+    /// A function's binding: address, driver, driver_override.
+    fn b(address: &str, driver: Option<&str>, driver_override: Option<&str>) -> Binding {
+        Binding {
+            address: a(address),
+            driver: driver.map(str::to_string),
+            driver_override: driver_override.map(str::to_string),
+        }
+    }
+
     fn nic() -> Snapshot {
-        let pf = Binding {
-            address: a("0000:3b:00.0"),
-            driver: Some("i40e".into()),
-            driver_override: None,
-        };
+        let pf = b("0000:3b:00.0", Some("i40e"), None);
         Snapshot {
             pf: pf.clone(),
             num_vfs: 0,
@@ -472,16 +477,8 @@ mod tests {
         s.num_vfs = 2;
         s.autoprobe = Some(false);
         s.vfs = vec![
-            Binding {
-                address: a("0000:3b:02.0"),
-                driver: Some("vfio-pci".into()),
-                driver_override: Some("vfio-pci".into()),
-            },
-            Binding {
-                address: a("0000:3b:02.1"),
-                driver: None,
-                driver_override: Some("vfio-pci".into()),
-            },
+            b("0000:3b:02.0", Some("vfio-pci"), Some("vfio-pci")),
+            b("0000:3b:02.1", None, Some("vfio-pci")),
         ];
         s.pf.driver = Some("vfio-pci".into());
         s.pf.driver_override = Some("vfio-pci".into());
@@ -523,16 +520,8 @@ mod tests {
 
     #[test]
     fn group_bind_moves_every_endpoint() {
-        let gpu = Binding {
-            address: a("0000:17:00.0"),
-            driver: Some("nouveau".into()),
-            driver_override: None,
-        };
-        let audio = Binding {
-            address: a("0000:17:00.1"),
-            driver: Some("snd_hda_intel".into()),
-            driver_override: None,
-        };
+        let gpu = b("0000:17:00.0", Some("nouveau"), None);
+        let audio = b("0000:17:00.1", Some("snd_hda_intel"), None);
         let s = Snapshot {
             pf: gpu.clone(),
             num_vfs: 0,
@@ -574,16 +563,8 @@ mod tests {
         now.num_vfs = 2;
         now.autoprobe = Some(false);
         now.vfs = vec![
-            Binding {
-                address: a("0000:3b:02.0"),
-                driver: Some("vfio-pci".into()),
-                driver_override: Some("vfio-pci".into()),
-            },
-            Binding {
-                address: a("0000:3b:02.1"),
-                driver: None,
-                driver_override: None,
-            },
+            b("0000:3b:02.0", Some("vfio-pci"), Some("vfio-pci")),
+            b("0000:3b:02.1", None, None),
         ];
         let t = rollback(&before, &now).to_string();
         assert!(

@@ -56,6 +56,17 @@ impl Host {
         }
     }
 
+    /// The NIC's autoprobe off, then `n` VFs enabled: VFs with no driver, as vfiod's split
+    /// leaves them before binding. Their addresses, in VF order.
+    fn enable_unprobed_nic_vfs(&self, n: u32) -> Vec<String> {
+        self.set(NIC, "sriov_drivers_autoprobe", "0");
+        self.set(NIC, "sriov_numvfs", &n.to_string());
+        vf_addresses(self, NIC, n)
+            .iter()
+            .map(|a| a.to_string())
+            .collect()
+    }
+
     fn root(&self) -> &Path {
         self.kernel.root()
     }
@@ -381,12 +392,10 @@ fn vf_to_vfio_pci_then_restore_removes_everything() {
     let boot_devices = h.bus_devices();
     let pf_dir = h.real_dir(NIC_PORT, NIC);
 
-    h.set(NIC, "sriov_drivers_autoprobe", "0");
-    h.set(NIC, "sriov_numvfs", "64");
-    let vfs = vf_addresses(&h, NIC, 64);
-    let vf = vfs[5].to_string();
+    let vfs = h.enable_unprobed_nic_vfs(64);
+    let vf = vfs[5].clone();
     let g = h.group(&vf);
-    let vf_groups: BTreeSet<u32> = vfs.iter().map(|a| h.group(&a.to_string())).collect();
+    let vf_groups: BTreeSet<u32> = vfs.iter().map(|a| h.group(a)).collect();
 
     h.set(&vf, "driver_override", "vfio-pci");
     assert_eq!(h.attr(&vf, "driver_override"), "vfio-pci");
@@ -414,7 +423,7 @@ fn vf_to_vfio_pci_then_restore_removes_everything() {
     assert!(h.p(&format!("dev/vfio/{g}")).exists());
     for other in vfs.iter().filter(|a| a.to_string() != vf) {
         assert_eq!(
-            h.kernel.driver_of(*other),
+            h.kernel.driver_of(addr(other)),
             None,
             "{other} must stay unbound"
         );
@@ -439,7 +448,7 @@ fn vf_to_vfio_pci_then_restore_removes_everything() {
             "virtfn{i} left behind"
         );
         assert!(!exists(&h.p(&format!("sys/bus/pci/drivers/vfio-pci/{v}"))));
-        assert!(!h.kernel.addresses().contains(a));
+        assert!(!h.kernel.addresses().contains(&addr(a)));
     }
     for g in vf_groups {
         assert!(!exists(&h.p(&format!("sys/kernel/iommu_groups/{g}"))));
@@ -603,12 +612,7 @@ fn write_to_an_attribute_the_function_does_not_have_is_enoent() {
 #[test]
 fn vf_explicit_bind_with_autoprobe_off_is_enodev_but_override_probe_works() {
     let h = Host::reference();
-    h.set(NIC, "sriov_drivers_autoprobe", "0");
-    h.set(NIC, "sriov_numvfs", "4");
-    let vfs: Vec<String> = vf_addresses(&h, NIC, 4)
-        .iter()
-        .map(|a| a.to_string())
-        .collect();
+    let vfs = h.enable_unprobed_nic_vfs(4);
 
     assert_eq!(errno(h.drv("iavf", "bind", &vfs[0])), libc::ENODEV);
     assert_eq!(h.driver_link(&vfs[0]), None);
@@ -1062,12 +1066,7 @@ fn errno_fault_fails_the_write_and_leaves_state_unchanged() {
 #[test]
 fn fault_targets_match_only_their_writes() {
     let h = Host::reference();
-    h.set(NIC, "sriov_drivers_autoprobe", "0");
-    h.set(NIC, "sriov_numvfs", "2");
-    let vfs: Vec<String> = vf_addresses(&h, NIC, 2)
-        .iter()
-        .map(|a| a.to_string())
-        .collect();
+    let vfs = h.enable_unprobed_nic_vfs(2);
     for v in &vfs {
         h.set(v, "driver_override", "vfio-pci");
     }

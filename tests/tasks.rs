@@ -77,6 +77,14 @@ async fn finish(h: &Harness, path: &OwnedObjectPath) -> (String, String, String)
     }
 }
 
+/// Splits the FPGA (0000:af:00.0) into `vfs` VFs and waits for the task's success.
+async fn split_fpga<'a>(h: &'a Harness, vfs: u32) -> DeviceProxy<'a> {
+    let fpga = device(h, "0000:af:00.0").await;
+    let task = fpga.set_mode("vf", vfs).await.unwrap();
+    assert_eq!(finish(h, &task).await.0, "success");
+    fpga
+}
+
 fn error_name(e: zbus::Error) -> (String, String) {
     match e {
         zbus::Error::MethodError(n, m, _) => (n.to_string(), m.unwrap_or_default()),
@@ -264,11 +272,7 @@ async fn guards_refuse_with_named_errors_and_change_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_device_a_vm_holds_open_is_never_taken_down() {
     let h = Harness::start(STEADY_CONFIG).await;
-    let fpga = device(&h, "0000:af:00.0").await;
-    assert_eq!(
-        finish(&h, &fpga.set_mode("vf", 2).await.unwrap()).await.0,
-        "success"
-    );
+    let fpga = split_fpga(&h, 2).await;
     // A "QEMU" process holding the first VF's group open, as /proc shows it.
     let vf = addr("0000:af:00.1");
     let group = h
@@ -302,11 +306,7 @@ async fn a_device_a_vm_holds_open_is_never_taken_down() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claimed_device_is_not_converted() {
     let h = Harness::start(STEADY_CONFIG).await;
-    let fpga = device(&h, "0000:af:00.0").await;
-    assert_eq!(
-        finish(&h, &fpga.set_mode("vf", 2).await.unwrap()).await.0,
-        "success"
-    );
+    let fpga = split_fpga(&h, 2).await;
     {
         let db = rusqlite::Connection::open(h.store().path()).unwrap();
         db.execute(
@@ -663,9 +663,7 @@ async fn a_vf_a_running_domain_uses_is_not_taken_away() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_vf_shows_its_pf_task() {
     let h = Harness::start(STEADY_CONFIG).await;
-    let fpga = device(&h, "0000:af:00.0").await;
-    let split = fpga.set_mode("vf", 4).await.unwrap();
-    assert_eq!(finish(&h, &split).await.0, "success");
+    let fpga = split_fpga(&h, 4).await;
     // A slow unbind of a VF keeps the restore running while we look.
     h.kernel.inject(
         FaultTarget::DriverAttr(Some("vfio-pci".into()), "unbind".into()),
