@@ -160,6 +160,28 @@ fn write(path: SysPath, value: impl Into<String>) -> Step {
     }
 }
 
+/// `echo ADDRESS > drivers/DRIVER/unbind`
+fn unbind_from(driver: &str, address: PciAddress) -> Step {
+    write(
+        SysPath::Driver {
+            driver: driver.to_string(),
+            attr: "unbind".into(),
+        },
+        address.to_string(),
+    )
+}
+
+/// `echo ADDRESS > drivers_probe`: the kernel binds the function to its override, or to the
+/// driver that matches it.
+fn probe(address: PciAddress) -> Step {
+    write(
+        SysPath::Bus {
+            attr: "drivers_probe".into(),
+        },
+        address.to_string(),
+    )
+}
+
 /// Moves one function to `driver` the safe way: override, unbind, probe; never `new_id`.
 fn bind_steps(steps: &mut Vec<Step>, b: &Binding, driver: &str) {
     if b.driver.as_deref() == Some(driver) && b.driver_override.as_deref() == Some(driver) {
@@ -170,20 +192,9 @@ fn bind_steps(steps: &mut Vec<Step>, b: &Binding, driver: &str) {
     }
     if b.driver.as_deref() != Some(driver) {
         if let Some(cur) = &b.driver {
-            steps.push(write(
-                SysPath::Driver {
-                    driver: cur.clone(),
-                    attr: "unbind".into(),
-                },
-                b.address.to_string(),
-            ));
+            steps.push(unbind_from(cur, b.address));
         }
-        steps.push(write(
-            SysPath::Bus {
-                attr: "drivers_probe".into(),
-            },
-            b.address.to_string(),
-        ));
+        steps.push(probe(b.address));
     }
     steps.push(Step::ExpectDriver {
         address: b.address,
@@ -199,21 +210,10 @@ fn unbind_steps(steps: &mut Vec<Step>, b: &Binding, original: Option<&str>) {
     }
     if b.driver.as_deref() != original {
         if let Some(cur) = &b.driver {
-            steps.push(write(
-                SysPath::Driver {
-                    driver: cur.clone(),
-                    attr: "unbind".into(),
-                },
-                b.address.to_string(),
-            ));
+            steps.push(unbind_from(cur, b.address));
         }
         if original.is_some() {
-            steps.push(write(
-                SysPath::Bus {
-                    attr: "drivers_probe".into(),
-                },
-                b.address.to_string(),
-            ));
+            steps.push(probe(b.address));
         }
     }
     steps.push(Step::ExpectDriver {
@@ -259,13 +259,7 @@ fn restore_steps(steps: &mut Vec<Step>, s: &Snapshot) {
     // Unbind the VFs first so no VF driver is mid-use when the kernel destroys them.
     for vf in &s.vfs {
         if let Some(d) = &vf.driver {
-            steps.push(write(
-                SysPath::Driver {
-                    driver: d.clone(),
-                    attr: "unbind".into(),
-                },
-                vf.address.to_string(),
-            ));
+            steps.push(unbind_from(d, vf.address));
         }
     }
     steps.push(write(SysPath::device(pf, "sriov_numvfs"), "0"));
