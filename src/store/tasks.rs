@@ -222,11 +222,7 @@ impl Store {
             }
         }
         let action = "create a task";
-        let mut scope: Vec<String> = covers
-            .iter()
-            .filter(|a| **a != address)
-            .map(|a| a.to_string())
-            .collect();
+        let mut scope: Vec<PciAddress> = covers.iter().copied().filter(|a| *a != address).collect();
         scope.sort();
         scope.dedup();
         self.write(action, |conn| {
@@ -266,7 +262,7 @@ impl Store {
             }
             let task = self.must_read(conn, action, conn.last_insert_rowid())?;
             if !scope.is_empty() {
-                let list = serde_json::to_string(&scope).unwrap_or_else(|_| "[]".into());
+                let list = json_list(scope.iter().copied());
                 conn.prepare_cached(
                     "INSERT INTO task_scope (task_id, address) SELECT ?1, value FROM json_each(?2)",
                 )
@@ -585,11 +581,9 @@ impl Store {
         conn: &Connection,
         action: &'static str,
         address: PciAddress,
-        scope: &[String],
+        scope: &[PciAddress],
     ) -> Result<Option<(PciAddress, TaskRecord)>, StoreError> {
-        let mut wanted: Vec<String> = scope.to_vec();
-        wanted.push(address.to_string());
-        let wanted = serde_json::to_string(&wanted).unwrap_or_else(|_| "[]".into());
+        let wanted = json_list(std::iter::once(address).chain(scope.iter().copied()));
         let Some(task) = self.read_one(
             conn,
             action,
@@ -607,7 +601,7 @@ impl Store {
         // Name the function the two tasks share: the request's own device if it is covered.
         let covered = self.scope_of(conn, action, task.id)?;
         let blocked = std::iter::once(address)
-            .chain(scope.iter().filter_map(|a| a.parse().ok()))
+            .chain(scope.iter().copied())
             .find(|a| *a == task.address || covered.contains(a))
             .unwrap_or(address);
         Ok(Some((blocked, task)))
@@ -701,6 +695,12 @@ fn illegal(task: &TaskRecord, change: &Change<'_>) -> StoreError {
         from: task.state,
         to: change.target(),
     }
+}
+
+/// Addresses as a JSON array of strings, for `json_each(?)` in a query.
+fn json_list(addresses: impl Iterator<Item = PciAddress>) -> String {
+    let list: Vec<String> = addresses.map(|a| a.to_string()).collect();
+    serde_json::to_string(&list).unwrap_or_else(|_| "[]".into())
 }
 
 fn busy(address: PciAddress, task: TaskRecord) -> StoreError {
