@@ -67,7 +67,10 @@ def migrate(src: Guest, dst: Guest, name: str, timeout: float = 300) -> float:
     if dst.link is None:
         raise ValueError(f"{dst.name} has no private link")
     t0 = time.monotonic()
-    src.run(f"virsh migrate --live --persistent --undefinesource {name} qemu+ssh://{dst.name}/system "
+    # virsh opens both connections (not --p2p); its default keepalive (5 s x 5) gave up on a busy
+    # 2-core machine running two TCG guests ("connection closed due to keepalive timeout"): allow
+    # two minutes of silence instead.
+    src.run(f"virsh -k 10 -K 12 migrate --live --persistent --undefinesource {name} qemu+ssh://{dst.name}/system "
             f"--migrateuri tcp://{dst.link.address}", timeout=timeout)
     seconds = time.monotonic() - t0
     assert domain_state(dst, name) == "running", f"{name} is not running on {dst.name} after migration"
