@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::process::Command;
 use std::time::{Duration, Instant};
 use vfiod::config::Settings;
-use vfiod::simkernel::{HostModel, SimKernel};
+use vfiod::sim::kernel::{HostModel, SimKernel};
 
 fn median(mut v: Vec<Duration>) -> Duration {
     v.sort();
@@ -19,7 +19,7 @@ fn main() {
     let dir = tempfile::tempdir().expect("tempdir");
     let kernel = SimKernel::build(dir.path(), &HostModel::large(15)).expect("simulated host");
     // The production read path (plain files), over the tree the simulated kernel rendered.
-    let sysfs = vfiod::sysfs::Sysfs::host(kernel.root());
+    let sysfs = vfiod::host::sysfs::Sysfs::host(kernel.root());
     let settings = Settings::default();
     let functions = sysfs.list_functions().expect("list").len();
     let pci_path = format!("sysfs.path={}", kernel.root().join("sys/bus/pci").display());

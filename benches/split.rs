@@ -10,13 +10,13 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use vfiod::config::Settings;
-use vfiod::daemon::Engine;
-use vfiod::pci::PciAddress;
-use vfiod::plan::Step;
-use vfiod::policy::Target;
-use vfiod::simkernel::{HostModel, SimKernel};
+use vfiod::engine::Engine;
+use vfiod::host::sysfs::Backend;
+use vfiod::model::pci::PciAddress;
+use vfiod::modes::plan::Step;
+use vfiod::modes::policy::Target;
+use vfiod::sim::kernel::{HostModel, SimKernel};
 use vfiod::store::Store;
-use vfiod::sysfs::Backend;
 
 fn median(mut v: Vec<Duration>) -> Duration {
     v.sort();
@@ -49,16 +49,17 @@ fn main() {
         .unwrap_or(31);
 
     let restore = || {
-        let p = vfiod::tasks::prepare(&engine, nic, Some(Target::Pf { driver: None }), "bench")
-            .unwrap();
-        let t = vfiod::tasks::run(&engine, p, &|_| {}).unwrap();
+        let p =
+            vfiod::engine::tasks::prepare(&engine, nic, Some(Target::Pf { driver: None }), "bench")
+                .unwrap();
+        let t = vfiod::engine::tasks::run(&engine, p, &|_| {}).unwrap();
         assert_eq!(t.state.as_str(), "success", "{}", t.message);
         engine.refresh().unwrap();
     };
     // The writes of the split, as a script would have them.
     let script: Vec<(std::path::PathBuf, String)> = {
         let d = store.device(nic).unwrap().unwrap();
-        let (_, plan, _) = vfiod::modes::plan_to(&sysfs, &store, &d, &target).unwrap();
+        let (_, plan, _) = vfiod::modes::planner::plan_to(&sysfs, &store, &d, &target).unwrap();
         plan.unwrap()
             .steps
             .iter()
@@ -85,8 +86,8 @@ fn main() {
     };
     let run_vfiod = || {
         let t = Instant::now();
-        let p = vfiod::tasks::prepare(&engine, nic, Some(target.clone()), "bench").unwrap();
-        let task = vfiod::tasks::run(&engine, p, &|_| {}).unwrap();
+        let p = vfiod::engine::tasks::prepare(&engine, nic, Some(target.clone()), "bench").unwrap();
+        let task = vfiod::engine::tasks::run(&engine, p, &|_| {}).unwrap();
         let took = t.elapsed();
         assert_eq!(task.state.as_str(), "success", "{}", task.message);
         engine.refresh().unwrap();

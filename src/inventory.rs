@@ -5,10 +5,10 @@
 //! that reads sysfs.
 
 use crate::config::Settings;
-use crate::device::{Device, Kind, Mode, Role, State};
-use crate::pci::{ClassCode, PciAddress};
+use crate::host::sysfs::{hostuse, RawFunction, Sysfs, SysfsError};
+use crate::model::device::{Device, Kind, Mode, Role, State};
+use crate::model::pci::{ClassCode, PciAddress};
 use crate::store::{DeviceChange, NewEvent};
-use crate::sysfs::{hostuse, RawFunction, Sysfs, SysfsError};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// Accelerator kind from the class code.
@@ -319,7 +319,9 @@ pub fn diff(
         if !new_addrs.contains(a) {
             let message = match (o.role, o.parent_pf) {
                 // A VF goes when its PF's VF count is lowered: expected, not a disappearance.
-                (crate::device::Role::Vf, Some(pf)) => format!("{} VF {a} of {pf} removed", o.kind),
+                (crate::model::device::Role::Vf, Some(pf)) => {
+                    format!("{} VF {a} of {pf} removed", o.kind)
+                }
                 _ => format!("{} {} disappeared", o.kind, a),
             };
             events.push(ev(*a, "removed", message));

@@ -2,11 +2,11 @@
 //! loop. The `vfiod` binary and the integration tests start the daemon the same way.
 
 use crate::config::Settings;
-use crate::daemon::{ConfigSource, Engine, Service};
 use crate::dbus::{self, auth::Authorizer, BusTarget, DbusPublisher};
+use crate::engine::{ConfigSource, Engine, Service};
+use crate::host::sysfs::Sysfs;
+use crate::host::uevent::EventReceiver;
 use crate::store::Store;
-use crate::sysfs::Sysfs;
-use crate::uevent::EventReceiver;
 use std::sync::Arc;
 
 pub struct Options {
@@ -25,7 +25,7 @@ pub enum ServerError {
     #[error("cannot open the state store")]
     Store(#[from] crate::store::StoreError),
     #[error("first inventory pass failed")]
-    Engine(#[from] crate::daemon::EngineError),
+    Engine(#[from] crate::engine::EngineError),
     #[error("cannot serve on D-Bus")]
     Dbus(#[from] dbus::ServeError),
 }
@@ -67,7 +67,7 @@ impl Server {
         let e = Arc::clone(&engine);
         let pass = tokio::task::spawn_blocking(move || e.refresh())
             .await
-            .map_err(crate::daemon::EngineError::from)??;
+            .map_err(crate::engine::EngineError::from)??;
         let c = engine.counts()?;
         tracing::info!(
             "inventory: {} functions ({} usable, {} protected, {} broken), {} change(s) since the last run",

@@ -6,12 +6,12 @@ mod common;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
-use vfiod::convert::{self, ConvertError};
-use vfiod::pci::PciAddress;
-use vfiod::plan::{self, Snapshot};
-use vfiod::policy::Program;
-use vfiod::simkernel::{FaultAction, FaultTarget, HostModel, SimKernel};
-use vfiod::sysfs::Sysfs;
+use vfiod::host::sysfs::Sysfs;
+use vfiod::model::pci::PciAddress;
+use vfiod::modes::convert::{self, ConvertError};
+use vfiod::modes::plan::{self, Snapshot};
+use vfiod::modes::policy::Program;
+use vfiod::sim::kernel::{FaultAction, FaultTarget, HostModel, SimKernel};
 
 fn a(s: &str) -> PciAddress {
     s.parse().unwrap()

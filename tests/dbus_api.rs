@@ -5,8 +5,8 @@ mod common;
 
 use common::{addr, prop_str, wait_for, Harness, Props, STEADY_CONFIG};
 use std::collections::HashMap;
-use vfiod::device::State;
-use vfiod::simkernel::FaultTarget;
+use vfiod::model::device::State;
+use vfiod::sim::kernel::FaultTarget;
 use zbus::{OwnedObjectPath, OwnedVariant};
 
 const OM_RULE: &str = "type='signal',interface='org.freedesktop.DBus.ObjectManager'";
@@ -319,7 +319,7 @@ async fn sysfs_write_faults_do_not_disturb_the_inventory() {
     let h = Harness::start(STEADY_CONFIG).await;
     h.kernel.inject(
         FaultTarget::BusAttr("drivers_probe".into()),
-        vfiod::simkernel::FaultAction::Errno(libc::EIO),
+        vfiod::sim::kernel::FaultAction::Errno(libc::EIO),
         None,
     );
     h.manager().await.rescan().await.unwrap();
@@ -402,7 +402,7 @@ async fn vfioctl_list_and_show() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vfioctl_says_when_vfiod_is_not_running() {
     let dir = tempfile::tempdir().unwrap();
-    let bus = vfiod::private_bus::PrivateBus::start(dir.path(), "").unwrap();
+    let bus = vfiod::sim::bus::PrivateBus::start(dir.path(), "").unwrap();
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_vfioctl"))
         .args(["list"])
         .env("VFIOD_BUS", bus.address())

@@ -6,9 +6,9 @@ mod common;
 use std::collections::BTreeMap;
 use std::process::Command;
 use vfiod::config::Settings;
-use vfiod::device::{Device, Kind, Mode, Role, State};
 use vfiod::inventory;
-use vfiod::simkernel::{FunctionSpec, HostModel, SimKernel};
+use vfiod::model::device::{Device, Kind, Mode, Role, State};
+use vfiod::sim::kernel::{FunctionSpec, HostModel, SimKernel};
 
 fn scan(kernel: &std::sync::Arc<SimKernel>, settings: &Settings) -> BTreeMap<String, Device> {
     inventory::scan(&kernel.sysfs(), settings, &BTreeMap::new())

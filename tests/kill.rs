@@ -8,8 +8,8 @@ use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-use vfiod::pci::PciAddress;
-use vfiod::private_bus::PrivateBus;
+use vfiod::model::pci::PciAddress;
+use vfiod::sim::bus::PrivateBus;
 
 const FPGA: &str = "0000:af:00.0";
 const CONFIG: &str = "scenario = \"public\"\npoll_interval = 3600\n[[select]]\nclass = \"0x12\"\n";

@@ -1,5 +1,5 @@
 //! The simulated kernel against the kernel facts in docs (design.md "Kernel facts", testbed.md
-//! "Pitfalls seen"): every test drives it through `vfiod::sysfs::Sysfs`, as the daemon does, and
+//! "Pitfalls seen"): every test drives it through `vfiod::host::sysfs::Sysfs`, as the daemon does, and
 //! then checks the RESULTING STATE (directories, relative symlinks and what they resolve to,
 //! attribute files, `read_function`, uevents, `lspci`), never just the bytes written.
 //!
@@ -13,10 +13,10 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
-use vfiod::pci::PciAddress;
-use vfiod::simkernel::{FaultAction, FaultTarget, FunctionSpec, HostModel, SimKernel};
-use vfiod::sysfs::{Sysfs, SysfsError};
-use vfiod::uevent::{Action, EventReceiver, Uevent};
+use vfiod::host::sysfs::{Sysfs, SysfsError};
+use vfiod::host::uevent::{Action, EventReceiver, Uevent};
+use vfiod::model::pci::PciAddress;
+use vfiod::sim::kernel::{FaultAction, FaultTarget, FunctionSpec, HostModel, SimKernel};
 
 const NIC: &str = "0000:3b:00.0"; // X710, 64 VFs 8086:154c, i40e / iavf, offset 16
 const NIC_PORT: &str = "0000:00:02.0";
@@ -182,7 +182,7 @@ impl Host {
         names_in(&self.sysfs.pci_devices_dir())
     }
 
-    fn read(&self, a: &str) -> vfiod::sysfs::RawFunction {
+    fn read(&self, a: &str) -> vfiod::host::sysfs::RawFunction {
         self.sysfs
             .read_function(addr(a))
             .unwrap_or_else(|e| panic!("read_function {a}: {}", vfiod::error_chain(&e)))

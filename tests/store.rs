@@ -6,9 +6,9 @@ use rusqlite::Connection;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::sync::Arc;
-use vfiod::device::{Device, Kind, Mode, Role, State};
 use vfiod::error_chain;
-use vfiod::pci::{ClassCode, PciAddress};
+use vfiod::model::device::{Device, Kind, Mode, Role, State};
+use vfiod::model::pci::{ClassCode, PciAddress};
 use vfiod::store::{
     Counts, DeviceChange, NewEvent, Store, StoreError, DB_FILE_NAME, SCHEMA_VERSION,
 };

@@ -6,7 +6,7 @@
 use rusqlite::Connection;
 use std::path::Path;
 use std::sync::{Arc, Barrier};
-use vfiod::pci::PciAddress;
+use vfiod::model::pci::PciAddress;
 use vfiod::store::{Store, StoreError, TaskRecord, TaskState, DB_FILE_NAME, SCHEMA_VERSION};
 
 const PF: &str = "0000:3b:00.0";

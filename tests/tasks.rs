@@ -5,7 +5,7 @@ mod common;
 
 use common::{addr, Harness, DEMO_CONFIG, STEADY_CONFIG};
 use std::time::Duration;
-use vfiod::simkernel::{FaultAction, FaultTarget};
+use vfiod::sim::kernel::{FaultAction, FaultTarget};
 use zbus::OwnedObjectPath;
 
 #[zbus::proxy(

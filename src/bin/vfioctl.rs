@@ -26,7 +26,7 @@ enum Command {
         json: bool,
         /// Only devices of this kind (gpu, fpga, crypto, nvme, nic, other).
         #[arg(long)]
-        kind: Option<vfiod::device::Kind>,
+        kind: Option<vfiod::model::device::Kind>,
     },
     /// Show one device in detail.
     Show {

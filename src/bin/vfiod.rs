@@ -4,13 +4,14 @@ use clap::Parser;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use vfiod::config::{self, Settings};
-use vfiod::daemon::ConfigSource;
 use vfiod::dbus::{auth::Authorizer, BusTarget};
-use vfiod::private_bus::PrivateBus;
+use vfiod::engine::ConfigSource;
+use vfiod::error_chain;
+use vfiod::host::sysfs::Sysfs;
+use vfiod::host::uevent;
 use vfiod::server::{Options, Server};
-use vfiod::simkernel::{HostModel, SimKernel};
-use vfiod::sysfs::Sysfs;
-use vfiod::{error_chain, uevent};
+use vfiod::sim::bus::PrivateBus;
+use vfiod::sim::kernel::{HostModel, SimKernel};
 
 /// Manages PCI accelerators (GPUs, FPGAs, QAT, NVMe, SR-IOV NICs) for libvirt/QEMU VMs and
 /// serves their inventory on D-Bus as org.vfiod.Vfiod1.

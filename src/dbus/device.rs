@@ -1,6 +1,6 @@
 //! `org.vfiod.Vfiod1.Device`: one object per PCI function, named like libvirt's node devices.
 
-use crate::device::Device;
+use crate::model::device::Device;
 use std::collections::HashMap;
 use zbus::interface;
 use zbus::{OwnedVariant, Variant};
@@ -22,7 +22,7 @@ impl DeviceObject {
         &self,
     ) -> Result<
         (
-            std::sync::Arc<crate::daemon::Service<super::DbusPublisher>>,
+            std::sync::Arc<crate::engine::Service<super::DbusPublisher>>,
             super::auth::Authorizer,
         ),
         super::error::Error,
@@ -55,7 +55,7 @@ impl DeviceObject {
 
     async fn start(
         &self,
-        target: Option<crate::policy::Target>,
+        target: Option<crate::modes::policy::Target>,
         header: &zbus::message::Header<'_>,
         conn: &zbus::Connection,
     ) -> Result<zbus::OwnedObjectPath, super::error::Error> {
@@ -270,7 +270,7 @@ impl DeviceObject {
         #[zbus(header)] header: zbus::message::Header<'_>,
         #[zbus(connection)] conn: &zbus::Connection,
     ) -> Result<zbus::OwnedObjectPath, super::error::Error> {
-        use crate::policy::{Target, VFIO_PCI};
+        use crate::modes::policy::{Target, VFIO_PCI};
         let (service, _) = self.service()?;
         let settings = service.engine.settings();
         let d = &self.device;
@@ -330,7 +330,7 @@ impl DeviceObject {
             .engine
             .store()
             .reset_task(self.device.address, &who)?;
-        crate::daemon::Publish::task_changed(&service.publisher, t.id).await;
+        crate::engine::Publish::task_changed(&service.publisher, t.id).await;
         Ok(())
     }
 }
@@ -338,8 +338,8 @@ impl DeviceObject {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::device::{Kind, Mode, Role, State};
-    use crate::pci::ClassCode;
+    use crate::model::device::{Kind, Mode, Role, State};
+    use crate::model::pci::ClassCode;
 
     fn sample() -> Device {
         Device {

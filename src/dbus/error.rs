@@ -1,7 +1,7 @@
 //! The one place engine errors become named D-Bus errors (`org.vfiod.Vfiod1.Error.*`).
 
 use crate::config::ConfigError;
-use crate::daemon::EngineError;
+use crate::engine::EngineError;
 use crate::store::StoreError;
 
 /// Errors as clients see them. Messages carry the whole cause chain on one line.
@@ -32,9 +32,9 @@ impl From<StoreError> for Error {
     }
 }
 
-impl From<crate::tasks::TaskError> for Error {
-    fn from(e: crate::tasks::TaskError) -> Self {
-        use crate::tasks::TaskError as T;
+impl From<crate::engine::tasks::TaskError> for Error {
+    fn from(e: crate::engine::tasks::TaskError) -> Self {
+        use crate::engine::tasks::TaskError as T;
         match e {
             T::NoSuchDevice(a) => Error::NoSuchDevice(format!("no PCI function {a} on this host")),
             p @ T::Protected { .. } => Error::Protected(p.to_string()),
@@ -54,9 +54,9 @@ impl From<ConfigError> for Error {
     }
 }
 
-impl From<crate::modes::ModeError> for Error {
-    fn from(e: crate::modes::ModeError) -> Self {
-        use crate::modes::ModeError as M;
+impl From<crate::modes::planner::ModeError> for Error {
+    fn from(e: crate::modes::planner::ModeError) -> Self {
+        use crate::modes::planner::ModeError as M;
         match e {
             M::NoSuchDevice(a) => Error::NoSuchDevice(format!("no PCI function {a} on this host")),
             M::Store(s) => s.into(),

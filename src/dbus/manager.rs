@@ -4,8 +4,8 @@
 use super::auth::{Authorizer, ACTION_MANAGE};
 use super::error::Error;
 use super::{device_path, DbusPublisher};
-use crate::daemon::Service;
-use crate::pci::PciAddress;
+use crate::engine::Service;
+use crate::model::pci::PciAddress;
 use std::sync::Arc;
 use zbus::message::Header;
 use zbus::{interface, Connection, OwnedObjectPath};
@@ -29,7 +29,7 @@ fn check_limit(limit: u32) -> Result<(), Error> {
 
 fn parse_address(s: &str) -> Result<PciAddress, Error> {
     s.parse()
-        .map_err(|e: crate::pci::AddressError| Error::InvalidArgument(e.to_string()))
+        .map_err(|e: crate::model::pci::AddressError| Error::InvalidArgument(e.to_string()))
 }
 
 #[interface(name = "org.vfiod.Vfiod1.Manager")]
@@ -133,7 +133,12 @@ impl Manager {
         let a = parse_address(address)?;
         let engine = Arc::clone(&self.service.engine);
         let p = tokio::task::spawn_blocking(move || {
-            crate::modes::plan_device(engine.sysfs(), engine.store(), &engine.settings(), a)
+            crate::modes::planner::plan_device(
+                engine.sysfs(),
+                engine.store(),
+                &engine.settings(),
+                a,
+            )
         })
         .await
         .map_err(|e| Error::Failed(e.to_string()))??;
@@ -144,7 +149,7 @@ impl Manager {
     async fn get_plans(&self) -> Result<Vec<super::wire::PlanRow>, Error> {
         let engine = Arc::clone(&self.service.engine);
         let plans = tokio::task::spawn_blocking(move || {
-            crate::modes::plan_all(engine.sysfs(), engine.store(), &engine.settings())
+            crate::modes::planner::plan_all(engine.sysfs(), engine.store(), &engine.settings())
         })
         .await
         .map_err(|e| Error::Failed(e.to_string()))??;
@@ -217,11 +222,11 @@ impl Manager {
     }
 }
 
-fn plan_tuple(p: &crate::modes::DevicePlan) -> super::wire::Plan {
+fn plan_tuple(p: &crate::modes::planner::DevicePlan) -> super::wire::Plan {
     let decision = match &p.decision {
-        crate::policy::Decision::Leave { .. } => "leave",
-        crate::policy::Decision::Target { .. } => "target",
-        crate::policy::Decision::Refuse { .. } => "refuse",
+        crate::modes::policy::Decision::Leave { .. } => "leave",
+        crate::modes::policy::Decision::Target { .. } => "target",
+        crate::modes::policy::Decision::Refuse { .. } => "refuse",
     };
     let program = serde_json::to_value(&p.program)
         .ok()

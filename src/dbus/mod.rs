@@ -33,8 +33,8 @@ pub mod wire {
     );
 }
 
-use crate::daemon::{Pass, Publish, Service};
-use crate::pci::PciAddress;
+use crate::engine::{Pass, Publish, Service};
+use crate::model::pci::PciAddress;
 use crate::store::DeviceChange;
 use device::DeviceObject;
 use std::collections::HashMap;
@@ -101,7 +101,7 @@ pub struct Ctx {
 }
 
 impl DbusPublisher {
-    fn device_object(&self, d: &crate::device::Device) -> DeviceObject {
+    fn device_object(&self, d: &crate::model::device::Device) -> DeviceObject {
         let store = self
             .ctx
             .get()

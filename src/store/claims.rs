@@ -2,7 +2,7 @@
 //! attached to a VM. (Creating and releasing claims comes with the claims feature.)
 
 use super::{Store, StoreError};
-use crate::pci::PciAddress;
+use crate::model::pci::PciAddress;
 
 impl Store {
     /// Active claims (`claimed` or `attached`) on any of `addresses`: (address, VM name).

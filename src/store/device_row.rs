@@ -4,8 +4,8 @@
 //! NULL. Decoding never trusts the file: a value a newer vfiod (or a hand edit) wrote that this
 //! version cannot represent becomes a [`DecodeError`] naming the row and column.
 
-use crate::device::Device;
-use crate::pci::ClassCode;
+use crate::model::device::Device;
+use crate::model::pci::ClassCode;
 use rusqlite::types::FromSql;
 use rusqlite::{named_params, Connection, Row};
 use std::str::FromStr;

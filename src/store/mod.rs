@@ -21,8 +21,8 @@ mod tasks;
 pub use task_state::TaskState;
 pub use tasks::TaskRecord;
 
-use crate::device::{Device, State};
-use crate::pci::PciAddress;
+use crate::model::device::{Device, State};
+use crate::model::pci::PciAddress;
 use device_row::{DecodeError, Fields};
 use rusqlite::{params, Connection, ErrorCode, TransactionBehavior};
 use serde::Serialize;

@@ -4,7 +4,7 @@
 //! as the current driver, and recording that would lose the driver to restore.
 
 use super::{now_ms, Store, StoreError};
-use crate::pci::PciAddress;
+use crate::model::pci::PciAddress;
 use rusqlite::{params, OptionalExtension};
 
 impl Store {

@@ -9,7 +9,7 @@
 use super::device_row::{DecodeError, Fields};
 use super::task_state::{self, TaskState};
 use super::{insert_event, now_ms, NewEvent, Store, StoreError};
-use crate::pci::PciAddress;
+use crate::model::pci::PciAddress;
 use rusqlite::{named_params, params, Connection, ErrorCode, OptionalExtension, Row};
 use serde::Serialize;
 
@@ -622,16 +622,15 @@ impl Store {
         let mut out = Vec::new();
         for r in rows {
             let text = r.map_err(|e| self.sqlite(action, e))?;
-            out.push(
-                text.parse()
-                    .map_err(|e: crate::pci::AddressError| StoreError::Decode {
-                        path: self.path.clone(),
-                        table: "task_scope",
-                        key: id.to_string(),
-                        column: "address",
-                        source: Box::new(e),
-                    })?,
-            );
+            out.push(text.parse().map_err(|e: crate::model::pci::AddressError| {
+                StoreError::Decode {
+                    path: self.path.clone(),
+                    table: "task_scope",
+                    key: id.to_string(),
+                    column: "address",
+                    source: Box::new(e),
+                }
+            })?);
         }
         Ok(out)
     }

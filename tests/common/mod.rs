@@ -8,11 +8,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 use vfiod::config::Settings;
-use vfiod::daemon::ConfigSource;
 use vfiod::dbus::{auth::Authorizer, BusTarget};
-use vfiod::private_bus::PrivateBus;
+use vfiod::engine::ConfigSource;
 use vfiod::server::{Options, Server};
-use vfiod::simkernel::{HostModel, SimKernel};
+use vfiod::sim::bus::PrivateBus;
+use vfiod::sim::kernel::{HostModel, SimKernel};
 use zbus::{MessageStream, OwnedVariant};
 
 pub mod polkit;
@@ -202,6 +202,6 @@ pub fn prop_str(p: &Props, k: &str) -> Option<String> {
         .and_then(|v| String::try_from(v.try_clone().ok()?).ok())
 }
 
-pub fn addr(s: &str) -> vfiod::pci::PciAddress {
+pub fn addr(s: &str) -> vfiod::model::pci::PciAddress {
     s.parse().expect("address")
 }

@@ -21,9 +21,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use vfiod::dbus::{auth::Authorizer, BusTarget};
-use vfiod::private_bus::PrivateBus;
 use vfiod::server::{Options, Server};
-use vfiod::simkernel::{HostModel, SimKernel};
+use vfiod::sim::bus::PrivateBus;
+use vfiod::sim::kernel::{HostModel, SimKernel};
 
 pub const POLKITD: &str = "/usr/lib/polkit-1/polkitd";
 pub const POLKIT_NAME: &str = "org.freedesktop.PolicyKit1";

@@ -3,13 +3,13 @@
 //! run) and by the task engine (which runs the plan).
 
 use crate::config::Settings;
-use crate::convert::{self, ConvertError};
-use crate::device::{Device, Role};
-use crate::pci::PciAddress;
-use crate::plan::{self, Plan, PlanError, Snapshot};
-use crate::policy::{self, Current, Decision, Program, Target};
+use crate::host::sysfs::Sysfs;
+use crate::model::device::{Device, Role};
+use crate::model::pci::PciAddress;
+use crate::modes::convert::{self, ConvertError};
+use crate::modes::plan::{self, Plan, PlanError, Snapshot};
+use crate::modes::policy::{self, Current, Decision, Program, Target};
 use crate::store::{Store, StoreError};
-use crate::sysfs::Sysfs;
 use serde::Serialize;
 use std::collections::BTreeMap;
 
@@ -42,14 +42,14 @@ pub enum ModeError {
 fn current_of(
     s: &Snapshot,
 ) -> (
-    crate::device::Mode,
+    crate::model::device::Mode,
     Vec<Option<String>>,
     Vec<Option<String>>,
 ) {
     let mode = if s.num_vfs > 0 {
-        crate::device::Mode::Vf
+        crate::model::device::Mode::Vf
     } else {
-        crate::device::Mode::Pf
+        crate::model::device::Mode::Pf
     };
     (
         mode,

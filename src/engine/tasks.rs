@@ -5,15 +5,15 @@
 //! is not idle); [`run`] executes the plan with progress, verification and rollback, and records
 //! the outcome. Both block (sysfs, SQLite): call them off the async threads.
 
-use crate::convert::{self};
-use crate::daemon::Engine;
-use crate::device::{Role, State};
-use crate::modes::{self, ModeError};
-use crate::pci::PciAddress;
-use crate::plan::{Plan, Snapshot, Step, SysPath};
-use crate::policy::{self, Decision, Program, Target};
+use crate::engine::Engine;
+use crate::host::sysfs::hostuse;
+use crate::model::device::{Role, State};
+use crate::model::pci::PciAddress;
+use crate::modes::convert::{self};
+use crate::modes::plan::{Plan, Snapshot, Step, SysPath};
+use crate::modes::planner::{self, ModeError};
+use crate::modes::policy::{self, Decision, Program, Target};
 use crate::store::{StoreError, TaskRecord};
-use crate::sysfs::hostuse;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TaskError {
@@ -38,7 +38,7 @@ pub enum TaskError {
     Libvirt {
         address: PciAddress,
         #[source]
-        source: crate::libvirt::LibvirtError,
+        source: crate::host::libvirt::LibvirtError,
     },
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -133,7 +133,7 @@ pub fn prepare(
             }
         }
     };
-    let (program, plan, before) = modes::plan_to(engine.sysfs(), store, &device, &target)?;
+    let (program, plan, before) = planner::plan_to(engine.sysfs(), store, &device, &target)?;
     if let Some(plan) = &plan {
         let users = in_use(engine, plan, &before)?;
         if !users.is_empty() {
@@ -224,12 +224,13 @@ fn in_use(engine: &Engine, plan: &Plan, before: &Snapshot) -> Result<Vec<String>
         users.push(format!("IOMMU group {g} is open by {}", procs.join(", ")));
     }
     if let Some(uri) = &engine.settings().libvirt_uri {
-        let domains = crate::libvirt::running_domains(uri, sysfs.root()).map_err(|source| {
-            TaskError::Libvirt {
-                address: plan.device,
-                source,
-            }
-        })?;
+        let domains =
+            crate::host::libvirt::running_domains(uri, sysfs.root()).map_err(|source| {
+                TaskError::Libvirt {
+                    address: plan.device,
+                    source,
+                }
+            })?;
         for d in domains {
             for f in d.functions.iter().filter(|f| touched.contains(f)) {
                 users.push(format!("{f} is assigned to running domain {}", d.domain));
@@ -362,7 +363,7 @@ pub fn run(
 
 /// The functions whose driver a program may change: the IOMMU group's endpoints and the PF
 /// (which is one of them whenever it has an IOMMU group), each once.
-fn group_and_pf(before: &Snapshot) -> impl Iterator<Item = &crate::plan::Binding> {
+fn group_and_pf(before: &Snapshot) -> impl Iterator<Item = &crate::modes::plan::Binding> {
     let pf_outside =
         (!before.group.iter().any(|b| b.address == before.pf.address)).then_some(&before.pf);
     before.group.iter().chain(pf_outside)

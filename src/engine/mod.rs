@@ -5,13 +5,15 @@
 //! loop, a D-Bus call). Each pass commits to the store before anything is published on D-Bus,
 //! so the bus never shows a state the store does not hold.
 
+pub mod tasks;
+
 use crate::config::{ConfigError, Settings};
-use crate::device::Device;
+use crate::host::sysfs::{Sysfs, SysfsError};
+use crate::host::uevent::{EventReceiver, Uevent};
 use crate::inventory;
-use crate::pci::PciAddress;
+use crate::model::device::Device;
+use crate::model::pci::PciAddress;
 use crate::store::{Counts, DeviceChange, Event, NewEvent, Store, StoreError};
-use crate::sysfs::{Sysfs, SysfsError};
-use crate::uevent::{EventReceiver, Uevent};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
@@ -115,7 +117,9 @@ impl Engine {
         let vfs_removed: Vec<PciAddress> = changes
             .iter()
             .filter_map(|c| match c {
-                DeviceChange::Removed(d) if d.role == crate::device::Role::Vf => Some(d.address),
+                DeviceChange::Removed(d) if d.role == crate::model::device::Role::Vf => {
+                    Some(d.address)
+                }
                 _ => None,
             })
             .collect();
@@ -235,16 +239,16 @@ impl<P: Publish> Service<P> {
     pub async fn start_task(
         self: &Arc<Self>,
         address: PciAddress,
-        target: Option<crate::policy::Target>,
+        target: Option<crate::modes::policy::Target>,
         requested_by: &str,
-    ) -> Result<crate::store::TaskRecord, crate::tasks::TaskError> {
+    ) -> Result<crate::store::TaskRecord, crate::engine::tasks::TaskError> {
         let engine = Arc::clone(&self.engine);
         let who = requested_by.to_string();
         let prepared = tokio::task::spawn_blocking(move || {
-            crate::tasks::prepare(&engine, address, target, &who)
+            crate::engine::tasks::prepare(&engine, address, target, &who)
         })
         .await
-        .map_err(|e| crate::tasks::TaskError::Refused {
+        .map_err(|e| crate::engine::tasks::TaskError::Refused {
             address,
             reason: format!("internal error: {e}"),
         })??;
@@ -257,7 +261,7 @@ impl<P: Publish> Service<P> {
 
     /// Runs a prepared task off the async threads, publishing each change, then refreshes the
     /// inventory (the device's VFs and drivers changed).
-    async fn run_task(self: Arc<Self>, prepared: crate::tasks::Prepared) {
+    async fn run_task(self: Arc<Self>, prepared: crate::engine::tasks::Prepared) {
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<i64>();
         let engine = Arc::clone(&self.engine);
         let id = prepared.task.id;
@@ -265,7 +269,7 @@ impl<P: Publish> Service<P> {
             let notify = move |id: i64| {
                 let _ = tx.send(id);
             };
-            crate::tasks::run(&engine, prepared, &notify)
+            crate::engine::tasks::run(&engine, prepared, &notify)
         });
         while let Some(changed) = rx.recv().await {
             self.publisher.task_changed(changed).await;
@@ -300,7 +304,7 @@ impl<P: Publish> Service<P> {
     pub async fn reconcile(self: &Arc<Self>, requested_by: &str) -> Vec<crate::store::TaskRecord> {
         let engine = Arc::clone(&self.engine);
         let plans = match tokio::task::spawn_blocking(move || {
-            crate::modes::plan_all(engine.sysfs(), engine.store(), &engine.settings())
+            crate::modes::planner::plan_all(engine.sysfs(), engine.store(), &engine.settings())
         })
         .await
         {
@@ -320,7 +324,7 @@ impl<P: Publish> Service<P> {
         for p in plans {
             if matches!(
                 p.program,
-                crate::policy::Program::Bind { .. } | crate::policy::Program::Unbind
+                crate::modes::policy::Program::Bind { .. } | crate::modes::policy::Program::Unbind
             ) {
                 let group = self
                     .engine
@@ -336,8 +340,11 @@ impl<P: Publish> Service<P> {
                 }
             }
             match (&p.decision, &p.program) {
-                (crate::policy::Decision::Target { .. }, crate::policy::Program::Nothing) => {}
-                (crate::policy::Decision::Target { target, .. }, _) => {
+                (
+                    crate::modes::policy::Decision::Target { .. },
+                    crate::modes::policy::Program::Nothing,
+                ) => {}
+                (crate::modes::policy::Decision::Target { target, .. }, _) => {
                     match self
                         .start_task(p.address, Some(target.clone()), requested_by)
                         .await
@@ -350,7 +357,7 @@ impl<P: Publish> Service<P> {
                         ),
                     }
                 }
-                (crate::policy::Decision::Refuse { reason }, _) => {
+                (crate::modes::policy::Decision::Refuse { reason }, _) => {
                     tracing::warn!("{}: {reason}", p.address)
                 }
                 _ => {}

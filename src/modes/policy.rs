@@ -7,7 +7,7 @@
 //! - anything not managed (not selected, protected, broken) or a VF => left alone.
 
 use crate::config::{DeviceRule, Scenario};
-use crate::device::{Device, Mode, Role, State};
+use crate::model::device::{Device, Mode, Role, State};
 use serde::Serialize;
 
 /// The default driver for VFs handed to VMs.
@@ -192,8 +192,8 @@ pub fn program(current: &Current<'_>, target: &Target) -> Program {
 mod tests {
     use super::*;
     use crate::config::Selector;
-    use crate::device::Kind;
-    use crate::pci::ClassCode;
+    use crate::model::device::Kind;
+    use crate::model::pci::ClassCode;
 
     fn dev(separable: bool, state: State, role: Role) -> Device {
         Device {

@@ -1,7 +1,7 @@
 //! Host models for the simulated kernel: what functions a host has, which drivers are loaded,
 //! what the host itself has mounted and up.
 
-use crate::pci::{ClassCode, PciAddress};
+use crate::model::pci::{ClassCode, PciAddress};
 use serde::{Deserialize, Serialize};
 
 /// SR-IOV capability of a physical function.

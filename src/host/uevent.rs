@@ -62,7 +62,7 @@ impl Uevent {
     }
 
     /// The PCI function this event is about, for PCI events.
-    pub fn pci_address(&self) -> Option<crate::pci::PciAddress> {
+    pub fn pci_address(&self) -> Option<crate::model::pci::PciAddress> {
         if self.subsystem() != Some("pci") {
             return None;
         }

@@ -16,9 +16,9 @@ pub use models::{
     DriverSpec, FunctionSpec, GroupSpec, HostModel, InterfaceSpec, MountSpec, SriovSpec,
 };
 
-use crate::pci::PciAddress;
-use crate::sysfs::{Backend, Sysfs};
-use crate::uevent::{Action, EventReceiver, Uevent};
+use crate::host::sysfs::{Backend, Sysfs};
+use crate::host::uevent::{Action, EventReceiver, Uevent};
+use crate::model::pci::PciAddress;
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsString;
 use std::io;
@@ -902,7 +902,7 @@ impl Backend for SimKernel {
                 return Err(err(*errno));
             }
         }
-        crate::sysfs::read_file(path)
+        crate::host::sysfs::read_file(path)
     }
 
     fn write(&self, path: &Path, data: &[u8]) -> io::Result<()> {

@@ -1,10 +1,10 @@
 //! Runs plans against the kernel: each write is read back, each step reports progress, a
-//! failure stops the program and the caller rolls back with [`crate::plan::rollback`].
+//! failure stops the program and the caller rolls back with [`crate::modes::plan::rollback`].
 //! Blocking (sysfs); call it off the async threads.
 
-use crate::pci::PciAddress;
-use crate::plan::{Binding, Plan, Snapshot, Step, SysPath};
-use crate::sysfs::{Sysfs, SysfsError};
+use crate::host::sysfs::{Sysfs, SysfsError};
+use crate::model::pci::PciAddress;
+use crate::modes::plan::{Binding, Plan, Snapshot, Step, SysPath};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -302,7 +302,7 @@ pub fn apply(
         crate::error_chain(&error)
     );
     let rollback = snapshot(sysfs, plan.device, before.original_drivers.clone()).and_then(|now| {
-        let back = crate::plan::rollback(before, &now);
+        let back = crate::modes::plan::rollback(before, &now);
         execute(sysfs, &back, &mut |_, _, _| {})
     });
     Err(Box::new(Failed { error, rollback }))

@@ -5,7 +5,7 @@
 //! The domain XML is parsed by a pure function ([`assigned_functions`]); the connection is the
 //! `virt` crate's, read-only, opened for each question and closed after it.
 
-use crate::pci::PciAddress;
+use crate::model::pci::PciAddress;
 use std::path::Path;
 
 #[derive(Debug, thiserror::Error)]

@@ -1,7 +1,7 @@
 //! The device record: everything vfiod knows about one PCI function, as the inventory builds it,
 //! the store keeps it and the D-Bus API shows it.
 
-use crate::pci::{ClassCode, PciAddress};
+use crate::model::pci::{ClassCode, PciAddress};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::str::FromStr;

@@ -76,9 +76,12 @@ pub trait Task {
 
 /// A device object's proxy by address (no property cache: one-shot calls).
 pub async fn device(conn: &Connection, address: &str) -> Result<DeviceProxy<'static>, ClientError> {
-    let a: crate::pci::PciAddress = address.parse().map_err(|e: crate::pci::AddressError| {
-        ClientError::Call(zbus::Error::Failure(e.to_string()))
-    })?;
+    let a: crate::model::pci::PciAddress =
+        address
+            .parse()
+            .map_err(|e: crate::model::pci::AddressError| {
+                ClientError::Call(zbus::Error::Failure(e.to_string()))
+            })?;
     Ok(DeviceProxy::builder(conn)
         .path(crate::dbus::device_path(a))
         .cache_properties(zbus::proxy::CacheProperties::No)
@@ -268,7 +271,7 @@ pub async fn list_devices(conn: &Connection) -> Result<Vec<DeviceView>, ClientEr
             out.push(view_from_properties(path.as_str(), props)?);
         }
     }
-    out.sort_by_key(|d| d.address.parse::<crate::pci::PciAddress>().ok());
+    out.sort_by_key(|d| d.address.parse::<crate::model::pci::PciAddress>().ok());
     Ok(out)
 }
 

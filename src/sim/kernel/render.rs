@@ -2,7 +2,7 @@
 //! sysfs, so that real tools (lspci, virsh's nodedev code paths, shell scripts) can read it.
 
 use super::{viable_groups, SimDevice, State};
-use crate::pci::PciAddress;
+use crate::model::pci::PciAddress;
 use std::fs;
 use std::io;
 use std::os::unix::fs::symlink;

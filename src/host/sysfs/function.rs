@@ -1,7 +1,7 @@
 //! Reading one PCI function: identity, driver, NUMA node, IOMMU group, SR-IOV, health.
 
 use super::{Sysfs, SysfsError};
-use crate::pci::{ClassCode, PciAddress};
+use crate::model::pci::{ClassCode, PciAddress};
 use std::path::Path;
 
 /// SR-IOV attributes of a physical function.
@@ -191,19 +191,17 @@ impl RawFunction {
             None => None,
         };
 
-        let physfn = match sysfs.read_optional_link_name(&attr("physfn"))? {
-            Some(n) => {
-                Some(
-                    n.parse()
-                        .map_err(|e: crate::pci::AddressError| SysfsError::Parse {
-                            path: attr("physfn"),
-                            value: n.clone(),
-                            reason: e.to_string(),
-                        })?,
-                )
-            }
-            None => None,
-        };
+        let physfn =
+            match sysfs.read_optional_link_name(&attr("physfn"))? {
+                Some(n) => Some(n.parse().map_err(|e: crate::model::pci::AddressError| {
+                    SysfsError::Parse {
+                        path: attr("physfn"),
+                        value: n.clone(),
+                        reason: e.to_string(),
+                    }
+                })?),
+                None => None,
+            };
         // A VF cannot itself be SR-IOV capable: skip the lookup (most functions on a split
         // host are VFs).
         let sriov = match sysfs.read_text(&attr("sriov_totalvfs")) {
@@ -263,13 +261,15 @@ impl RawFunction {
         for n in 0..num_vfs {
             let link = attr(&format!("virtfn{n}"));
             match sysfs.read_optional_link_name(&link)? {
-                Some(name) => vfs.push(name.parse().map_err(|e: crate::pci::AddressError| {
-                    SysfsError::Parse {
-                        path: link.clone(),
-                        value: name.clone(),
-                        reason: e.to_string(),
-                    }
-                })?),
+                Some(name) => {
+                    vfs.push(name.parse().map_err(|e: crate::model::pci::AddressError| {
+                        SysfsError::Parse {
+                            path: link.clone(),
+                            value: name.clone(),
+                            reason: e.to_string(),
+                        }
+                    })?)
+                }
                 // VFs appear one by one while the kernel enables them; a missing link is
                 // normal mid-change and the next uevent brings it.
                 None => continue,

@@ -3,7 +3,7 @@
 //! away from the host, whatever its config says.
 
 use super::Sysfs;
-use crate::pci::PciAddress;
+use crate::model::pci::PciAddress;
 use std::collections::BTreeMap;
 use std::path::{Component, Path};
 

@@ -11,7 +11,7 @@ mod writer;
 
 pub use function::{config_is_all_ones, AerCounters, Health, RawFunction, SriovInfo};
 
-use crate::pci::PciAddress;
+use crate::model::pci::PciAddress;
 use std::ffi::OsString;
 use std::io;
 use std::path::{Path, PathBuf};

@@ -14,8 +14,8 @@
 //! Files combine in order (main file, then drop-ins in byte order of their names): a scalar key
 //! set by a later file replaces the earlier value; `[[select]]` and `[[protect]]` entries append.
 
-use crate::device::{Kind, Mode};
-use crate::pci::{ClassCode, PciAddress};
+use crate::model::device::{Kind, Mode};
+use crate::model::pci::{ClassCode, PciAddress};
 use serde::Deserialize;
 use std::fmt;
 use std::fs;

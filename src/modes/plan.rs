@@ -4,8 +4,8 @@
 //! Building a plan is pure: it takes a [`Snapshot`] of the device's current state (gathered
 //! from sysfs by the caller) and a [`Program`].
 
-use crate::pci::PciAddress;
-use crate::policy::Program;
+use crate::model::pci::PciAddress;
+use crate::modes::policy::Program;
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::fmt;
@@ -30,7 +30,7 @@ impl SysPath {
         }
     }
 
-    pub fn resolve(&self, sysfs: &crate::sysfs::Sysfs) -> std::path::PathBuf {
+    pub fn resolve(&self, sysfs: &crate::host::sysfs::Sysfs) -> std::path::PathBuf {
         match self {
             SysPath::Device { address, attr } => sysfs.device_attr(*address, attr),
             SysPath::Driver { driver, attr } => sysfs.driver_dir(driver).join(attr),
