@@ -10,7 +10,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use vfiod::config::Settings;
-use vfiod::engine::Engine;
+use vfiod::engine::jobs::ModeJob;
+use vfiod::engine::{tasks, Core, Modprobe};
 use vfiod::host::sysfs::Backend;
 use vfiod::model::pci::PciAddress;
 use vfiod::modes::plan::Step;
@@ -36,9 +37,23 @@ fn main() {
     )
     .unwrap();
     let store = Arc::new(Store::open(&dir.path().join("state")).unwrap());
-    let engine = Engine::new(settings, None, sysfs.clone(), Arc::clone(&store));
+    let engine = Core::new(
+        settings,
+        None,
+        sysfs.clone(),
+        Arc::clone(&store),
+        Arc::new(Modprobe),
+    );
     engine.refresh().unwrap();
     let nic: PciAddress = "0000:3b:00.0".parse().unwrap();
+    // The whole life of a task, as the daemon gives it: admitted, created, prepared from the
+    // state it holds, guarded, run with recorded progress, outcome recorded.
+    let task = |target: Target| {
+        let cx = engine.job_context();
+        let job = Box::new(ModeJob::new(nic, Some(target)));
+        let started = tasks::begin(&cx, job, "bench", &|_, _| {}).unwrap();
+        tasks::run(&cx, started, &|_, _| {}).unwrap()
+    };
     let target = Target::Vf {
         num_vfs: 64,
         vf_driver: "vfio-pci".into(),
@@ -49,10 +64,7 @@ fn main() {
         .unwrap_or(31);
 
     let restore = || {
-        let p =
-            vfiod::engine::tasks::prepare(&engine, nic, Some(Target::Pf { driver: None }), "bench")
-                .unwrap();
-        let t = vfiod::engine::tasks::run(&engine, p, &|_| {}).unwrap();
+        let t = task(Target::Pf { driver: None });
         assert_eq!(t.state.as_str(), "success", "{}", t.message);
         engine.refresh().unwrap();
     };
@@ -86,8 +98,7 @@ fn main() {
     };
     let run_vfiod = || {
         let t = Instant::now();
-        let p = vfiod::engine::tasks::prepare(&engine, nic, Some(target.clone()), "bench").unwrap();
-        let task = vfiod::engine::tasks::run(&engine, p, &|_| {}).unwrap();
+        let task = task(target.clone());
         let took = t.elapsed();
         assert_eq!(task.state.as_str(), "success", "{}", task.message);
         engine.refresh().unwrap();

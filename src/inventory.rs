@@ -7,6 +7,7 @@
 use crate::config::Settings;
 use crate::host::sysfs::{hostuse, RawFunction, Sysfs, SysfsError};
 use crate::model::device::{Device, Kind, Mode, Role, State};
+use crate::model::event::EventKind;
 use crate::model::pci::{ClassCode, PciAddress};
 use crate::store::{DeviceChange, NewEvent};
 use std::collections::{BTreeMap, BTreeSet};
@@ -257,9 +258,9 @@ pub fn diff(
 ) -> (Vec<DeviceChange>, Vec<NewEvent>) {
     let mut changes = Vec::new();
     let mut events = Vec::new();
-    let ev = |a: PciAddress, kind: &str, message: String| NewEvent {
+    let ev = |a: PciAddress, kind: EventKind, message: String| NewEvent {
         address: Some(a),
-        kind: kind.to_string(),
+        kind,
         message,
     };
     let new_addrs: BTreeSet<PciAddress> = new.iter().map(|d| d.address).collect();
@@ -268,13 +269,13 @@ pub fn diff(
             None => {
                 events.push(ev(
                     d.address,
-                    "added",
+                    EventKind::Added,
                     format!("{} {} appeared ({})", d.kind, d.address, describe(d)),
                 ));
                 if d.state == State::Broken {
                     events.push(ev(
                         d.address,
-                        "broken",
+                        EventKind::Broken,
                         format!("{} is broken: {}", d.address, d.state_reason),
                     ));
                 }
@@ -283,10 +284,10 @@ pub fn diff(
             Some(o) if o != d => {
                 if o.state != d.state {
                     let kind = match (o.state, d.state) {
-                        (_, State::Broken) => "broken",
-                        (State::Broken, _) => "recovered",
-                        (_, State::Protected) => "protected",
-                        _ => "unprotected",
+                        (_, State::Broken) => EventKind::Broken,
+                        (State::Broken, _) => EventKind::Recovered,
+                        (_, State::Protected) => EventKind::Protected,
+                        _ => EventKind::Unprotected,
                     };
                     let why = if d.state_reason.is_empty() {
                         String::new()
@@ -303,7 +304,7 @@ pub fn diff(
                 if !fields.is_empty() {
                     events.push(ev(
                         d.address,
-                        "changed",
+                        EventKind::Changed,
                         format!("{} changed: {}", d.address, fields.join(", ")),
                     ));
                 }
@@ -324,7 +325,7 @@ pub fn diff(
                 }
                 _ => format!("{} {} disappeared", o.kind, a),
             };
-            events.push(ev(*a, "removed", message));
+            events.push(ev(*a, EventKind::Removed, message));
             changes.push(DeviceChange::Removed(o.clone()));
         }
     }

@@ -4,17 +4,17 @@
 //! uses only those above it in this list; `tests/architecture.rs` keeps it so). Pure decisions
 //! (policy, plans, the task state machine) take no I/O; host, store and dbus are the edges.
 
-pub mod client; // D-Bus client side: proxies, the JSON device view, vfioctl tables
+pub mod model; // PciAddress, class codes, the device record, task and event kinds: plain values
 pub mod config; // settings from vfiod.toml and conf.d drop-ins, validated once at load
-pub mod dbus; // the D-Bus API: one module per object kind, named errors, polkit
-pub mod engine; // the engine: inventory passes, reconcile, tasks and the jobs they run
+pub mod store; // SQLite state store (WAL), schema migrations: the single source of truth
 pub mod host; // the machine's edges: sysfs (one root, bounded writes), uevents, libvirt
-pub mod inventory; // classification and change detection of PCI functions
-pub mod model; // PciAddress, class codes and the device record: plain values
-pub mod modes; // mode policy, plans of sysfs writes, and the executor that runs them
-pub mod server;
 pub mod sim; // the simulated kernel and a private dbus-daemon, for --simulate and tests
-pub mod store; // SQLite state store (WAL), schema migrations: the single source of truth // assembles store, engine, D-Bus service and loop into a running daemon
+pub mod inventory; // classification and change detection of PCI functions
+pub mod modes; // mode policy, plans of sysfs writes, and the executor that runs them
+pub mod engine; // the engine: inventory passes, reconcile, tasks and the jobs they run
+pub mod dbus; // the D-Bus API: one module per object kind, named errors, polkit
+pub mod client; // D-Bus client side: proxies, the JSON device view, vfioctl tables
+pub mod server; // assembles store, engine, D-Bus service and loop into a running daemon
 
 /// An error and all its causes on one line ("a: b: c"), for logs and D-Bus error messages.
 pub fn error_chain(e: &dyn std::error::Error) -> String {

@@ -1,13 +1,20 @@
-//! Assembles a running daemon: store, engine, first inventory pass, D-Bus service, and the
-//! loop. The `vfiod` binary and the integration tests start the daemon the same way.
+//! Assembles a running daemon: store, engine, first inventory pass, D-Bus service, start-up
+//! reconcile, the bus name, and the loop. The `vfiod` binary and the integration tests start the
+//! daemon the same way.
 
 use crate::config::Settings;
-use crate::dbus::{self, auth::Authorizer, BusTarget, DbusPublisher};
-use crate::engine::{ConfigSource, Engine, Service};
+use crate::dbus::{self, auth::Authorizer, BusTarget};
+use crate::engine::{ConfigSource, Core, Engine, EngineError, Modprobe};
 use crate::host::sysfs::Sysfs;
 use crate::host::uevent::EventReceiver;
 use crate::store::Store;
 use std::sync::Arc;
+use std::time::Duration;
+
+/// How long a stop waits for the loop (and the work it is doing) before it lets go: SIGTERM ends
+/// the daemon within a few seconds whatever it is doing. A task cut short is reported as
+/// interrupted at the next start.
+pub const STOP_GRACE: Duration = Duration::from_secs(3);
 
 pub struct Options {
     pub settings: Settings,
@@ -25,14 +32,14 @@ pub enum ServerError {
     #[error("cannot open the state store")]
     Store(#[from] crate::store::StoreError),
     #[error("first inventory pass failed")]
-    Engine(#[from] crate::engine::EngineError),
+    Engine(#[from] EngineError),
     #[error("cannot serve on D-Bus")]
     Dbus(#[from] dbus::ServeError),
 }
 
 pub struct Server {
     pub conn: zbus::Connection,
-    pub service: Arc<Service<DbusPublisher>>,
+    pub engine: Arc<Engine>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<()>,
 }
@@ -52,23 +59,36 @@ impl Server {
             s.sysfs_root.display(),
             s.state_dir.display()
         );
-        let store = Arc::new(Store::open(&s.state_dir)?);
-        // A task that was running when vfiod died is not silently forgotten: it ends in
-        // error ("interrupted") and its device waits for an operator's ResetTask.
-        for t in store.interrupt_unfinished_tasks()? {
-            tracing::error!(
-                "task {} {} on {} was interrupted by a stop of vfiod at step {:?}; the device stays in error until reset",
-                t.id, t.kind, t.address, t.step
-            );
-        }
-        let engine = Arc::new(Engine::new(opts.settings, opts.source, opts.sysfs, store));
+        let state_dir = s.state_dir.clone();
+        let store = tokio::task::spawn_blocking(move || -> Result<Store, ServerError> {
+            let store = Store::open(&state_dir)?;
+            // A task that was running when vfiod died is not silently forgotten: it ends in
+            // error ("interrupted") and its device waits for an operator's ResetTask.
+            for t in store.interrupt_unfinished_tasks()? {
+                tracing::error!(
+                    task_id = t.id,
+                    device = %t.address,
+                    kind = %t.kind,
+                    "task {} {} on {} was interrupted by a stop of vfiod at step {:?}; the device stays in error until reset",
+                    t.id, t.kind, t.address, t.step
+                );
+            }
+            Ok(store)
+        })
+        .await
+        .map_err(EngineError::from)??;
+        let core = Core::new(
+            opts.settings,
+            opts.source,
+            opts.sysfs,
+            Arc::new(store),
+            Arc::new(Modprobe),
+        );
+        let (engine, events) = Engine::new(core);
         // The first pass commits before the name is taken: when clients can see vfiod, they
         // see the whole inventory.
-        let e = Arc::clone(&engine);
-        let pass = tokio::task::spawn_blocking(move || e.refresh())
-            .await
-            .map_err(crate::engine::EngineError::from)??;
-        let c = engine.counts()?;
+        let pass = engine.refresh().await?;
+        let c = engine.read(|core| core.store().counts()).await??;
         tracing::info!(
             "inventory: {} functions ({} usable, {} protected, {} broken), {} change(s) since the last run",
             c.total,
@@ -77,51 +97,59 @@ impl Server {
             c.broken,
             pass.changes.len()
         );
-        let (conn, service) = dbus::serve(
+        let conn = dbus::serve(
             &opts.bus,
-            |p| Arc::new(Service::new(Arc::clone(&engine), p)),
+            Arc::clone(&engine),
+            events,
             opts.authorizer,
             opts.simulated,
         )
         .await?;
         // Boot: bring every selected device to its configured mode before clients (libvirt,
         // ordered after vfiod) see the name. Devices already there get no task.
-        let started = service.reconcile("vfiod start-up").await;
+        let started = engine.reconcile("vfiod start-up").await;
         if !started.is_empty() {
             tracing::info!(
                 "start-up: {} device(s) being brought to their configured mode",
                 started.len()
             );
-            service.wait_tasks(&started).await;
-            // run_task refreshes after each task; one more pass settles the counts.
-            service.refresh().await.map_err(ServerError::Engine)?;
+            engine.wait_tasks(&started).await;
+            // Each task refreshes after it ends; one more pass settles the counts.
+            engine.refresh().await?;
         }
+        engine.flush().await;
         dbus::take_name(&conn).await?;
         tracing::info!("serving {} on {:?}", dbus::BUS_NAME, opts.bus);
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let svc = Arc::clone(&service);
+        let e = Arc::clone(&engine);
         let events = opts.events;
         let task = tokio::spawn(async move {
-            svc.run(events, async {
+            e.run(events, async {
                 let _ = stopped.await;
             })
             .await;
         });
         Ok(Server {
             conn,
-            service,
+            engine,
             stop: Some(stop),
             task,
         })
     }
 
-    /// Stops the loop and releases the bus name.
+    /// Stops the loop and releases the bus name, within [`STOP_GRACE`].
     pub async fn stop(mut self) {
         if let Some(s) = self.stop.take() {
             let _ = s.send(());
         }
-        let _ = (&mut self.task).await;
-        let _ = self.conn.release_name(dbus::BUS_NAME).await;
+        if tokio::time::timeout(STOP_GRACE, &mut self.task)
+            .await
+            .is_err()
+        {
+            tracing::warn!("the loop did not stop within {STOP_GRACE:?}; stopping anyway");
+            self.task.abort();
+        }
+        let _ = tokio::time::timeout(STOP_GRACE, self.conn.release_name(dbus::BUS_NAME)).await;
         tracing::info!("vfiod stopped");
     }
 }

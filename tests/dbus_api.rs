@@ -71,7 +71,11 @@ async fn named_errors_for_bad_arguments() {
     let (n, msg) = name(m.get_device("not-an-address").await.unwrap_err());
     assert_eq!(n, "org.vfiod.Vfiod1.Error.InvalidArgument");
     assert!(msg.contains("not-an-address"), "{msg}");
-    let (n, _) = name(m.get_events("", 0, 0).await.unwrap_err());
+    let (n, _) = name(
+        m.get_events(vfiod::client::query(vec![("limit", Some(0u32.into()))]))
+            .await
+            .unwrap_err(),
+    );
     assert_eq!(n, "org.vfiod.Vfiod1.Error.InvalidArgument");
 }
 

@@ -217,7 +217,7 @@ fn broken_and_vanished_devices_and_their_events() {
     assert!(second.iter().all(|d| d.address != nvme));
     let kinds: Vec<(String, String)> = events
         .iter()
-        .map(|e| (e.address.unwrap().to_string(), e.kind.clone()))
+        .map(|e| (e.address.unwrap().to_string(), e.kind.to_string()))
         .collect();
     assert!(
         kinds.contains(&("0000:af:00.0".into(), "broken".into())),

@@ -7,6 +7,7 @@ use rusqlite::Connection;
 use std::path::Path;
 use std::sync::{Arc, Barrier};
 use vfiod::model::pci::PciAddress;
+use vfiod::model::task::TaskKind;
 use vfiod::store::{Store, StoreError, TaskRecord, TaskState, DB_FILE_NAME, SCHEMA_VERSION};
 
 const PF: &str = "0000:3b:00.0";
@@ -33,7 +34,12 @@ fn task_events(store: &Store, address: &str) -> Vec<String> {
 
 fn split(store: &Store, address: &str) -> TaskRecord {
     store
-        .create_task(addr(address), "split", r#"{"num_vfs":64}"#, "uid 1000")
+        .create_task(
+            addr(address),
+            TaskKind::Split,
+            r#"{"num_vfs":64}"#,
+            "uid 1000",
+        )
         .unwrap()
 }
 
@@ -121,7 +127,7 @@ fn a_task_runs_from_prepare_to_success_and_frees_its_device() {
 
     // Idle again: the next request is accepted, and the history keeps both, newest first.
     let next = store
-        .create_task(pf, "restore", "{}", ":1.42")
+        .create_task(pf, TaskKind::Restore, "{}", ":1.42")
         .expect("a device is idle after success");
     assert!(next.id > done.id);
     assert_eq!(store.last_result(pf).unwrap(), Some(done.clone()));
@@ -163,7 +169,9 @@ fn an_error_blocks_the_device_until_an_operator_resets_it() {
     assert_eq!(store.last_result(pf).unwrap(), Some(failed.clone()));
 
     // A new request is refused, naming the failed task.
-    let err = store.create_task(pf, "restore", "{}", "uid 0").unwrap_err();
+    let err = store
+        .create_task(pf, TaskKind::Restore, "{}", "uid 0")
+        .unwrap_err();
     let message = err.to_string();
     assert_eq!(blocker(Err(err)), failed);
     assert!(
@@ -209,7 +217,9 @@ fn an_error_blocks_the_device_until_an_operator_resets_it() {
         store.reset_task(pf, "uid 0"),
         Err(StoreError::NotInError { state: None, .. })
     ));
-    let next = store.create_task(pf, "restore", "{}", "uid 0").unwrap();
+    let next = store
+        .create_task(pf, TaskKind::Restore, "{}", "uid 0")
+        .unwrap();
     assert_eq!(store.last_result(pf).unwrap(), Some(reset));
     assert_eq!(store.active_task(pf).unwrap(), Some(next));
 }
@@ -341,11 +351,11 @@ fn malformed_requests_are_refused_before_anything_is_written() {
             "{result:?}"
         )
     };
-    invalid(store.create_task(pf, "", "{}", "uid 0"));
-    invalid(store.create_task(pf, "split", "{}", " "));
-    invalid(store.create_task(pf, "split", "", "uid 0"));
-    invalid(store.create_task(pf, "split", "{num_vfs: 64}", "uid 0"));
-    invalid(store.create_task(pf, "split", "[64]", "uid 0"));
+    // An empty kind is no longer representable: TaskKind is a typed enum.
+    invalid(store.create_task(pf, TaskKind::Split, "{}", " "));
+    invalid(store.create_task(pf, TaskKind::Split, "", "uid 0"));
+    invalid(store.create_task(pf, TaskKind::Split, "{num_vfs: 64}", "uid 0"));
+    invalid(store.create_task(pf, TaskKind::Split, "[64]", "uid 0"));
     assert_eq!(store.tasks(None, 10).unwrap(), []);
 
     let task = split(&store, PF);
@@ -385,7 +395,7 @@ fn race_create_task(stores: Vec<Arc<Store>>) {
                 let barrier = barrier.clone();
                 std::thread::spawn(move || {
                     barrier.wait();
-                    store.create_task(address, "split", "{}", &format!("thread {t}"))
+                    store.create_task(address, TaskKind::Split, "{}", &format!("thread {t}"))
                 })
             })
             .collect();
@@ -448,12 +458,18 @@ fn a_task_blocks_every_function_in_its_scope_until_it_ends() {
     let store = Store::open(dir.path()).unwrap();
     // The GPU's bind moves its audio function too.
     let bind = store
-        .create_task_covering(addr(GPU), &[addr(AUDIO), addr(GPU)], "bind", "{}", "uid 0")
+        .create_task_covering(
+            addr(GPU),
+            &[addr(AUDIO), addr(GPU)],
+            TaskKind::Bind,
+            "{}",
+            "uid 0",
+        )
         .unwrap();
     assert_eq!(store.task_scope(bind.id).unwrap(), vec![addr(AUDIO)]);
 
     // A task on the audio function itself.
-    let (blocked, task, msg) = busy(store.create_task(addr(AUDIO), "bind", "{}", "uid 0"));
+    let (blocked, task, msg) = busy(store.create_task(addr(AUDIO), TaskKind::Bind, "{}", "uid 0"));
     assert_eq!((blocked, task.id), (addr(AUDIO), bind.id));
     assert_eq!(
         msg,
@@ -466,13 +482,18 @@ fn a_task_blocks_every_function_in_its_scope_until_it_ends() {
     let (blocked, task, _) = busy(store.create_task_covering(
         addr("0000:18:00.0"),
         &[addr(AUDIO)],
-        "bind",
+        TaskKind::Bind,
         "{}",
         "uid 0",
     ));
     assert_eq!((blocked, task.id), (addr(AUDIO), bind.id));
-    let (blocked, task, _) =
-        busy(store.create_task_covering(addr("0000:18:00.0"), &[addr(GPU)], "bind", "{}", "uid 0"));
+    let (blocked, task, _) = busy(store.create_task_covering(
+        addr("0000:18:00.0"),
+        &[addr(GPU)],
+        TaskKind::Bind,
+        "{}",
+        "uid 0",
+    ));
     assert_eq!((blocked, task.id), (addr(GPU), bind.id));
     // Unrelated functions are free, and nothing was created by the refusals.
     let other = split(&store, PF);
@@ -489,7 +510,7 @@ fn a_task_blocks_every_function_in_its_scope_until_it_ends() {
     // An error keeps the whole scope busy until the reset, which the audio function can ask for;
     // then it is free.
     store.task_failed(bind.id, "EIO on unbind").unwrap();
-    busy(store.create_task(addr(AUDIO), "bind", "{}", "uid 0"));
+    busy(store.create_task(addr(AUDIO), TaskKind::Bind, "{}", "uid 0"));
     let reset = store.reset_task(addr(AUDIO), "uid 0").unwrap();
     assert_eq!(
         (reset.id, reset.reset_by.as_deref()),
@@ -501,11 +522,11 @@ fn a_task_blocks_every_function_in_its_scope_until_it_ends() {
         Err(StoreError::NotInError { .. })
     ));
     let audio = store
-        .create_task(addr(AUDIO), "bind", "{}", "uid 0")
+        .create_task(addr(AUDIO), TaskKind::Bind, "{}", "uid 0")
         .unwrap();
     // ... and now the audio task's device blocks a new GPU task that covers it.
     let (blocked, task, _) =
-        busy(store.create_task_covering(addr(GPU), &[addr(AUDIO)], "bind", "{}", "uid 0"));
+        busy(store.create_task_covering(addr(GPU), &[addr(AUDIO)], TaskKind::Bind, "{}", "uid 0"));
     assert_eq!((blocked, task.id), (addr(AUDIO), audio.id));
     assert!(other.is_active());
 }
@@ -530,7 +551,7 @@ fn racing_group_mates_get_one_task() {
                 let (barrier, fns) = (barrier.clone(), fns.clone());
                 std::thread::spawn(move || {
                     barrier.wait();
-                    store.create_task_covering(fns[t], &fns, "bind", "{}", "uid 0")
+                    store.create_task_covering(fns[t], &fns, TaskKind::Bind, "{}", "uid 0")
                 })
             })
             .collect();
@@ -591,12 +612,14 @@ fn tasks_cut_short_by_a_crash_become_interrupted_errors_at_start_up() {
 
     // The device is not idle until an operator looks at it.
     assert_eq!(
-        blocker(store.create_task(addr(PF), "split", "{}", "uid 0")),
+        blocker(store.create_task(addr(PF), TaskKind::Split, "{}", "uid 0")),
         after_running
     );
     assert_eq!(store.interrupt_unfinished_tasks().unwrap(), []);
     store.reset_task(addr(PF), "uid 0").unwrap();
-    store.create_task(addr(PF), "split", "{}", "uid 0").unwrap();
+    store
+        .create_task(addr(PF), TaskKind::Split, "{}", "uid 0")
+        .unwrap();
 }
 
 /// The schema of version 1 as released, frozen here on purpose: migrations must keep working on
@@ -772,12 +795,12 @@ fn a_version_1_database_migrates_and_keeps_its_rows() {
     // The old rows take part in the new rules: the error blocks until reset, and the running task
     // left by the old vfiod is interrupted.
     assert_eq!(
-        blocker(store.create_task(addr(PF), "restore", "{}", "uid 0")).id,
+        blocker(store.create_task(addr(PF), TaskKind::Restore, "{}", "uid 0")).id,
         1
     );
     store.reset_task(addr(PF), "uid 0").unwrap();
     store
-        .create_task(addr(PF), "restore", "{}", "uid 0")
+        .create_task(addr(PF), TaskKind::Restore, "{}", "uid 0")
         .unwrap();
     let interrupted = store.interrupt_unfinished_tasks().unwrap();
     assert_eq!(interrupted.len(), 2, "{interrupted:?}");

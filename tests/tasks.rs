@@ -243,8 +243,12 @@ async fn guards_refuse_with_named_errors_and_change_nothing() {
     );
     let bridge = device(&h, "0000:00:01.0").await;
     let (name, msg) = error_name(bridge.set_mode("pf", 0).await.unwrap_err());
-    assert_eq!(name, "org.vfiod.Vfiod1.Error.Protected");
-    assert!(msg.contains("not selected"), "{msg}");
+    // Not selected is not the same as used by the host: its own error, which says how to select.
+    assert_eq!(name, "org.vfiod.Vfiod1.Error.NotManaged");
+    assert!(
+        msg.contains("not selected") && msg.contains("[[select]]"),
+        "{msg}"
+    );
     let nvme = device(&h, "0000:d8:00.0").await;
     let (name, msg) = error_name(nvme.set_mode("vf", 2).await.unwrap_err());
     assert_eq!(name, "org.vfiod.Vfiod1.Error.InvalidArgument");
@@ -415,7 +419,10 @@ async fn an_interrupted_task_is_reported_and_needs_a_reset() {
     let mut h = Harness::start(STEADY_CONFIG).await;
     let pf = addr("0000:af:00.0");
     // As if vfiod died mid-split: a running task in the store.
-    let t = h.store().create_task(pf, "split", "{}", "test").unwrap();
+    let t = h
+        .store()
+        .create_task(pf, vfiod::model::task::TaskKind::Split, "{}", "test")
+        .unwrap();
     h.store()
         .task_progress(t.id, "echo '4' > sriov_numvfs", 20)
         .unwrap();

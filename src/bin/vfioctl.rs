@@ -40,12 +40,20 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Inventory history (devices appearing, disappearing, breaking, config reloads).
+    /// Inventory history (devices appearing, disappearing, breaking, config reloads, tasks):
+    /// the newest entries, oldest first.
     Events {
         /// Only events of this device.
         address: Option<String>,
+        /// How many entries (1..=10000).
         #[arg(long, default_value_t = 100)]
         limit: u32,
+        /// The entries after this event id (follow the history from there).
+        #[arg(long, conflicts_with = "before")]
+        since: Option<i64>,
+        /// The newest entries before this event id (page back: pass the first id shown).
+        #[arg(long)]
+        before: Option<i64>,
         #[arg(long)]
         json: bool,
     },
@@ -167,6 +175,16 @@ fn print_json<T: serde::Serialize>(v: &T) -> Result<(), String> {
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
+    // Like other Unix tools, end quietly when the reader of our output goes away
+    // (`vfioctl list --json | head`) instead of panicking on EPIPE. Rust ignores SIGPIPE by
+    // default; put back the default action.
+    // SAFETY: set once, first thing, before any other thread exists.
+    unsafe {
+        let _ = nix::sys::signal::signal(
+            nix::sys::signal::Signal::SIGPIPE,
+            nix::sys::signal::SigHandler::SigDfl,
+        );
+    }
     let args = Args::parse();
     match run(args).await {
         Ok(()) => ExitCode::SUCCESS,
@@ -237,57 +255,67 @@ async fn run(args: Args) -> Result<(), String> {
         Command::Events {
             address,
             limit,
+            since,
+            before,
             json,
         } => {
             let m = client::manager(&conn).await.map_err(describe)?;
-            let events = m
-                .get_events(address.as_deref().unwrap_or(""), 0, limit)
+            let q = client::query(vec![
+                ("address", address.map(zbus::Variant::from)),
+                ("limit", Some(limit.into())),
+                ("since", since.map(zbus::Variant::from)),
+                ("before", before.map(zbus::Variant::from)),
+            ]);
+            let events: Vec<client::EventEntry> = m
+                .get_events(q)
                 .await
-                .map_err(|e| describe(e.into()))?;
+                .map_err(|e| describe(e.into()))?
+                .iter()
+                .map(client::EventEntry::from_dict)
+                .collect();
             if json {
-                let v: Vec<_> = events
-                    .iter()
-                    .map(|(id, t, a, k, msg)| serde_json::json!({"id": id, "time_ms": t, "address": a, "kind": k, "message": msg}))
-                    .collect();
-                print_json(&v)?;
+                print_json(&events)?;
             } else {
-                for (id, t, _a, k, msg) in events {
-                    println!("{id:>6}  {}  {k:<10} {msg}", format_time(t));
+                for e in &events {
+                    println!(
+                        "{:>6}  {}  {:<10} {}",
+                        e.id,
+                        format_time(e.time_ms),
+                        e.kind,
+                        e.message
+                    );
                 }
             }
         }
         Command::Plan { address, json } => {
             let m = client::manager(&conn).await.map_err(describe)?;
-            let plans = match &address {
-                Some(a) => {
-                    let (d, r, p, steps, js) =
-                        m.get_plan(a).await.map_err(|e| describe(e.into()))?;
-                    vec![(a.clone(), d, r, p, steps, js)]
-                }
+            let plans: Vec<client::PlanEntry> = match &address {
+                Some(a) => vec![m.get_plan(a).await.map_err(|e| describe(e.into()))?],
                 None => m.get_plans().await.map_err(|e| describe(e.into()))?,
-            };
+            }
+            .iter()
+            .map(client::PlanEntry::from_dict)
+            .collect();
             if json {
                 let v: Vec<serde_json::Value> = plans
                     .iter()
-                    .map(|(_, _, _, _, _, js)| {
-                        serde_json::from_str(js).unwrap_or(serde_json::Value::Null)
-                    })
+                    .map(|p| serde_json::from_str(&p.json).unwrap_or(serde_json::Value::Null))
                     .collect();
                 print_json(&v)?;
             } else if plans.is_empty() {
                 println!("no device is selected by the configuration: nothing to plan");
             } else {
-                for (a, decision, reason, program, steps, _) in plans {
-                    let what = match decision.as_str() {
-                        "target" if program == "nothing" => {
+                for p in plans {
+                    let what = match p.decision.as_str() {
+                        "target" if p.program == "nothing" => {
                             "in its target mode: nothing to do".to_string()
                         }
-                        "target" => program.clone(),
+                        "target" => p.program.clone(),
                         "refuse" => "refused".to_string(),
                         _ => "left alone".to_string(),
                     };
-                    println!("{a}: {what} ({reason})");
-                    for s in steps {
+                    println!("{}: {what} ({})", p.address, p.reason);
+                    for s in &p.steps {
                         println!("    {s}");
                     }
                 }
@@ -336,8 +364,14 @@ async fn run(args: Args) -> Result<(), String> {
                     t.result().await?,
                 ))
             };
-            let (kind, dev, state, step, pct, result) =
-                get.await.map_err(|e| describe(e.into()))?;
+            let (kind, dev, state, step, pct, result) = get.await.map_err(|e| match &e {
+                zbus::Error::MethodError(name, _, _)
+                    if name.as_str() == "org.freedesktop.DBus.Error.UnknownObject" =>
+                {
+                    format!("no task {id} (vfioctl task list shows the tasks)")
+                }
+                _ => describe(e.into()),
+            })?;
             println!("task {id}: {kind} on {dev}: {state} ({pct}%)");
             if !step.is_empty() {
                 println!("step:   {step}");
@@ -357,24 +391,30 @@ async fn run(args: Args) -> Result<(), String> {
             json,
         }) => {
             let m = client::manager(&conn).await.map_err(describe)?;
-            let tasks = m
-                .get_tasks(address.as_deref().unwrap_or(""), limit)
+            let q = client::query(vec![
+                ("address", address.map(zbus::Variant::from)),
+                ("limit", Some(limit.into())),
+            ]);
+            let tasks: Vec<client::TaskEntry> = m
+                .get_tasks(q)
                 .await
-                .map_err(|e| describe(e.into()))?;
+                .map_err(|e| describe(e.into()))?
+                .iter()
+                .map(client::TaskEntry::from_dict)
+                .collect();
             if json {
-                let v: Vec<_> = tasks
-                    .iter()
-                    .map(|(id, kind, a, state, step, pct, result, created, finished, by)| {
-                        serde_json::json!({"id": id, "kind": kind, "address": a, "state": state, "step": step,
-                            "percent": pct, "result": result, "created_ms": created, "finished_ms": finished, "requested_by": by})
-                    })
-                    .collect();
-                print_json(&v)?;
+                print_json(&tasks)?;
             } else {
-                for (id, kind, a, state, _step, pct, result, created, _f, _by) in tasks {
+                for t in tasks {
                     println!(
-                        "{id:>5}  {}  {a}  {kind:<8} {state:<8} {pct:>3}%  {result}",
-                        format_time(created)
+                        "{:>5}  {}  {}  {:<8} {:<8} {:>3}%  {}",
+                        t.id,
+                        format_time(t.created_ms),
+                        t.address,
+                        t.kind,
+                        t.state,
+                        t.percent,
+                        t.result
                     );
                 }
             }

@@ -1,6 +1,7 @@
 //! Client side of the D-Bus API, used by `vfioctl` and the tests: proxies, the JSON view of a
 //! device, and the table `vfioctl list` prints.
 
+use crate::dbus::wire::{Dict, Entry};
 use crate::dbus::{BusTarget, BUS_NAME, ROOT_PATH};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -29,16 +30,10 @@ pub trait Manager {
     #[zbus(property)]
     fn config_sources(&self) -> zbus::Result<Vec<String>>;
     fn get_device(&self, address: &str) -> zbus::Result<zbus::OwnedObjectPath>;
-    fn get_events(
-        &self,
-        address: &str,
-        after_id: i64,
-        limit: u32,
-    ) -> zbus::Result<Vec<crate::dbus::wire::EventRow>>;
-    fn get_plan(&self, address: &str) -> zbus::Result<crate::dbus::wire::Plan>;
-    fn get_plans(&self) -> zbus::Result<Vec<crate::dbus::wire::PlanRow>>;
-    fn get_tasks(&self, address: &str, limit: u32)
-        -> zbus::Result<Vec<crate::dbus::wire::TaskRow>>;
+    fn get_events(&self, query: Dict) -> zbus::Result<Vec<Dict>>;
+    fn get_plan(&self, address: &str) -> zbus::Result<Dict>;
+    fn get_plans(&self) -> zbus::Result<Vec<Dict>>;
+    fn get_tasks(&self, query: Dict) -> zbus::Result<Vec<Dict>>;
     fn reload(&self) -> zbus::Result<()>;
     fn rescan(&self) -> zbus::Result<()>;
 }
@@ -74,16 +69,12 @@ pub trait Task {
     fn result(&self) -> zbus::Result<String>;
 }
 
-/// A device object's proxy by address (no property cache: one-shot calls).
+/// A device object's proxy by address (no property cache: one-shot calls). The daemon resolves
+/// the address, so an unknown one is its NoSuchDevice naming it, not the bus's UnknownObject.
 pub async fn device(conn: &Connection, address: &str) -> Result<DeviceProxy<'static>, ClientError> {
-    let a: crate::model::pci::PciAddress =
-        address
-            .parse()
-            .map_err(|e: crate::model::pci::AddressError| {
-                ClientError::Call(zbus::Error::Failure(e.to_string()))
-            })?;
+    let path = manager(conn).await?.get_device(address).await?;
     Ok(DeviceProxy::builder(conn)
-        .path(crate::dbus::device_path(a))
+        .path(path)
         .cache_properties(zbus::proxy::CacheProperties::No)
         .build()
         .await?)
@@ -117,6 +108,102 @@ pub async fn wait_task(
     }
 }
 
+/// A query dictionary for `GetEvents`/`GetTasks` from the keys that are set.
+pub fn query(pairs: Vec<(&str, Option<zbus::Variant<'static>>)>) -> Dict {
+    pairs
+        .into_iter()
+        .filter_map(|(k, v)| Some((k.to_string(), OwnedVariant::try_from(v?).ok()?)))
+        .collect()
+}
+
+/// One entry of the history (`vfioctl events --json`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EventEntry {
+    pub id: i64,
+    pub time_ms: i64,
+    pub address: String,
+    pub kind: String,
+    pub message: String,
+}
+
+impl EventEntry {
+    pub fn from_dict(d: &Dict) -> EventEntry {
+        let e = Entry(d);
+        EventEntry {
+            id: e.i64("id"),
+            time_ms: e.i64("time"),
+            address: e.str("address"),
+            kind: e.str("kind"),
+            message: e.str("message"),
+        }
+    }
+}
+
+/// One task of the history (`vfioctl task list --json`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TaskEntry {
+    pub id: i64,
+    pub kind: String,
+    pub address: String,
+    pub state: String,
+    pub step: String,
+    pub percent: u8,
+    pub result: String,
+    pub parameters: String,
+    pub requested_by: String,
+    pub created_ms: i64,
+    pub started_ms: i64,
+    pub finished_ms: i64,
+    pub reset_by: String,
+}
+
+impl TaskEntry {
+    pub fn from_dict(d: &Dict) -> TaskEntry {
+        let e = Entry(d);
+        TaskEntry {
+            id: e.i64("id"),
+            kind: e.str("kind"),
+            address: e.str("device"),
+            state: e.str("state"),
+            step: e.str("step"),
+            percent: e.u8("percent"),
+            result: e.str("result"),
+            parameters: e.str("parameters"),
+            requested_by: e.str("requested_by"),
+            created_ms: e.i64("created"),
+            started_ms: e.i64("started"),
+            finished_ms: e.i64("finished"),
+            reset_by: e.str("reset_by"),
+        }
+    }
+}
+
+/// One device's plan (`vfioctl plan`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PlanEntry {
+    pub address: String,
+    pub decision: String,
+    pub reason: String,
+    pub program: String,
+    pub steps: Vec<String>,
+    /// The whole plan as JSON (`vfioctl plan --json`).
+    pub json: String,
+}
+
+impl PlanEntry {
+    pub fn from_dict(d: &Dict) -> PlanEntry {
+        let e = Entry(d);
+        PlanEntry {
+            address: e.str("address"),
+            decision: e.str("decision"),
+            reason: e.str("reason"),
+            program: e.str("program"),
+            steps: e.strings("steps"),
+            json: e.str("plan"),
+        }
+    }
+}
+
 /// One device as `vfioctl list --json` prints it: ids as lowercase hex strings (as lspci and
 /// libvirt show them), absent values as null.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -144,6 +231,13 @@ pub struct DeviceView {
     pub managed: bool,
     pub state: String,
     pub state_reason: String,
+    /// idle, prepare, running or error: the task that holds the device, its own or one that
+    /// covers it. A device in error is not usable until the task is reset.
+    pub task_state: String,
+    /// That task's object path; null when idle.
+    pub current_task: Option<String>,
+    /// The last finished task and its result; "" when none.
+    pub last_result: String,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -250,6 +344,12 @@ pub fn view_from_properties(
         managed: prop(p, path, "Managed")?,
         state: s("State")?,
         state_reason: s("StateReason")?,
+        task_state: s("TaskState")?,
+        current_task: {
+            let p: zbus::OwnedObjectPath = prop(p, path, "CurrentTask")?;
+            (p.as_str() != "/").then(|| p.as_str().to_string())
+        },
+        last_result: s("LastResult")?,
     })
 }
 
@@ -407,6 +507,20 @@ pub fn render_details(d: &DeviceView) -> String {
     kv("state:", d.state.clone());
     if !d.state_reason.is_empty() {
         kv("reason:", d.state_reason.clone());
+    }
+    kv(
+        "task:",
+        match (&d.current_task, d.task_state.as_str()) {
+            (Some(path), "error") => format!(
+                "error: {path} holds the device until reset (vfioctl task reset {})",
+                d.address
+            ),
+            (Some(path), state) => format!("{state}: {path}"),
+            (None, state) => state.to_string(),
+        },
+    );
+    if !d.last_result.is_empty() {
+        kv("last task:", d.last_result.clone());
     }
     s
 }

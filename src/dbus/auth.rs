@@ -72,3 +72,18 @@ fn polkit_absent(e: &zbus::Error) -> bool {
     matches!(e, zbus::Error::FDO(f)
         if matches!(**f, Fdo::ServiceUnknown(_) | Fdo::NameHasNoOwner(_) | Fdo::NoReply(_)))
 }
+
+/// Who asked, for the task record: the caller's uid when the bus tells it, else its name.
+pub async fn requester(conn: &zbus::Connection, header: &Header<'_>) -> String {
+    let Some(sender) = header.sender() else {
+        return "unknown".into();
+    };
+    let uid = match zbus::fdo::DBusProxy::new(conn).await {
+        Ok(p) => p.get_connection_unix_user(sender.clone().into()).await.ok(),
+        Err(_) => None,
+    };
+    match uid {
+        Some(u) => format!("uid {u} ({sender})"),
+        None => sender.to_string(),
+    }
+}

@@ -1,74 +1,97 @@
 //! `org.vfiod.Vfiod1.Device`: one object per PCI function, named like libvirt's node devices.
 
+use super::auth::ACTION_MANAGE;
+use super::error::Error;
+use super::view::DeviceEntry;
+use crate::engine::jobs::ModeJob;
 use crate::model::device::Device;
+use crate::model::pci::PciAddress;
 use std::collections::HashMap;
 use zbus::interface;
 use zbus::{OwnedVariant, Variant};
 
 pub const INTERFACE: &str = "org.vfiod.Vfiod1.Device";
 
-/// The D-Bus face of a device record (a snapshot of the store's row) and of its tasks.
+/// The D-Bus face of one PCI function: its address and handles on the engine and the view; its
+/// properties are read from the view, so the object itself never changes.
 pub struct DeviceObject {
-    pub device: Device,
-    /// The active task (prepare, running, or error until reset).
-    pub task: Option<crate::store::TaskRecord>,
-    /// The most recent finished task.
-    pub last: Option<crate::store::TaskRecord>,
-    pub ctx: std::sync::Arc<std::sync::OnceLock<super::Ctx>>,
+    pub address: PciAddress,
+    pub objects: super::Objects,
 }
 
 impl DeviceObject {
-    fn service(
-        &self,
-    ) -> Result<
-        (
-            std::sync::Arc<crate::engine::Service<super::DbusPublisher>>,
-            super::auth::Authorizer,
-        ),
-        super::error::Error,
-    > {
-        let ctx = self
-            .ctx
-            .get()
-            .ok_or_else(|| super::error::Error::Failed("vfiod is starting".into()))?;
-        let s = ctx
-            .service
-            .upgrade()
-            .ok_or_else(|| super::error::Error::Failed("vfiod is stopping".into()))?;
-        Ok((s, ctx.authorizer))
+    fn entry(&self) -> zbus::fdo::Result<DeviceEntry> {
+        self.objects
+            .view
+            .device(self.address)
+            .ok_or_else(|| zbus::fdo::Error::UnknownObject(format!("{} is gone", self.address)))
     }
 
-    /// Who asked, for the task record: the caller's uid when the bus tells it, else its name.
-    async fn requester(conn: &zbus::Connection, header: &zbus::message::Header<'_>) -> String {
-        let Some(sender) = header.sender() else {
-            return "unknown".into();
-        };
-        let uid = match zbus::fdo::DBusProxy::new(conn).await {
-            Ok(p) => p.get_connection_unix_user(sender.clone().into()).await.ok(),
-            Err(_) => None,
-        };
-        match uid {
-            Some(u) => format!("uid {u} ({sender})"),
-            None => sender.to_string(),
-        }
+    fn device(&self) -> zbus::fdo::Result<Device> {
+        self.entry().map(|e| e.device)
     }
 
+    /// Authorizes the caller, starts `job` and replies with its task once the task's object
+    /// exists.
     async fn start(
         &self,
-        target: Option<crate::modes::policy::Target>,
+        job: Box<dyn crate::engine::Job>,
         header: &zbus::message::Header<'_>,
         conn: &zbus::Connection,
-    ) -> Result<zbus::OwnedObjectPath, super::error::Error> {
-        let (service, authorizer) = self.service()?;
-        authorizer
-            .check(conn, header, super::auth::ACTION_MANAGE)
-            .await?;
-        let who = Self::requester(conn, header).await;
-        let task = service
-            .start_task(self.device.address, target, &who)
-            .await?;
+    ) -> Result<zbus::OwnedObjectPath, Error> {
+        let o = &self.objects;
+        o.authorizer.check(conn, header, ACTION_MANAGE).await?;
+        let who = super::auth::requester(conn, header).await;
+        let task = o.engine.start_task(job, &who).await?;
+        o.engine.flush().await;
         Ok(super::task::task_path(task.id))
     }
+}
+
+/// The task properties of a device entry: idle, prepare, running or error; its object; the
+/// last result.
+fn task_state_of(e: &DeviceEntry) -> String {
+    e.task
+        .as_ref()
+        .map_or("idle".into(), |t| t.state.as_str().into())
+}
+
+fn current_task_of(e: &DeviceEntry) -> zbus::OwnedObjectPath {
+    e.task.as_ref().map_or_else(
+        || zbus::OwnedObjectPath::try_from("/").expect("root path"),
+        |t| super::task::task_path(t.id),
+    )
+}
+
+fn last_result_of(e: &DeviceEntry) -> String {
+    e.last.as_ref().map_or(String::new(), |t| {
+        format!(
+            "task {} {}: {}: {}",
+            t.id,
+            t.kind,
+            t.state.as_str(),
+            t.message
+        )
+    })
+}
+
+/// The task properties that differ between two entries, for one PropertiesChanged signal.
+pub fn changed_task_properties(
+    old: &DeviceEntry,
+    new: &DeviceEntry,
+) -> HashMap<&'static str, OwnedVariant> {
+    let v = |x: Variant<'_>| OwnedVariant::try_from(x).expect("plain values convert");
+    let mut out = HashMap::new();
+    if task_state_of(old) != task_state_of(new) {
+        out.insert("TaskState", v(task_state_of(new).into()));
+    }
+    if current_task_of(old) != current_task_of(new) {
+        out.insert("CurrentTask", v(current_task_of(new).into()));
+    }
+    if last_result_of(old) != last_result_of(new) {
+        out.insert("LastResult", v(last_result_of(new).into()));
+    }
+    out
 }
 
 /// Property values as sent on the bus. Absent values use sentinels D-Bus can carry: "" for
@@ -123,162 +146,170 @@ pub fn changed_properties(old: &Device, new: &Device) -> HashMap<&'static str, O
 impl DeviceObject {
     /// PCI address, `DDDD:BB:SS.F`.
     #[zbus(property(emits_changed_signal = "const"))]
-    fn address(&self) -> String {
-        self.device.address.to_string()
+    fn address(&self) -> zbus::fdo::Result<String> {
+        let d = self.device()?;
+        Ok(d.address.to_string())
     }
     #[zbus(property)]
-    fn vendor_id(&self) -> u16 {
-        self.device.vendor_id
+    fn vendor_id(&self) -> zbus::fdo::Result<u16> {
+        let d = self.device()?;
+        Ok(d.vendor_id)
     }
     #[zbus(property)]
-    fn device_id(&self) -> u16 {
-        self.device.device_id
+    fn device_id(&self) -> zbus::fdo::Result<u16> {
+        let d = self.device()?;
+        Ok(d.device_id)
     }
     #[zbus(property)]
-    fn subsystem_vendor_id(&self) -> u16 {
-        self.device.subsystem_vendor_id
+    fn subsystem_vendor_id(&self) -> zbus::fdo::Result<u16> {
+        let d = self.device()?;
+        Ok(d.subsystem_vendor_id)
     }
     #[zbus(property)]
-    fn subsystem_device_id(&self) -> u16 {
-        self.device.subsystem_device_id
+    fn subsystem_device_id(&self) -> zbus::fdo::Result<u16> {
+        let d = self.device()?;
+        Ok(d.subsystem_device_id)
     }
     #[zbus(property)]
-    fn revision(&self) -> u8 {
-        self.device.revision
+    fn revision(&self) -> zbus::fdo::Result<u8> {
+        let d = self.device()?;
+        Ok(d.revision)
     }
     /// 24-bit class code.
     #[zbus(property)]
-    fn class(&self) -> u32 {
-        self.device.class.0
+    fn class(&self) -> zbus::fdo::Result<u32> {
+        let d = self.device()?;
+        Ok(d.class.0)
     }
     #[zbus(property)]
-    fn vendor_name(&self) -> String {
-        self.device.vendor_name.clone()
+    fn vendor_name(&self) -> zbus::fdo::Result<String> {
+        let d = self.device()?;
+        Ok(d.vendor_name.clone())
     }
     #[zbus(property)]
-    fn device_name(&self) -> String {
-        self.device.device_name.clone()
+    fn device_name(&self) -> zbus::fdo::Result<String> {
+        let d = self.device()?;
+        Ok(d.device_name.clone())
     }
     /// gpu, fpga, crypto, nvme, nic or other.
     #[zbus(property)]
-    fn kind(&self) -> String {
-        self.device.kind.as_str().into()
+    fn kind(&self) -> zbus::fdo::Result<String> {
+        let d = self.device()?;
+        Ok(d.kind.as_str().into())
     }
     /// Bound driver, "" when none.
     #[zbus(property)]
-    fn driver(&self) -> String {
-        self.device.driver.clone().unwrap_or_default()
+    fn driver(&self) -> zbus::fdo::Result<String> {
+        let d = self.device()?;
+        Ok(d.driver.clone().unwrap_or_default())
     }
     #[zbus(property)]
-    fn driver_override(&self) -> String {
-        self.device.driver_override.clone().unwrap_or_default()
+    fn driver_override(&self) -> zbus::fdo::Result<String> {
+        let d = self.device()?;
+        Ok(d.driver_override.clone().unwrap_or_default())
     }
     /// -1 when the platform reports none.
     #[zbus(property)]
-    fn numa_node(&self) -> i32 {
-        self.device.numa_node.unwrap_or(-1)
+    fn numa_node(&self) -> zbus::fdo::Result<i32> {
+        let d = self.device()?;
+        Ok(d.numa_node.unwrap_or(-1))
     }
     /// -1 when the function has no IOMMU group.
     #[zbus(property)]
-    fn iommu_group(&self) -> i64 {
-        self.device.iommu_group.map_or(-1, i64::from)
+    fn iommu_group(&self) -> zbus::fdo::Result<i64> {
+        let d = self.device()?;
+        Ok(d.iommu_group.map_or(-1, i64::from))
     }
     /// pf (SR-IOV capable), vf, or function (no SR-IOV).
     #[zbus(property)]
-    fn role(&self) -> String {
-        self.device.role.as_str().into()
+    fn role(&self) -> zbus::fdo::Result<String> {
+        let d = self.device()?;
+        Ok(d.role.as_str().into())
     }
     /// SR-IOV capable.
     #[zbus(property)]
-    fn separable(&self) -> bool {
-        self.device.separable
+    fn separable(&self) -> zbus::fdo::Result<bool> {
+        let d = self.device()?;
+        Ok(d.separable)
     }
     /// pf, vf (split), or none (a VF itself).
     #[zbus(property)]
-    fn mode(&self) -> String {
-        self.device.mode.as_str().into()
+    fn mode(&self) -> zbus::fdo::Result<String> {
+        let d = self.device()?;
+        Ok(d.mode.as_str().into())
     }
     #[zbus(property)]
-    fn total_vfs(&self) -> u32 {
-        self.device.total_vfs
+    fn total_vfs(&self) -> zbus::fdo::Result<u32> {
+        let d = self.device()?;
+        Ok(d.total_vfs)
     }
     #[zbus(property)]
-    fn num_vfs(&self) -> u32 {
-        self.device.num_vfs
+    fn num_vfs(&self) -> zbus::fdo::Result<u32> {
+        let d = self.device()?;
+        Ok(d.num_vfs)
     }
     /// For a VF, its PF's address; "" otherwise.
     #[zbus(property)]
-    fn parent_pf(&self) -> String {
-        self.device
-            .parent_pf
-            .map(|a| a.to_string())
-            .unwrap_or_default()
+    fn parent_pf(&self) -> zbus::fdo::Result<String> {
+        let d = self.device()?;
+        Ok(d.parent_pf.map(|a| a.to_string()).unwrap_or_default())
     }
     /// Selected by the config and not protected: vfiod may change it.
     #[zbus(property)]
-    fn managed(&self) -> bool {
-        self.device.managed
+    fn managed(&self) -> zbus::fdo::Result<bool> {
+        let d = self.device()?;
+        Ok(d.managed)
     }
     /// usable, protected or broken.
     #[zbus(property)]
-    fn state(&self) -> String {
-        self.device.state.as_str().into()
+    fn state(&self) -> zbus::fdo::Result<String> {
+        let d = self.device()?;
+        Ok(d.state.as_str().into())
     }
     #[zbus(property)]
-    fn state_reason(&self) -> String {
-        self.device.state_reason.clone()
-    }
-
-    /// idle, prepare, running or error (error until an operator calls ResetTask).
-    #[zbus(property)]
-    pub fn task_state(&self) -> String {
-        self.task
-            .as_ref()
-            .map_or("idle".into(), |t| t.state.as_str().into())
+    fn state_reason(&self) -> zbus::fdo::Result<String> {
+        let d = self.device()?;
+        Ok(d.state_reason.clone())
     }
 
-    /// The active task's object, "/" when idle.
+    /// idle, prepare, running or error (error until an operator calls ResetTask): of the task
+    /// that holds the device, its own or one that covers it.
     #[zbus(property)]
-    pub fn current_task(&self) -> zbus::OwnedObjectPath {
-        self.task.as_ref().map_or_else(
-            || zbus::OwnedObjectPath::try_from("/").expect("root path"),
-            |t| super::task::task_path(t.id),
-        )
+    fn task_state(&self) -> zbus::fdo::Result<String> {
+        Ok(task_state_of(&self.entry()?))
+    }
+
+    /// That task's object, "/" when idle.
+    #[zbus(property)]
+    fn current_task(&self) -> zbus::fdo::Result<zbus::OwnedObjectPath> {
+        Ok(current_task_of(&self.entry()?))
     }
 
     /// The last finished task: "task N KIND: STATE: RESULT", "" if none.
     #[zbus(property)]
-    pub fn last_result(&self) -> String {
-        self.last.as_ref().map_or(String::new(), |t| {
-            format!(
-                "task {} {}: {}: {}",
-                t.id,
-                t.kind,
-                t.state.as_str(),
-                t.message
-            )
-        })
+    fn last_result(&self) -> zbus::fdo::Result<String> {
+        Ok(last_result_of(&self.entry()?))
     }
 
     /// Puts the device in `mode` ("pf" or "vf"; `num_vfs` 0 = as many as the configuration or
-    /// the device allows). Returns the task at once; it reports progress as it runs. Refused
-    /// with Busy when the device has a task, Protected, or InvalidArgument.
+    /// the device allows). Returns the task once it is prepared; it reports progress as it runs.
+    /// Refused with Busy when a task holds the device, NotManaged, Protected, InUse, or
+    /// InvalidArgument.
     async fn set_mode(
         &self,
         mode: &str,
         num_vfs: u32,
         #[zbus(header)] header: zbus::message::Header<'_>,
         #[zbus(connection)] conn: &zbus::Connection,
-    ) -> Result<zbus::OwnedObjectPath, super::error::Error> {
+    ) -> Result<zbus::OwnedObjectPath, Error> {
         use crate::modes::policy::{Target, VFIO_PCI};
-        let (service, _) = self.service()?;
-        let settings = service.engine.settings();
-        let d = &self.device;
+        let settings = self.objects.engine.settings();
+        let d = self.device()?;
         let rule = settings.rule_for(d.address, d.vendor_id, d.device_id, d.class);
         let target = match mode {
             "pf" => {
                 if num_vfs != 0 {
-                    return Err(super::error::Error::InvalidArgument(
+                    return Err(Error::InvalidArgument(
                         "num_vfs must be 0 with mode pf".into(),
                     ));
                 }
@@ -297,12 +328,14 @@ impl DeviceObject {
                     .unwrap_or_else(|| VFIO_PCI.into()),
             },
             other => {
-                return Err(super::error::Error::InvalidArgument(format!(
-                    "mode must be pf or vf, not {other:?}"
+                return Err(Error::InvalidArgument(format!(
+                    "mode must be pf or vf, not {}",
+                    super::error::quote(other)
                 )));
             }
         };
-        self.start(Some(target), &header, conn).await
+        let job = ModeJob::new(self.address, Some(target));
+        self.start(Box::new(job), &header, conn).await
     }
 
     /// Brings the device to the mode its policy says (what vfiod does at start and on reload).
@@ -310,8 +343,9 @@ impl DeviceObject {
         &self,
         #[zbus(header)] header: zbus::message::Header<'_>,
         #[zbus(connection)] conn: &zbus::Connection,
-    ) -> Result<zbus::OwnedObjectPath, super::error::Error> {
-        self.start(None, &header, conn).await
+    ) -> Result<zbus::OwnedObjectPath, Error> {
+        self.start(Box::new(ModeJob::new(self.address, None)), &header, conn)
+            .await
     }
 
     /// Clears a task left in error, after the operator has looked at the device; recorded with
@@ -320,17 +354,12 @@ impl DeviceObject {
         &self,
         #[zbus(header)] header: zbus::message::Header<'_>,
         #[zbus(connection)] conn: &zbus::Connection,
-    ) -> Result<(), super::error::Error> {
-        let (service, authorizer) = self.service()?;
-        authorizer
-            .check(conn, &header, super::auth::ACTION_MANAGE)
-            .await?;
-        let who = Self::requester(conn, &header).await;
-        let t = service
-            .engine
-            .store()
-            .reset_task(self.device.address, &who)?;
-        crate::engine::Publish::task_changed(&service.publisher, t.id).await;
+    ) -> Result<(), Error> {
+        let o = &self.objects;
+        o.authorizer.check(conn, &header, ACTION_MANAGE).await?;
+        let who = super::auth::requester(conn, &header).await;
+        o.engine.reset_task(self.address, &who).await?;
+        o.engine.flush().await;
         Ok(())
     }
 }

@@ -1,7 +1,9 @@
-//! The one place engine errors become named D-Bus errors (`org.vfiod.Vfiod1.Error.*`).
+//! The one place engine errors become named D-Bus errors (`org.vfiod.Vfiod1.Error.*`). An error
+//! that is the daemon's fault (a store that failed, a worker that died) is `Failed` with its
+//! cause, never `InvalidArgument`: that name tells a caller to change its request.
 
 use crate::config::ConfigError;
-use crate::engine::EngineError;
+use crate::engine::{EngineError, JobError};
 use crate::store::StoreError;
 
 /// Errors as clients see them. Messages carry the whole cause chain on one line.
@@ -16,34 +18,59 @@ pub enum Error {
     Busy(String),
     InUse(String),
     Protected(String),
+    /// The configuration does not select the device: vfiod does not change it.
+    NotManaged(String),
     NoDeviceAvailable(String),
     HardwareFailed(String),
     InvalidConfig(String),
     Failed(String),
 }
 
+/// A caller's text as an error quotes it: at most 64 characters, and how long it was when
+/// longer, so that a 1 MB argument is never sent back whole.
+pub fn quote(text: &str) -> String {
+    const MAX: usize = 64;
+    let n = text.chars().count();
+    if n <= MAX {
+        format!("{text:?}")
+    } else {
+        let head: String = text.chars().take(MAX).collect();
+        format!("{head:?}... ({n} characters)")
+    }
+}
+
+impl From<zbus::fdo::Error> for Error {
+    fn from(e: zbus::fdo::Error) -> Self {
+        Error::ZBus(zbus::Error::from(e))
+    }
+}
+
 impl From<StoreError> for Error {
     fn from(e: StoreError) -> Self {
         match e {
             busy @ StoreError::Busy { .. } => Error::Busy(busy.to_string()),
+            // A reset of a device that has nothing to reset: the request is wrong for the state.
             not @ StoreError::NotInError { .. } => Error::InvalidArgument(not.to_string()),
             other => Error::Failed(format!("state store: {}", crate::error_chain(&other))),
         }
     }
 }
 
-impl From<crate::engine::tasks::TaskError> for Error {
-    fn from(e: crate::engine::tasks::TaskError) -> Self {
-        use crate::engine::tasks::TaskError as T;
+impl From<JobError> for Error {
+    fn from(e: JobError) -> Self {
+        let chain = crate::error_chain(&e);
         match e {
-            T::NoSuchDevice(a) => Error::NoSuchDevice(format!("no PCI function {a} on this host")),
-            p @ T::Protected { .. } => Error::Protected(p.to_string()),
-            n @ T::NotManaged(_) => Error::Protected(n.to_string()),
-            r @ T::Refused { .. } => Error::InvalidArgument(r.to_string()),
-            u @ T::InUse { .. } => Error::InUse(u.to_string()),
-            l @ T::Libvirt { .. } => Error::Failed(crate::error_chain(&l)),
-            T::Store(s) => s.into(),
-            T::Mode(m) => m.into(),
+            JobError::NoSuchDevice(_) => Error::NoSuchDevice(chain),
+            JobError::NotManaged(_) => Error::NotManaged(chain),
+            JobError::Protected { .. } => Error::Protected(chain),
+            JobError::Invalid { .. } => Error::InvalidArgument(chain),
+            JobError::Broken { .. } | JobError::Hardware { .. } => Error::HardwareFailed(chain),
+            JobError::InUse { .. } => Error::InUse(chain),
+            JobError::Unavailable { .. }
+            | JobError::Libvirt { .. }
+            | JobError::Plan { .. }
+            | JobError::Internal(_) => Error::Failed(chain),
+            JobError::Store(s) => s.into(),
         }
     }
 }
@@ -61,7 +88,7 @@ impl From<crate::modes::planner::ModeError> for Error {
             M::NoSuchDevice(a) => Error::NoSuchDevice(format!("no PCI function {a} on this host")),
             M::Store(s) => s.into(),
             other @ M::Snapshot(_) => Error::HardwareFailed(crate::error_chain(&other)),
-            other @ M::Plan { .. } => Error::InvalidArgument(crate::error_chain(&other)),
+            other @ M::Plan { .. } => Error::Failed(crate::error_chain(&other)),
         }
     }
 }
@@ -72,7 +99,21 @@ impl From<EngineError> for Error {
             EngineError::Config(c) => c.into(),
             EngineError::Store(s) => s.into(),
             other @ EngineError::Sysfs(_) => Error::HardwareFailed(crate::error_chain(&other)),
-            other @ EngineError::Join(_) => Error::Failed(crate::error_chain(&other)),
+            other @ EngineError::Internal(_) => Error::Failed(crate::error_chain(&other)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_long_argument_is_quoted_short() {
+        assert_eq!(quote("vfio"), "\"vfio\"");
+        let long = "x".repeat(1 << 20);
+        let q = quote(&long);
+        assert!(q.len() < 100, "{q}");
+        assert!(q.ends_with("(1048576 characters)"), "{q}");
     }
 }

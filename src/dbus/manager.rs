@@ -1,35 +1,62 @@
 //! `org.vfiod.Vfiod1.Manager` on the root object: what the daemon is and counts, lookups, the
-//! event history, and the (authorized) reload and rescan calls.
+//! event and task history, plans, and the (authorized) reload and rescan calls.
+//!
+//! List replies are arrays of `a{sv}` dictionaries (see [`super::wire`]): a new field is a new
+//! key, never a new signature. Queries are `a{sv}` too; an unknown key is an error naming it.
 
-use super::auth::{Authorizer, ACTION_MANAGE};
+use super::auth::ACTION_MANAGE;
 use super::error::Error;
-use super::{device_path, DbusPublisher};
-use crate::engine::Service;
+use super::wire::{self, Dict, Query};
+use super::{device_path, Objects};
 use crate::model::pci::PciAddress;
-use std::sync::Arc;
 use zbus::message::Header;
 use zbus::{interface, Connection, OwnedObjectPath};
 
 pub const INTERFACE: &str = "org.vfiod.Vfiod1.Manager";
 
-pub struct Manager {
-    pub service: Arc<Service<DbusPublisher>>,
-    pub authorizer: Authorizer,
-    pub simulated: bool,
-}
+/// The most entries one list reply carries.
+pub const MAX_LIMIT: u32 = 10_000;
 
-fn check_limit(limit: u32) -> Result<(), Error> {
-    if limit == 0 || limit > 10_000 {
-        return Err(Error::InvalidArgument(format!(
-            "limit must be 1..=10000, got {limit}"
-        )));
-    }
-    Ok(())
+pub struct Manager {
+    pub objects: Objects,
+    pub simulated: bool,
 }
 
 fn parse_address(s: &str) -> Result<PciAddress, Error> {
     s.parse()
         .map_err(|e: crate::model::pci::AddressError| Error::InvalidArgument(e.to_string()))
+}
+
+fn limit(query: &Query, default: u32) -> Result<u32, Error> {
+    let limit = query.u32("limit")?.unwrap_or(default);
+    if limit == 0 || limit > MAX_LIMIT {
+        return Err(Error::InvalidArgument(format!(
+            "limit must be 1..={MAX_LIMIT}, got {limit}"
+        )));
+    }
+    Ok(limit)
+}
+
+impl Manager {
+    /// The address a query names, checked to be one vfiod knows (present, or with history).
+    async fn known_address(&self, query: &Query) -> Result<Option<PciAddress>, Error> {
+        let Some(text) = query.str("address")? else {
+            return Ok(None);
+        };
+        let a = parse_address(&text)?;
+        let known = self
+            .objects
+            .engine
+            .read(move |core| core.store().knows(a))
+            .await??;
+        if known {
+            Ok(Some(a))
+        } else {
+            Err(Error::NoSuchDevice(format!(
+                "no PCI function {a} on this host, and none in the history"
+            )))
+        }
+    }
 }
 
 #[interface(name = "org.vfiod.Vfiod1.Manager")]
@@ -42,7 +69,7 @@ impl Manager {
     /// "public" or "private": the cloud scenario the mode policy follows.
     #[zbus(property)]
     fn scenario(&self) -> String {
-        self.service.engine.settings().scenario.as_str().into()
+        self.objects.engine.settings().scenario.as_str().into()
     }
 
     /// True when running on the simulated kernel (`vfiod --simulate`).
@@ -52,29 +79,29 @@ impl Manager {
     }
 
     #[zbus(property)]
-    fn device_count(&self) -> zbus::fdo::Result<u32> {
-        Ok(self.counts()?.total)
+    fn device_count(&self) -> u32 {
+        self.objects.view.counts().total
     }
 
     #[zbus(property)]
-    fn usable_count(&self) -> zbus::fdo::Result<u32> {
-        Ok(self.counts()?.usable)
+    fn usable_count(&self) -> u32 {
+        self.objects.view.counts().usable
     }
 
     #[zbus(property)]
-    fn protected_count(&self) -> zbus::fdo::Result<u32> {
-        Ok(self.counts()?.protected)
+    fn protected_count(&self) -> u32 {
+        self.objects.view.counts().protected
     }
 
     #[zbus(property)]
-    fn broken_count(&self) -> zbus::fdo::Result<u32> {
-        Ok(self.counts()?.broken)
+    fn broken_count(&self) -> u32 {
+        self.objects.view.counts().broken
     }
 
     /// Config files in effect, in the order they were read.
     #[zbus(property)]
     fn config_sources(&self) -> Vec<String> {
-        self.service
+        self.objects
             .engine
             .settings()
             .sources
@@ -86,7 +113,7 @@ impl Manager {
     /// The object path of the device at `address` (`DDDD:BB:SS.F`).
     async fn get_device(&self, address: &str) -> Result<OwnedObjectPath, Error> {
         let a = parse_address(address)?;
-        match self.service.engine.store().device(a)? {
+        match self.objects.view.device(a) {
             Some(_) => Ok(device_path(a)),
             None => Err(Error::NoSuchDevice(format!(
                 "no PCI function {a} on this host"
@@ -94,119 +121,90 @@ impl Manager {
         }
     }
 
-    /// Inventory history, oldest first: (id, time in ms since the epoch, address or "", kind,
-    /// message). `address` "" means every device; `after_id` pages.
-    async fn get_events(
-        &self,
-        address: &str,
-        after_id: i64,
-        limit: u32,
-    ) -> Result<Vec<super::wire::EventRow>, Error> {
-        let a = if address.is_empty() {
-            None
-        } else {
-            Some(parse_address(address)?)
-        };
-        check_limit(limit)?;
+    /// Inventory history, oldest first, each entry `{id: x, time: x (Unix ms), address: s
+    /// ("" for the daemon), kind: s, message: s}`. Query keys, all optional: `address` s (one
+    /// device), `since` x (the entries after this id, oldest first: follow the history),
+    /// `before` x (the newest entries before this id: page back), `limit` u (1..=10000, default
+    /// 100). Without `since`, the newest entries.
+    async fn get_events(&self, query: Dict) -> Result<Vec<Dict>, Error> {
+        let q = Query::new(query, &["address", "since", "before", "limit"])?;
+        let address = self.known_address(&q).await?;
+        let limit = limit(&q, 100)? as usize;
+        let since = q.i64("since")?;
+        let before = q.i64("before")?;
+        if since.is_some() && before.is_some() {
+            return Err(Error::InvalidArgument(
+                "give since or before, not both".into(),
+            ));
+        }
         let events = self
-            .service
+            .objects
             .engine
-            .store()
-            .events(a, after_id, limit as usize)?;
-        Ok(events
-            .into_iter()
-            .map(|e| {
-                (
-                    e.id,
-                    e.time_ms,
-                    e.address.map(|a| a.to_string()).unwrap_or_default(),
-                    e.kind,
-                    e.message,
-                )
+            .read(move |core| match since {
+                Some(after) => core.store().events(address, after, limit),
+                None => core.store().recent_events(address, before, limit),
             })
-            .collect())
+            .await??;
+        Ok(events.iter().map(wire::event).collect())
     }
 
-    /// The policy's plan for one device, as a dry run: (decision, reason, program, steps as
-    /// shell-like lines, plan as JSON). Nothing is written.
-    async fn get_plan(&self, address: &str) -> Result<super::wire::Plan, Error> {
+    /// The policy's plan for one device, as a dry run: `{address, decision, reason, program: s,
+    /// steps: as (shell-like lines), plan: s (JSON)}`. Nothing is written.
+    async fn get_plan(&self, address: &str) -> Result<Dict, Error> {
         let a = parse_address(address)?;
-        let engine = Arc::clone(&self.service.engine);
-        let p = tokio::task::spawn_blocking(move || {
-            crate::modes::planner::plan_device(
-                engine.sysfs(),
-                engine.store(),
-                &engine.settings(),
-                a,
-            )
-        })
-        .await
-        .map_err(|e| Error::Failed(e.to_string()))??;
-        Ok(plan_tuple(&p))
-    }
-
-    /// Plans for every selected device: (address, decision, reason, program, steps, JSON).
-    async fn get_plans(&self) -> Result<Vec<super::wire::PlanRow>, Error> {
-        let engine = Arc::clone(&self.service.engine);
-        let plans = tokio::task::spawn_blocking(move || {
-            crate::modes::planner::plan_all(engine.sysfs(), engine.store(), &engine.settings())
-        })
-        .await
-        .map_err(|e| Error::Failed(e.to_string()))??;
-        Ok(plans
-            .iter()
-            .map(|p| {
-                let (d, r, prog, steps, json) = plan_tuple(p);
-                (p.address.to_string(), d, r, prog, steps, json)
+        let p = self
+            .objects
+            .engine
+            .read(move |core| {
+                crate::modes::planner::plan_device(core.sysfs(), core.store(), &core.settings(), a)
             })
-            .collect())
+            .await??;
+        Ok(wire::plan(&p))
     }
 
-    /// Task history, newest first: (id, kind, address, state, step, percent, result, created
-    /// ms, finished ms or 0, requested by). `address` "" means every device.
-    async fn get_tasks(
-        &self,
-        address: &str,
-        limit: u32,
-    ) -> Result<Vec<super::wire::TaskRow>, Error> {
-        let a = if address.is_empty() {
-            None
-        } else {
-            Some(parse_address(address)?)
-        };
-        check_limit(limit)?;
-        let tasks = self.service.engine.store().tasks(a, limit as usize)?;
-        Ok(tasks
-            .into_iter()
-            .map(|t| {
-                (
-                    t.id,
-                    t.kind,
-                    t.address.to_string(),
-                    t.state.as_str().to_string(),
-                    t.step,
-                    t.percent,
-                    t.message,
-                    t.created_ms,
-                    t.finished_ms.unwrap_or(0),
-                    t.requested_by,
-                )
+    /// Plans for every selected device, each as `GetPlan` gives it.
+    async fn get_plans(&self) -> Result<Vec<Dict>, Error> {
+        let plans = self
+            .objects
+            .engine
+            .read(|core| {
+                crate::modes::planner::plan_all(core.sysfs(), core.store(), &core.settings())
             })
-            .collect())
+            .await??;
+        Ok(plans.iter().map(wire::plan).collect())
     }
 
-    /// Re-reads the configuration (as SIGHUP does) and runs an inventory pass. A bad file is
-    /// refused with InvalidConfig and the running settings are kept.
+    /// Task history, newest first, each entry `{id: x, kind, device, state, step: s, percent:
+    /// y, result, parameters, requested_by: s, created, started, finished: x (Unix ms, 0 = not
+    /// yet), reset_by: s}`. Query keys, all optional: `address` s, `limit` u (1..=10000,
+    /// default 20).
+    async fn get_tasks(&self, query: Dict) -> Result<Vec<Dict>, Error> {
+        let q = Query::new(query, &["address", "limit"])?;
+        let address = self.known_address(&q).await?;
+        let limit = limit(&q, 20)? as usize;
+        let tasks = self
+            .objects
+            .engine
+            .read(move |core| core.store().tasks(address, limit))
+            .await??;
+        Ok(tasks.iter().map(wire::task).collect())
+    }
+
+    /// Re-reads the configuration (as SIGHUP does), runs an inventory pass and starts the tasks
+    /// the new settings call for. A bad file is refused with InvalidConfig and the running
+    /// settings are kept.
     async fn reload(
         &self,
         #[zbus(header)] header: Header<'_>,
         #[zbus(connection)] conn: &Connection,
     ) -> Result<(), Error> {
-        self.authorizer.check(conn, &header, ACTION_MANAGE).await?;
-        self.service.reload().await?;
+        let o = &self.objects;
+        o.authorizer.check(conn, &header, ACTION_MANAGE).await?;
+        o.engine.reload().await?;
         // New settings may select or re-target devices: start their tasks (not awaited; they
         // report through their task objects).
-        self.service.reconcile("reload (D-Bus)").await;
+        o.engine.reconcile("reload (D-Bus)").await;
+        o.engine.flush().await;
         Ok(())
     }
 
@@ -216,46 +214,10 @@ impl Manager {
         #[zbus(header)] header: Header<'_>,
         #[zbus(connection)] conn: &Connection,
     ) -> Result<(), Error> {
-        self.authorizer.check(conn, &header, ACTION_MANAGE).await?;
-        self.service.refresh().await?;
+        let o = &self.objects;
+        o.authorizer.check(conn, &header, ACTION_MANAGE).await?;
+        o.engine.refresh().await?;
+        o.engine.flush().await;
         Ok(())
-    }
-}
-
-fn plan_tuple(p: &crate::modes::planner::DevicePlan) -> super::wire::Plan {
-    let decision = match &p.decision {
-        crate::modes::policy::Decision::Leave { .. } => "leave",
-        crate::modes::policy::Decision::Target { .. } => "target",
-        crate::modes::policy::Decision::Refuse { .. } => "refuse",
-    };
-    let program = serde_json::to_value(&p.program)
-        .ok()
-        .and_then(|v| {
-            v.get("program")
-                .and_then(|x| x.as_str())
-                .map(str::to_string)
-        })
-        .unwrap_or_default();
-    let steps = p
-        .plan
-        .as_ref()
-        .map(|pl| pl.steps.iter().map(|s| s.to_string()).collect())
-        .unwrap_or_default();
-    let json = serde_json::to_string(p).unwrap_or_default();
-    (
-        decision.into(),
-        p.decision.reason().to_string(),
-        program,
-        steps,
-        json,
-    )
-}
-
-impl Manager {
-    fn counts(&self) -> zbus::fdo::Result<crate::store::Counts> {
-        self.service
-            .engine
-            .counts()
-            .map_err(|e| zbus::fdo::Error::Failed(crate::error_chain(&e)))
     }
 }

@@ -1,44 +1,25 @@
-//! The D-Bus face of the daemon: thin adapters over the engine. Objects are published from the
-//! store after each committed pass; errors are mapped in [`error`]; mutating calls are
-//! authorized in [`auth`].
+//! The D-Bus face of the daemon: thin adapters over the engine, one module per object kind
+//! (manager, device, task; a new kind of object is a new file). Objects read what they show from
+//! the [`view`], which the [`publisher`] keeps in step with the engine's events; errors are
+//! mapped in [`error`]; mutating calls are authorized in [`auth`]; [`strict`] checks arguments
+//! and read-only properties for every object.
 
 pub mod auth;
 pub mod device;
 pub mod error;
 pub mod manager;
+mod publisher;
+pub mod strict;
 pub mod task;
+pub mod view;
+pub mod wire;
 
-/// The shapes of the manager's list replies, one definition for the service and its proxy
-/// (`crate::client`): a change on one side is a change on both.
-pub mod wire {
-    /// GetEvents: (id, time in ms since the epoch, address or "", kind, message).
-    pub type EventRow = (i64, i64, String, String, String);
-    /// GetPlan: (decision, reason, program, steps as shell-like lines, plan as JSON).
-    pub type Plan = (String, String, String, Vec<String>, String);
-    /// GetPlans: (address, decision, reason, program, steps, plan as JSON).
-    pub type PlanRow = (String, String, String, String, Vec<String>, String);
-    /// GetTasks: (id, kind, address, state, step, percent, result, created ms, finished ms or
-    /// 0, requested by).
-    pub type TaskRow = (
-        i64,
-        String,
-        String,
-        String,
-        String,
-        u8,
-        String,
-        i64,
-        i64,
-        String,
-    );
-}
-
-use crate::engine::{Pass, Publish, Service};
+use crate::engine::{Engine, EventStream};
 use crate::model::pci::PciAddress;
-use crate::store::DeviceChange;
 use device::DeviceObject;
 use std::collections::HashMap;
 use std::sync::Arc;
+use strict::Strict;
 use zbus::{Connection, OwnedObjectPath};
 
 pub const BUS_NAME: &str = "org.vfiod.Vfiod1";
@@ -82,229 +63,50 @@ impl BusTarget {
     }
 }
 
-/// Publishes each pass on the bus: objects appear (InterfacesAdded), disappear
-/// (InterfacesRemoved) and change (PropertiesChanged) as the store did.
+/// What every object needs: the connection, the engine to act through, the view to read from,
+/// and how to authorize. Cheap to clone.
 #[derive(Clone)]
-pub struct DbusPublisher {
+pub struct Objects {
     pub conn: Connection,
-    /// What device objects need to serve their methods; set once the service exists.
-    pub ctx: Arc<std::sync::OnceLock<Ctx>>,
-    /// Task changes are published by one background task, in order: a method of a device
-    /// object holds that object while it runs, so publishing inline from it would deadlock.
-    task_updates: tokio::sync::mpsc::UnboundedSender<i64>,
-}
-
-/// The service behind the objects' methods (weak: the service owns the publisher).
-pub struct Ctx {
-    pub service: std::sync::Weak<Service<DbusPublisher>>,
+    pub engine: Arc<Engine>,
+    pub view: Arc<view::View>,
     pub authorizer: auth::Authorizer,
 }
 
-impl DbusPublisher {
-    fn device_object(&self, d: &crate::model::device::Device) -> DeviceObject {
-        let store = self
-            .ctx
-            .get()
-            .and_then(|c| c.service.upgrade())
-            .map(|s| Arc::clone(s.engine.store()));
-        let (task, last) = match store {
-            Some(st) => (
-                st.blocking_task(d.address).ok().flatten(),
-                st.last_result(d.address).ok().flatten(),
-            ),
-            None => (None, None),
-        };
-        DeviceObject {
-            device: d.clone(),
-            task,
-            last,
-            ctx: Arc::clone(&self.ctx),
-        }
+impl Objects {
+    pub(crate) fn device_object(&self, address: PciAddress) -> Strict<DeviceObject> {
+        Strict::new(DeviceObject {
+            address,
+            objects: self.clone(),
+        })
+    }
+
+    pub(crate) fn task_object(&self, id: i64) -> Strict<task::TaskObject> {
+        Strict::new(task::TaskObject {
+            id,
+            objects: self.clone(),
+        })
     }
 }
 
-impl Publish for DbusPublisher {
-    async fn publish(&self, pass: &Pass) {
-        for change in &pass.changes {
-            if let Err(e) = self.apply(change).await {
-                tracing::error!(address = %change.address(), "cannot publish change on D-Bus: {e}");
-            }
-        }
-        if !pass.changes.is_empty() {
-            if let Err(e) = self.counts_changed().await {
-                tracing::error!("cannot signal manager counts: {e}");
-            }
-        }
-    }
-
-    async fn task_changed(&self, id: i64) {
-        // The task object itself is published at once, so a caller that got its path in a
-        // reply can read it; the device's task properties follow through the queue.
-        if let Err(e) = self.publish_task_object(id).await {
-            tracing::error!("cannot publish task {id} on D-Bus: {e}");
-        }
-        let _ = self.task_updates.send(id);
-    }
-
-    async fn settings_changed(&self) {
-        if let Err(e) = self.manager_settings_changed().await {
-            tracing::error!("cannot signal manager settings: {e}");
-        }
-    }
-}
-
-impl DbusPublisher {
-    async fn apply(&self, change: &DeviceChange) -> zbus::Result<()> {
-        let server = self.conn.object_server();
-        match change {
-            DeviceChange::Added(d) => {
-                let path = device_path(d.address);
-                // A stale object (should not happen) is replaced rather than kept.
-                server.remove::<DeviceObject, _>(&path).await.ok();
-                server.at(&path, self.device_object(d)).await?;
-            }
-            DeviceChange::Removed(d) => {
-                server
-                    .remove::<DeviceObject, _>(device_path(d.address))
-                    .await?;
-            }
-            DeviceChange::Changed { old, new } => {
-                let path = device_path(new.address);
-                let iface = server.interface::<_, DeviceObject>(&path).await?;
-                iface.get_mut().await.device = new.clone();
-                let changed = device::changed_properties(old, new);
-                signal_changed(iface.signal_emitter(), device::INTERFACE, changed).await?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Creates or updates `/org/vfiod/Vfiod1/task/<id>` from the store. Touches no device object,
-    /// so it may run inside a device method.
-    async fn publish_task_object(&self, id: i64) -> zbus::Result<()> {
-        let Some(service) = self.ctx.get().and_then(|c| c.service.upgrade()) else {
-            return Ok(());
-        };
-        let Ok(Some(t)) = service.engine.store().task(id) else {
-            return Ok(());
-        };
-        let server = self.conn.object_server();
-        let path = task::task_path(id);
-        match server.interface::<_, task::TaskObject>(&path).await {
-            Ok(iface) => {
-                let old = std::mem::replace(&mut iface.get_mut().await.task, t.clone());
-                let changed = task::changed_properties(&old, &t);
-                signal_changed(iface.signal_emitter(), task::INTERFACE, changed).await
-            }
-            Err(_) => server
-                .at(&path, task::TaskObject { task: t })
-                .await
-                .map(|_| ()),
-        }
-    }
-
-    /// Publishes the task object, then the current task and last result of every device object
-    /// it concerns: its own device, each function in its scope, and its device's VFs.
-    async fn publish_task(&self, id: i64) -> zbus::Result<()> {
-        self.publish_task_object(id).await?;
-        let Some(service) = self.ctx.get().and_then(|c| c.service.upgrade()) else {
-            return Ok(());
-        };
-        let store = service.engine.store();
-        let Ok(Some(t)) = store.task(id) else {
-            return Ok(());
-        };
-        let mut addresses = vec![t.address];
-        addresses.extend(store.task_scope(id).unwrap_or_default());
-        addresses.extend(store.vfs_of(t.address).unwrap_or_default());
-        let server = self.conn.object_server();
-        for address in addresses {
-            let Ok(iface) = server
-                .interface::<_, DeviceObject>(&device_path(address))
-                .await
-            else {
-                continue;
-            };
-            let active = store.blocking_task(address).ok().flatten();
-            let last = store.last_result(address).ok().flatten();
-            let (old_state, old_path, old_last) = {
-                let d = iface.get().await;
-                (d.task_state(), d.current_task(), d.last_result())
-            };
-            {
-                let mut d = iface.get_mut().await;
-                d.task = active;
-                d.last = last;
-            }
-            let d = iface.get().await;
-            let em = iface.signal_emitter();
-            if d.task_state() != old_state {
-                d.task_state_changed(em).await?;
-            }
-            if d.current_task() != old_path {
-                d.current_task_changed(em).await?;
-            }
-            if d.last_result() != old_last {
-                d.last_result_changed(em).await?;
-            }
-        }
-        Ok(())
-    }
-
-    async fn manager(&self) -> zbus::Result<zbus::object_server::InterfaceRef<manager::Manager>> {
-        self.conn
-            .object_server()
-            .interface::<_, manager::Manager>(ROOT_PATH)
-            .await
-    }
-
-    async fn counts_changed(&self) -> zbus::Result<()> {
-        let iface = self.manager().await?;
-        let (m, em) = (iface.get().await, iface.signal_emitter());
-        m.device_count_changed(em).await?;
-        m.usable_count_changed(em).await?;
-        m.protected_count_changed(em).await?;
-        m.broken_count_changed(em).await
-    }
-
-    async fn manager_settings_changed(&self) -> zbus::Result<()> {
-        let iface = self.manager().await?;
-        let (m, em) = (iface.get().await, iface.signal_emitter());
-        m.scenario_changed(em).await?;
-        m.config_sources_changed(em).await
-    }
-}
-
-/// Exports the API on `bus`: builds the connection, the root (Manager + ObjectManager) and one
-/// object per stored device. The caller takes the name with [`take_name`] once the daemon is
-/// ready, so that a client that sees the name sees a settled inventory.
+/// Exports the API on `bus`: the root (Manager + ObjectManager), one object per stored device
+/// and the tasks they show, then publishes `events` as they come. The caller takes the name
+/// with [`take_name`] once the daemon is ready, so that a client that sees the name sees a
+/// settled inventory.
 pub async fn serve(
     bus: &BusTarget,
-    build_service: impl FnOnce(DbusPublisher) -> Arc<Service<DbusPublisher>>,
+    engine: Arc<Engine>,
+    events: EventStream,
     authorizer: auth::Authorizer,
     simulated: bool,
-) -> Result<(Connection, Arc<Service<DbusPublisher>>), ServeError> {
+) -> Result<Connection, ServeError> {
     let conn = bus.builder().build().await.map_err(ServeError::Connect)?;
-    let ctx = Arc::new(std::sync::OnceLock::new());
-    let (task_updates, mut updates) = tokio::sync::mpsc::unbounded_channel::<i64>();
-    let publisher = DbusPublisher {
+    let objects = Objects {
         conn: conn.clone(),
-        ctx: Arc::clone(&ctx),
-        task_updates,
-    };
-    let p = publisher.clone();
-    tokio::spawn(async move {
-        while let Some(id) = updates.recv().await {
-            if let Err(e) = p.publish_task(id).await {
-                tracing::error!("cannot publish task {id} on D-Bus: {e}");
-            }
-        }
-    });
-    let service = build_service(publisher.clone());
-    let _ = ctx.set(Ctx {
-        service: Arc::downgrade(&service),
+        engine: Arc::clone(&engine),
+        view: Arc::new(view::View::default()),
         authorizer,
-    });
+    };
     let server = conn.object_server();
     server
         .at(ROOT_PATH, zbus::fdo::ObjectManager)
@@ -313,42 +115,38 @@ pub async fn serve(
     server
         .at(
             ROOT_PATH,
-            manager::Manager {
-                service: Arc::clone(&service),
-                authorizer,
+            Strict::new(manager::Manager {
+                objects: objects.clone(),
                 simulated,
-            },
+            }),
         )
         .await
         .map_err(ServeError::Export)?;
-    let devices = service
-        .engine
-        .store()
-        .devices()
+    // Events sent from here on are applied on top of this picture by the publisher.
+    let devices = engine
+        .read(|core| core.device_views())
+        .await
+        .map_err(|e| ServeError::Store(crate::error_chain(&e)))?
         .map_err(|e| ServeError::Store(crate::error_chain(&e)))?;
     for d in devices {
-        let obj = publisher.device_object(&d);
-        let tasks: Vec<i64> = obj
-            .task
-            .iter()
-            .chain(obj.last.iter())
-            .map(|t| t.id)
-            .collect();
-        server
-            .at(device_path(d.address), obj)
-            .await
-            .map_err(ServeError::Export)?;
+        let address = d.device.address;
         // Active tasks and each device's last result stay visible across restarts.
-        for id in tasks {
-            if let Ok(Some(t)) = service.engine.store().task(id) {
+        for t in d.active.iter().chain(d.last.iter()) {
+            if objects.view.put_task(t.clone()).is_none() {
                 server
-                    .at(task::task_path(id), task::TaskObject { task: t })
+                    .at(task::task_path(t.id), objects.task_object(t.id))
                     .await
                     .map_err(ServeError::Export)?;
             }
         }
+        objects.view.put_device(d);
+        server
+            .at(device_path(address), objects.device_object(address))
+            .await
+            .map_err(ServeError::Export)?;
     }
-    Ok((conn, service))
+    tokio::spawn(publisher::run(objects, events));
+    Ok(conn)
 }
 
 /// One PropertiesChanged signal carrying every changed property of `interface` (none: no signal).

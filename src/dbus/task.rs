@@ -12,8 +12,19 @@ pub fn task_path(id: i64) -> zbus::OwnedObjectPath {
         .expect("valid object path")
 }
 
+/// The D-Bus face of one task: its id and the view it reads from.
 pub struct TaskObject {
-    pub task: TaskRecord,
+    pub id: i64,
+    pub objects: super::Objects,
+}
+
+impl TaskObject {
+    fn task(&self) -> zbus::fdo::Result<TaskRecord> {
+        self.objects
+            .view
+            .task(self.id)
+            .ok_or_else(|| zbus::fdo::Error::UnknownObject(format!("no task {}", self.id)))
+    }
 }
 
 pub fn properties(t: &TaskRecord) -> Vec<(&'static str, OwnedVariant)> {
@@ -21,6 +32,7 @@ pub fn properties(t: &TaskRecord) -> Vec<(&'static str, OwnedVariant)> {
         OwnedVariant::try_from(x.into()).expect("plain values convert")
     }
     vec![
+        ("Kind", v(t.kind.as_str())),
         ("State", v(t.state.as_str())),
         ("Step", v(t.step.clone())),
         ("Percent", v(t.percent)),
@@ -45,65 +57,80 @@ pub fn changed_properties(
 #[interface(name = "org.vfiod.Vfiod1.Task")]
 impl TaskObject {
     #[zbus(property(emits_changed_signal = "const"))]
-    fn id(&self) -> i64 {
-        self.task.id
+    fn id(&self) -> zbus::fdo::Result<i64> {
+        let t = self.task()?;
+        Ok(t.id)
     }
-    /// split, restore, resplit, rebind, bind, check.
-    #[zbus(property(emits_changed_signal = "const"))]
-    fn kind(&self) -> String {
-        self.task.kind.clone()
+    /// check, split, restore, resplit, rebind, bind, unbind (program, verify, migrate to come).
+    /// A mode task learns its kind while it prepares, so it may change once.
+    #[zbus(property)]
+    fn kind(&self) -> zbus::fdo::Result<String> {
+        let t = self.task()?;
+        Ok(t.kind.as_str().into())
     }
     /// The device's PCI address.
     #[zbus(property(emits_changed_signal = "const"))]
-    fn device(&self) -> String {
-        self.task.address.to_string()
+    fn device(&self) -> zbus::fdo::Result<String> {
+        let t = self.task()?;
+        Ok(t.address.to_string())
     }
     #[zbus(property(emits_changed_signal = "const"))]
-    fn device_path(&self) -> zbus::OwnedObjectPath {
-        super::device_path(self.task.address)
+    fn device_path(&self) -> zbus::fdo::Result<zbus::OwnedObjectPath> {
+        let t = self.task()?;
+        Ok(super::device_path(t.address))
     }
     /// prepare, running, success or error.
     #[zbus(property)]
-    fn state(&self) -> String {
-        self.task.state.as_str().into()
+    fn state(&self) -> zbus::fdo::Result<String> {
+        let t = self.task()?;
+        Ok(t.state.as_str().into())
     }
     #[zbus(property)]
-    fn step(&self) -> String {
-        self.task.step.clone()
+    fn step(&self) -> zbus::fdo::Result<String> {
+        let t = self.task()?;
+        Ok(t.step.clone())
     }
     #[zbus(property)]
-    fn percent(&self) -> u8 {
-        self.task.percent
+    fn percent(&self) -> zbus::fdo::Result<u8> {
+        let t = self.task()?;
+        Ok(t.percent)
     }
     #[zbus(property(emits_changed_signal = "const"))]
-    fn parameters(&self) -> String {
-        self.task.params.clone()
+    fn parameters(&self) -> zbus::fdo::Result<String> {
+        let t = self.task()?;
+        Ok(t.params.clone())
     }
     #[zbus(property(emits_changed_signal = "const"))]
-    fn requested_by(&self) -> String {
-        self.task.requested_by.clone()
+    fn requested_by(&self) -> zbus::fdo::Result<String> {
+        let t = self.task()?;
+        Ok(t.requested_by.clone())
     }
     /// Unix milliseconds; 0 when not yet.
     #[zbus(property(emits_changed_signal = "const"))]
-    fn created(&self) -> i64 {
-        self.task.created_ms
+    fn created(&self) -> zbus::fdo::Result<i64> {
+        let t = self.task()?;
+        Ok(t.created_ms)
     }
     #[zbus(property)]
-    fn started(&self) -> i64 {
-        self.task.started_ms.unwrap_or(0)
+    fn started(&self) -> zbus::fdo::Result<i64> {
+        let t = self.task()?;
+        Ok(t.started_ms.unwrap_or(0))
     }
     #[zbus(property)]
-    fn finished(&self) -> i64 {
-        self.task.finished_ms.unwrap_or(0)
+    fn finished(&self) -> zbus::fdo::Result<i64> {
+        let t = self.task()?;
+        Ok(t.finished_ms.unwrap_or(0))
     }
     /// What it achieved, or why it failed.
     #[zbus(property)]
-    fn result(&self) -> String {
-        self.task.message.clone()
+    fn result(&self) -> zbus::fdo::Result<String> {
+        let t = self.task()?;
+        Ok(t.message.clone())
     }
     /// Who force-reset it from error ("" if nobody).
     #[zbus(property)]
-    fn reset_by(&self) -> String {
-        self.task.reset_by.clone().unwrap_or_default()
+    fn reset_by(&self) -> zbus::fdo::Result<String> {
+        let t = self.task()?;
+        Ok(t.reset_by.clone().unwrap_or_default())
     }
 }

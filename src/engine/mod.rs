@@ -1,478 +1,313 @@
-//! The running daemon: the engine (settings, sysfs, store) and the loop that keeps the store in
-//! step with the kernel: at start, on every uevent, at each poll tick, and on reload.
+//! The engine: everything vfiod decides and does, behind one async face. It runs inventory
+//! passes (one at a time, whoever asks), reloads the settings, reconciles devices with their
+//! policy, and runs tasks: any [`Job`] through the same life (see [`job`]). What happens is
+//! published in order on one channel of [`EngineEvent`]s, which the D-Bus layer turns into
+//! objects and signals; the engine never calls the D-Bus layer.
 //!
-//! The engine's passes are serialized: one inventory pass at a time, whoever asked for it (the
-//! loop, a D-Bus call). Each pass commits to the store before anything is published on D-Bus,
-//! so the bus never shows a state the store does not hold.
+//! Blocking work (sysfs, SQLite, libvirt) runs on the blocking pool, never on the async threads.
+//! Each pass and each task change commits to the store before its event is sent, so a consumer
+//! never shows a state the store does not hold.
 
+pub mod context;
+mod core;
+pub mod events;
+pub mod job;
+pub mod jobs;
+mod run_loop;
 pub mod tasks;
 
-use crate::config::{ConfigError, Settings};
-use crate::host::sysfs::{Sysfs, SysfsError};
-use crate::host::uevent::{EventReceiver, Uevent};
-use crate::inventory;
-use crate::model::device::Device;
+pub use self::core::{ConfigSource, Core, EngineError, Pass};
+pub use context::{JobContext, Modprobe, ModuleLoader};
+pub use events::{DeviceTasks, DeviceView, EngineEvent, EventStream};
+pub use job::{Admission, Job, JobError, JobFailure, Phase, Progress};
+
+use crate::config::Settings;
 use crate::model::pci::PciAddress;
-use crate::store::{Counts, DeviceChange, Event, NewEvent, Store, StoreError};
-use std::collections::BTreeMap;
-use std::path::PathBuf;
-use std::sync::{Arc, RwLock};
-use std::time::Duration;
+use crate::modes::policy::{Decision, Program};
+use crate::store::{DeviceChange, Store, StoreError, TaskRecord};
+use events::EventSender;
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
+use tokio::sync::{mpsc, oneshot, watch};
 
-#[derive(Debug, thiserror::Error)]
-pub enum EngineError {
-    #[error("invalid configuration")]
-    Config(#[from] ConfigError),
-    #[error("state store failed")]
-    Store(#[from] StoreError),
-    #[error("cannot list PCI functions")]
-    Sysfs(#[from] SysfsError),
-    #[error("inventory pass did not finish")]
-    Join(#[from] tokio::task::JoinError),
-}
-
-/// Where the settings come from, so a reload reads the same files.
-#[derive(Clone, Debug)]
-pub struct ConfigSource {
-    pub main: PathBuf,
-    pub dropin_dir: Option<PathBuf>,
-    pub main_required: bool,
-    /// Applied after every load (e.g. `--simulate` pins the sysfs root and state dir).
-    pub pin_sysfs_root: Option<PathBuf>,
-    pub pin_state_dir: Option<PathBuf>,
-}
-
-impl ConfigSource {
-    pub fn load(&self) -> Result<Settings, ConfigError> {
-        let mut s = Settings::load(&self.main, self.dropin_dir.as_deref(), self.main_required)?;
-        if let Some(r) = &self.pin_sysfs_root {
-            s.sysfs_root = r.clone();
-        }
-        if let Some(d) = &self.pin_state_dir {
-            s.state_dir = d.clone();
-        }
-        Ok(s)
-    }
-}
-
-/// The result of one inventory pass.
-#[derive(Debug, Default)]
-pub struct Pass {
-    pub changes: Vec<DeviceChange>,
-    pub events: Vec<Event>,
-}
-
-/// Settings, the kernel and the store: everything a pass needs.
 pub struct Engine {
-    sysfs: Sysfs,
-    store: Arc<Store>,
-    settings: RwLock<Arc<Settings>>,
-    source: Option<ConfigSource>,
+    core: Arc<Core>,
+    events: EventSender,
+    /// One inventory pass at a time.
+    pass_lock: tokio::sync::Mutex<()>,
+    /// The latest record of each unfinished task this engine runs, for [`Engine::wait_tasks`].
+    watches: Mutex<HashMap<i64, watch::Sender<TaskRecord>>>,
 }
 
 impl Engine {
-    pub fn new(
-        settings: Settings,
-        source: Option<ConfigSource>,
-        sysfs: Sysfs,
-        store: Arc<Store>,
-    ) -> Self {
-        Engine {
-            sysfs,
-            store,
-            settings: RwLock::new(Arc::new(settings)),
-            source,
-        }
+    /// The engine and the stream of its events (hand it to a consumer, or drop it).
+    pub fn new(core: Core) -> (Arc<Engine>, EventStream) {
+        let (events, stream) = mpsc::unbounded_channel();
+        let engine = Engine {
+            core: Arc::new(core),
+            events,
+            pass_lock: tokio::sync::Mutex::new(()),
+            watches: Mutex::new(HashMap::new()),
+        };
+        (Arc::new(engine), stream)
+    }
+
+    pub fn core(&self) -> &Arc<Core> {
+        &self.core
     }
 
     pub fn settings(&self) -> Arc<Settings> {
-        Arc::clone(&self.settings.read().unwrap_or_else(|p| p.into_inner()))
+        self.core.settings()
     }
 
     pub fn store(&self) -> &Arc<Store> {
-        &self.store
+        self.core.store()
     }
 
-    pub fn sysfs(&self) -> &Sysfs {
-        &self.sysfs
+    fn send(&self, event: EngineEvent) {
+        // No consumer (a test, a benchmark): nobody to tell.
+        let _ = self.events.send(event);
     }
 
-    /// One inventory pass: scan, diff against the store, commit. Blocking (sysfs and SQLite).
-    pub fn refresh(&self) -> Result<Pass, EngineError> {
-        let settings = self.settings();
-        let previous: BTreeMap<PciAddress, Device> = self
-            .store
-            .devices()?
-            .into_iter()
-            .map(|d| (d.address, d))
-            .collect();
-        let scanned = inventory::scan(&self.sysfs, &settings, &previous)?;
-        let (changes, new_events) = inventory::diff(&previous, &scanned);
-        if changes.is_empty() && new_events.is_empty() {
-            return Ok(Pass::default());
-        }
-        let events = self.store.apply_changes(&changes, &new_events)?;
-        // A function that vanishes or breaks deserves the operator's attention; VFs removed
-        // because their PF's VF count went down do not (a restore removes 64 at once).
-        let vfs_removed: Vec<PciAddress> = changes
-            .iter()
-            .filter_map(|c| match c {
-                DeviceChange::Removed(d) if d.role == crate::model::device::Role::Vf => {
-                    Some(d.address)
-                }
-                _ => None,
-            })
-            .collect();
-        for e in &events {
-            let expected = e.address.is_some_and(|a| vfs_removed.contains(&a));
-            match e.kind.as_str() {
-                "broken" => tracing::warn!("{}", e.message),
-                "removed" if !expected => tracing::warn!("{}", e.message),
-                _ => tracing::info!("{}", e.message),
-            }
-        }
-        Ok(Pass { changes, events })
+    /// Runs `f` on the blocking pool with the core: reads of the store or of sysfs for a caller
+    /// on the async threads.
+    pub async fn read<T, F>(&self, f: F) -> Result<T, EngineError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Core) -> T + Send + 'static,
+    {
+        let core = Arc::clone(&self.core);
+        Ok(tokio::task::spawn_blocking(move || f(&core)).await?)
     }
 
-    /// Re-reads the config files. A bad file is rejected and the old settings stay in force;
-    /// either way the outcome is recorded as an event.
-    pub fn reload(&self) -> Result<Arc<Settings>, EngineError> {
-        let Some(source) = &self.source else {
-            return Ok(self.settings());
-        };
-        match source.load() {
-            Ok(new) => {
-                let old = self.settings();
-                if new.sysfs_root != old.sysfs_root || new.state_dir != old.state_dir {
-                    // Moving the store or the kernel tree under a running daemon would split
-                    // its state; those two take effect at restart.
-                    tracing::warn!(
-                        "sysfs_root and state_dir changes take effect at the next start"
-                    );
-                }
-                let mut effective = new;
-                effective.sysfs_root = old.sysfs_root.clone();
-                effective.state_dir = old.state_dir.clone();
-                let effective = Arc::new(effective);
-                *self.settings.write().unwrap_or_else(|p| p.into_inner()) = Arc::clone(&effective);
-                self.store.record_event(NewEvent {
-                    address: None,
-                    kind: "config".into(),
-                    message: format!(
-                        "configuration reloaded from {}",
-                        effective
-                            .sources
-                            .iter()
-                            .map(|p| p.display().to_string())
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    ),
-                })?;
-                tracing::info!("configuration reloaded");
-                Ok(effective)
-            }
-            Err(e) => {
-                let msg = format!(
-                    "configuration reload rejected, previous settings kept: {}",
-                    crate::error_chain(&e)
-                );
-                tracing::error!("{msg}");
-                self.store.record_event(NewEvent {
-                    address: None,
-                    kind: "config".into(),
-                    message: msg,
-                })?;
-                Err(e.into())
-            }
+    /// Waits until every event sent so far has been handled by the consumer (at once when there
+    /// is none).
+    pub async fn flush(&self) {
+        let (tx, rx) = oneshot::channel();
+        if self.events.send(EngineEvent::Flush(tx)).is_ok() {
+            let _ = rx.await;
         }
     }
 
-    pub fn counts(&self) -> Result<Counts, StoreError> {
-        self.store.counts()
-    }
-}
-
-/// Receives the outcome of each pass (the D-Bus layer publishes it).
-pub trait Publish: Send + Sync + 'static {
-    fn publish(&self, pass: &Pass) -> impl std::future::Future<Output = ()> + Send;
-    /// The settings were replaced by a reload.
-    fn settings_changed(&self) -> impl std::future::Future<Output = ()> + Send;
-    /// A task was created or changed (read it from the store).
-    fn task_changed(&self, id: i64) -> impl std::future::Future<Output = ()> + Send;
-}
-
-/// Serializes passes and hands their results to a publisher.
-pub struct Service<P> {
-    pub engine: Arc<Engine>,
-    pub publisher: P,
-    pass_lock: tokio::sync::Mutex<()>,
-}
-
-impl<P: Publish> Service<P> {
-    pub fn new(engine: Arc<Engine>, publisher: P) -> Self {
-        Service {
-            engine,
-            publisher,
-            pass_lock: tokio::sync::Mutex::new(()),
-        }
-    }
-
-    /// Runs one pass off the async threads and publishes its changes.
+    /// One inventory pass, committed, then published.
     pub async fn refresh(&self) -> Result<Pass, EngineError> {
         let _guard = self.pass_lock.lock().await;
-        let engine = Arc::clone(&self.engine);
-        let pass = tokio::task::spawn_blocking(move || engine.refresh()).await??;
-        self.publisher.publish(&pass).await;
+        let (pass, tasks) = self
+            .read(|core| {
+                let pass = core.refresh()?;
+                let mut tasks = Vec::new();
+                for c in &pass.changes {
+                    if let DeviceChange::Added(d) = c {
+                        tasks.push(core.device_tasks(d.address)?);
+                    }
+                }
+                Ok::<_, EngineError>((pass, tasks))
+            })
+            .await??;
+        if !pass.changes.is_empty() {
+            self.send(EngineEvent::Inventory {
+                changes: pass.changes.clone(),
+                tasks,
+            });
+        }
         Ok(pass)
     }
 
-    /// Reload, then a pass under the new settings (selection and protection may change).
+    /// Re-reads the configuration, then a pass under the new settings (selection and protection
+    /// may change). A bad configuration is refused and the running settings stay.
     pub async fn reload(&self) -> Result<Pass, EngineError> {
-        let engine = Arc::clone(&self.engine);
-        tokio::task::spawn_blocking(move || engine.reload()).await??;
-        self.publisher.settings_changed().await;
+        self.read(|core| core.reload()).await??;
+        self.send(EngineEvent::Settings);
         self.refresh().await
     }
 
-    /// Validates a mode request and starts its task; returns at once with the task in
-    /// `prepare` (the work goes on in the background and reports through the publisher).
+    /// Records a task change: the store has committed it; tell the consumer and the waiters.
+    fn task_changed(&self, task: &TaskRecord, change: tasks::Change) {
+        let devices = match change {
+            tasks::Change::State => self.core.covered_by(task).unwrap_or_else(|e| {
+                tracing::error!(
+                    task_id = task.id,
+                    "cannot read the devices a task covers: {}",
+                    crate::error_chain(&e)
+                );
+                Vec::new()
+            }),
+            tasks::Change::Progress => Vec::new(),
+        };
+        self.send(EngineEvent::Task {
+            task: task.clone(),
+            devices,
+        });
+        let mut watches = self.watches.lock().unwrap_or_else(|p| p.into_inner());
+        if task.state.is_final() {
+            if let Some(w) = watches.remove(&task.id) {
+                w.send_replace(task.clone());
+            }
+        } else {
+            watches
+                .entry(task.id)
+                .or_insert_with(|| watch::channel(task.clone()).0)
+                .send_replace(task.clone());
+        }
+    }
+
+    /// Starts `job` as a task: admitted, created, prepared and guarded before this returns (a
+    /// refusal is returned with its reason, and changes nothing), then run in the background,
+    /// reporting through events. Returns the task as it is once prepared.
     pub async fn start_task(
         self: &Arc<Self>,
-        address: PciAddress,
-        target: Option<crate::modes::policy::Target>,
+        job: Box<dyn Job>,
         requested_by: &str,
-    ) -> Result<crate::store::TaskRecord, crate::engine::tasks::TaskError> {
-        let engine = Arc::clone(&self.engine);
+    ) -> Result<TaskRecord, JobError> {
+        let me = Arc::clone(self);
         let who = requested_by.to_string();
-        let prepared = tokio::task::spawn_blocking(move || {
-            crate::engine::tasks::prepare(&engine, address, target, &who)
+        let (cx, started) = tokio::task::spawn_blocking(move || {
+            let cx = me.core.job_context();
+            let notify = |t: &TaskRecord, c: tasks::Change| me.task_changed(t, c);
+            tasks::begin(&cx, job, &who, &notify).map(|s| (cx, s))
         })
         .await
-        .map_err(|e| crate::engine::tasks::TaskError::Refused {
-            address,
-            reason: format!("internal error: {e}"),
-        })??;
-        let task = prepared.task.clone();
-        self.publisher.task_changed(task.id).await;
+        .map_err(|e| JobError::Internal(format!("the task could not be prepared: {e}")))??;
+        let task = started.task.clone();
         let me = Arc::clone(self);
-        tokio::spawn(async move { me.run_task(prepared).await });
+        tokio::spawn(async move { me.run_task(cx, started).await });
         Ok(task)
     }
 
-    /// Runs a prepared task off the async threads, publishing each change, then refreshes the
-    /// inventory (the device's VFs and drivers changed).
-    async fn run_task(self: Arc<Self>, prepared: crate::engine::tasks::Prepared) {
-        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<i64>();
-        let engine = Arc::clone(&self.engine);
-        let id = prepared.task.id;
-        let worker = tokio::task::spawn_blocking(move || {
-            let notify = move |id: i64| {
-                let _ = tx.send(id);
-            };
-            crate::engine::tasks::run(&engine, prepared, &notify)
-        });
-        while let Some(changed) = rx.recv().await {
-            self.publisher.task_changed(changed).await;
-        }
-        match worker.await {
-            Ok(Ok(t)) => tracing::info!(
-                "task {} {} on {}: {} ({})",
-                t.id,
-                t.kind,
-                t.address,
-                t.state.as_str(),
-                t.message
-            ),
-            Ok(Err(e)) => tracing::error!(
-                "task {id}: cannot record its state: {}",
-                crate::error_chain(&e)
-            ),
-            Err(e) => tracing::error!("task {id} panicked: {e}"),
+    /// Runs a started task on the blocking pool, then an inventory pass (its device's VFs and
+    /// drivers changed).
+    async fn run_task(self: Arc<Self>, cx: JobContext, started: tasks::Started) {
+        let id = started.task.id;
+        let me = Arc::clone(&self);
+        let outcome = tokio::task::spawn_blocking(move || {
+            let notify = |t: &TaskRecord, c: tasks::Change| me.task_changed(t, c);
+            tasks::run(&cx, started, &notify)
+        })
+        .await;
+        match outcome {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                tracing::error!(
+                    task_id = id,
+                    "cannot record the task's outcome: {}",
+                    crate::error_chain(&e)
+                )
+            }
+            Err(e) => {
+                tracing::error!(task_id = id, "the task's worker failed: {e}");
+                let me = Arc::clone(&self);
+                let message = format!("internal error: the task's worker failed: {e}");
+                let _ = self
+                    .read(move |core| {
+                        if let Ok(t) = core.store().task_failed(id, &message) {
+                            me.task_changed(&t, tasks::Change::State);
+                        }
+                    })
+                    .await;
+            }
         }
         if let Err(e) = self.refresh().await {
             tracing::error!(
-                "inventory pass after task {id} failed: {}",
+                task_id = id,
+                "inventory pass after the task failed: {}",
                 crate::error_chain(&e)
             );
         }
-        self.publisher.task_changed(id).await;
     }
 
-    /// Brings every selected device to its policy target, one task each. Devices already there
-    /// get no task (a restart changes nothing); busy or refused devices are reported and skipped.
-    /// Returns the tasks started.
-    pub async fn reconcile(self: &Arc<Self>, requested_by: &str) -> Vec<crate::store::TaskRecord> {
-        let engine = Arc::clone(&self.engine);
-        let plans = match tokio::task::spawn_blocking(move || {
-            crate::modes::planner::plan_all(engine.sysfs(), engine.store(), &engine.settings())
+    /// An operator's reset of the task in error that holds `address`.
+    pub async fn reset_task(
+        self: &Arc<Self>,
+        address: PciAddress,
+        by: &str,
+    ) -> Result<TaskRecord, JobError> {
+        let me = Arc::clone(self);
+        let by = by.to_string();
+        self.read(move |core| {
+            let t = core.store().reset_task(address, &by)?;
+            me.task_changed(&t, tasks::Change::State);
+            Ok::<_, StoreError>(t)
         })
         .await
-        {
-            Ok(Ok(p)) => p,
+        .map_err(|e| JobError::Internal(crate::error_chain(&e)))?
+        .map_err(JobError::from)
+    }
+
+    /// Brings every selected device to its policy target, one task each; devices already there
+    /// get none (a restart changes nothing). Busy or refused devices are reported and skipped.
+    /// Returns the tasks started.
+    pub async fn reconcile(self: &Arc<Self>, requested_by: &str) -> Vec<TaskRecord> {
+        let plans = self
+            .read(|core| {
+                let plans =
+                    crate::modes::planner::plan_all(core.sysfs(), core.store(), &core.settings())?;
+                // A group program (bind, unbind) moves every member: one task per IOMMU group.
+                let mut groups_taken = BTreeSet::new();
+                let mut wanted = Vec::new();
+                for p in plans {
+                    match (&p.decision, &p.program) {
+                        (Decision::Target { .. }, Program::Nothing) => continue,
+                        (Decision::Target { .. }, Program::Bind { .. } | Program::Unbind) => {
+                            let group = core
+                                .store()
+                                .device(p.address)
+                                .ok()
+                                .flatten()
+                                .and_then(|d| d.iommu_group);
+                            if group.is_some_and(|g| !groups_taken.insert(g)) {
+                                continue;
+                            }
+                            wanted.push(p.address);
+                        }
+                        (Decision::Target { .. }, _) => wanted.push(p.address),
+                        (Decision::Refuse { reason }, _) => {
+                            tracing::warn!(device = %p.address, "{reason}")
+                        }
+                        (Decision::Leave { .. }, _) => {}
+                    }
+                }
+                Ok::<_, crate::modes::planner::ModeError>(wanted)
+            })
+            .await;
+        let wanted = match plans {
+            Ok(Ok(w)) => w,
             Ok(Err(e)) => {
                 tracing::error!("cannot plan modes: {}", crate::error_chain(&e));
                 return Vec::new();
             }
             Err(e) => {
-                tracing::error!("cannot plan modes: {e}");
+                tracing::error!("cannot plan modes: {}", crate::error_chain(&e));
                 return Vec::new();
             }
         };
         let mut started = Vec::new();
-        // A group program (bind, unbind) moves every member: one task per IOMMU group.
-        let mut groups_taken = std::collections::BTreeSet::new();
-        for p in plans {
-            if matches!(
-                p.program,
-                crate::modes::policy::Program::Bind { .. } | crate::modes::policy::Program::Unbind
-            ) {
-                let group = self
-                    .engine
-                    .store()
-                    .device(p.address)
-                    .ok()
-                    .flatten()
-                    .and_then(|d| d.iommu_group);
-                if let Some(g) = group {
-                    if !groups_taken.insert(g) {
-                        continue;
-                    }
-                }
-            }
-            match (&p.decision, &p.program) {
-                (
-                    crate::modes::policy::Decision::Target { .. },
-                    crate::modes::policy::Program::Nothing,
-                ) => {}
-                (crate::modes::policy::Decision::Target { target, .. }, _) => {
-                    match self
-                        .start_task(p.address, Some(target.clone()), requested_by)
-                        .await
-                    {
-                        Ok(t) => started.push(t),
-                        Err(e) => tracing::warn!(
-                            "{}: not reconciled: {}",
-                            p.address,
-                            crate::error_chain(&e)
-                        ),
-                    }
-                }
-                (crate::modes::policy::Decision::Refuse { reason }, _) => {
-                    tracing::warn!("{}: {reason}", p.address)
-                }
-                _ => {}
+        for address in wanted {
+            // The policy's target, decided again inside the task from the state it holds.
+            let job = jobs::ModeJob::new(address, None);
+            match self.start_task(Box::new(job), requested_by).await {
+                Ok(t) => started.push(t),
+                Err(e) => tracing::warn!(
+                    device = %address,
+                    "not reconciled: {}",
+                    crate::error_chain(&e)
+                ),
             }
         }
         started
     }
 
     /// Waits until none of `tasks` is still in prepare or running.
-    pub async fn wait_tasks(&self, tasks: &[crate::store::TaskRecord]) {
+    pub async fn wait_tasks(&self, tasks: &[TaskRecord]) {
         for t in tasks {
-            loop {
-                match self.engine.store().task(t.id) {
-                    Ok(Some(r)) if !r.state.is_final() => {
-                        tokio::time::sleep(Duration::from_millis(20)).await
-                    }
-                    _ => break,
-                }
-            }
-        }
-    }
-
-    /// Records AER recovery reports; they are health history even when the scan sees no change.
-    fn note_uevent(&self, ev: &Uevent) {
-        let Some((what, online)) = ev.aer_event() else {
-            return;
-        };
-        let address = ev.pci_address();
-        let message = format!(
-            "AER {what} on {}{}",
-            address
-                .map(|a| a.to_string())
-                .unwrap_or_else(|| ev.devpath.clone()),
-            match online {
-                Some(true) => ", device online",
-                Some(false) => ", device offline",
-                None => "",
-            }
-        );
-        tracing::warn!("{message}");
-        if let Err(e) = self.engine.store().record_event(NewEvent {
-            address,
-            kind: "aer".into(),
-            message,
-        }) {
-            tracing::error!("cannot record AER event: {}", crate::error_chain(&e));
-        }
-    }
-
-    /// The main loop: passes on uevents (batched), on the poll tick, and on SIGHUP, until
-    /// `shutdown` resolves.
-    pub async fn run(
-        self: &Arc<Self>,
-        mut events: Option<EventReceiver>,
-        shutdown: impl std::future::Future<Output = ()>,
-    ) {
-        tokio::pin!(shutdown);
-        let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
-        let mut interval = self.engine.settings().poll_interval;
-        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            let mut do_pass = false;
-            tokio::select! {
-                _ = &mut shutdown => break,
-                ev = async {
-                    match events.as_mut() {
-                        Some(rx) => rx.recv().await,
-                        None => std::future::pending().await,
-                    }
-                } => {
-                    match ev {
-                        Some(ev) => {
-                            self.note_uevent(&ev);
-                            // A split emits one event per VF; gather the burst into one pass.
-                            tokio::time::sleep(Duration::from_millis(20)).await;
-                            if let Some(rx) = events.as_mut() {
-                                while let Ok(more) = rx.try_recv() {
-                                    self.note_uevent(&more);
-                                }
-                            }
-                            do_pass = true;
-                        }
-                        None => {
-                            tracing::warn!("uevent source closed; relying on polling");
-                            events = None;
-                        }
-                    }
-                }
-                _ = tick.tick() => do_pass = true,
-                _ = async {
-                    match hup.as_mut() {
-                        Some(h) => { h.recv().await; }
-                        None => std::future::pending().await,
-                    }
-                } => {
-                    tracing::info!("SIGHUP: reloading configuration");
-                    match self.reload().await {
-                        Ok(_) => {
-                            self.reconcile("reload (SIGHUP)").await;
-                        }
-                        Err(e) => tracing::error!("reload failed: {}", crate::error_chain(&e)),
-                    }
-                }
-            }
-            // A reload (SIGHUP or D-Bus) may have changed the poll interval.
-            let new_interval = self.engine.settings().poll_interval;
-            if new_interval != interval {
-                interval = new_interval;
-                tick = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
-            }
-            if do_pass {
-                if let Err(e) = self.refresh().await {
-                    tracing::error!("inventory pass failed: {}", crate::error_chain(&e));
-                }
+            let rx = self
+                .watches
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(&t.id)
+                .map(|w| w.subscribe());
+            if let Some(mut rx) = rx {
+                // A closed channel means the task finished (its watch was dropped).
+                let _ = rx.wait_for(|r| r.state.is_final()).await;
             }
         }
     }

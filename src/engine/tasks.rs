@@ -1,382 +1,189 @@
-//! The task engine: long device operations (split, restore, rebind, bind) run as tasks, one at
-//! a time per device, with a durable, visible state (prepare -> running -> success | error).
+//! The task runner: gives every [`Job`] the same life as a task (see [`super::job`] for the
+//! order of the calls). [`begin`] admits the job, creates its task (refused with Busy when the
+//! device or its scope is held), prepares and guards it; [`run`] runs it with progress, rolls it
+//! back after a failure, and records the outcome. Both block (sysfs, SQLite): call them off the
+//! async threads.
 //!
-//! [`prepare`] validates a request and creates the task row (refused with Busy when the device
-//! is not idle); [`run`] executes the plan with progress, verification and rollback, and records
-//! the outcome. Both block (sysfs, SQLite): call them off the async threads.
+//! Each recorded change is handed to `notify` with the task's new record, so that the engine can
+//! publish it; the store has committed it before.
 
-use crate::engine::Engine;
-use crate::host::sysfs::hostuse;
-use crate::model::device::{Role, State};
-use crate::model::pci::PciAddress;
-use crate::modes::convert::{self};
-use crate::modes::plan::{Plan, Snapshot, Step, SysPath};
-use crate::modes::planner::{self, ModeError};
-use crate::modes::policy::{self, Decision, Program, Target};
+use super::context::JobContext;
+use super::job::{Job, JobError, Phase, Progress};
 use crate::store::{StoreError, TaskRecord};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 
-#[derive(Debug, thiserror::Error)]
-pub enum TaskError {
-    #[error("no PCI function {0} is known")]
-    NoSuchDevice(PciAddress),
-    #[error("{address} is protected: {reason}")]
-    Protected { address: PciAddress, reason: String },
-    #[error("{0} is not selected by the configuration ([[select]]); vfiod does not change it")]
-    NotManaged(PciAddress),
-    #[error("{address}: {reason}")]
-    Refused { address: PciAddress, reason: String },
-    /// A VM has the device (or one of its functions): claimed or attached, or its VFIO group is
-    /// open.
-    #[error("{address} is in use: {}", .users.join("; "))]
-    InUse {
-        address: PciAddress,
-        users: Vec<String>,
-    },
-    /// libvirt could not say which running domains use the device; nothing is changed without
-    /// that answer.
-    #[error("{address}: cannot check which running domains use it (set libvirt_uri = \"\" to skip this check)")]
-    Libvirt {
-        address: PciAddress,
-        #[source]
-        source: crate::host::libvirt::LibvirtError,
-    },
-    #[error(transparent)]
-    Store(#[from] StoreError),
-    #[error(transparent)]
-    Mode(#[from] ModeError),
+/// A change of a task, as `notify` receives it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Change {
+    /// Created, started, finished, refused or reset: the devices it covers change with it.
+    State,
+    /// A new step or percentage: only the task itself changes.
+    Progress,
 }
 
-impl TaskError {
-    pub fn is_busy(&self) -> bool {
-        matches!(self, TaskError::Store(StoreError::Busy { .. }))
-    }
-}
-
-/// A validated request with its task row, ready to run.
-#[derive(Debug)]
-pub struct Prepared {
+/// A job whose task exists, prepared and guarded, ready to [`run`].
+pub struct Started {
     pub task: TaskRecord,
-    pub program: Program,
-    pub plan: Option<Plan>,
-    pub before: Snapshot,
+    job: Box<dyn Job>,
+    phases: Vec<Phase>,
+    span: tracing::Span,
 }
 
-fn program_name(p: &Program) -> &'static str {
-    match p {
-        Program::Nothing => "check",
-        Program::Split { .. } => "split",
-        Program::Restore => "restore",
-        Program::Resplit { .. } => "resplit",
-        Program::RebindVfs => "rebind",
-        Program::Bind { .. } => "bind",
-        Program::Unbind => "unbind",
-    }
+/// The span every log line of a task carries: its id, device and kind as structured fields.
+fn task_span(task: &TaskRecord) -> tracing::Span {
+    tracing::info_span!(
+        "task",
+        task_id = task.id,
+        device = %task.address,
+        kind = %task.kind
+    )
 }
 
-/// Validates a mode request for `address` (`target: None` = the policy's target) and creates
-/// its task in `prepare`. Nothing is written to the device here.
-pub fn prepare(
-    engine: &Engine,
-    address: PciAddress,
-    target: Option<Target>,
-    requested_by: &str,
-) -> Result<Prepared, TaskError> {
-    let store = engine.store();
-    let settings = engine.settings();
-    let device = store
-        .device(address)?
-        .ok_or(TaskError::NoSuchDevice(address))?;
-    let refuse = |reason: String| TaskError::Refused { address, reason };
-    match device.state {
-        State::Protected => {
-            return Err(TaskError::Protected {
-                address,
-                reason: device.state_reason.clone(),
-            })
-        }
-        State::Broken => return Err(refuse(format!("broken: {}", device.state_reason))),
-        State::Usable => {}
-    }
-    if device.role == Role::Vf {
-        return Err(refuse(format!(
-            "a VF follows its PF; change the mode of {}",
-            device.parent_pf.map(|p| p.to_string()).unwrap_or_default()
-        )));
-    }
-    if !device.managed {
-        return Err(TaskError::NotManaged(address));
-    }
-    let target = match target {
-        Some(t) => {
-            if matches!(t, Target::Vf { .. }) && !device.separable {
-                return Err(refuse(
-                    "non-separable (no SR-IOV): it can only be used whole (PF mode)".into(),
-                ));
-            }
-            if let Target::Vf { num_vfs, .. } = &t {
-                if *num_vfs == 0 || *num_vfs > device.total_vfs {
-                    return Err(refuse(format!(
-                        "num_vfs {num_vfs} is outside 1..={}",
-                        device.total_vfs
-                    )));
-                }
-            }
-            t
-        }
-        None => {
-            let rule = settings.rule_for(address, device.vendor_id, device.device_id, device.class);
-            match policy::decide(&device, rule, settings.scenario) {
-                Decision::Target { target, .. } => target,
-                Decision::Leave { reason } | Decision::Refuse { reason } => {
-                    return Err(refuse(reason))
-                }
-            }
-        }
-    };
-    let (program, plan, before) = planner::plan_to(engine.sysfs(), store, &device, &target)?;
-    if let Some(plan) = &plan {
-        let users = in_use(engine, plan, &before)?;
-        if !users.is_empty() {
-            return Err(TaskError::InUse { address, users });
-        }
-    }
-    let params = serde_json::to_string(&target).unwrap_or_else(|_| "{}".into());
-    let task = store.create_task_covering(
-        address,
-        &scope(&before),
-        program_name(&program),
-        &params,
-        requested_by,
-    )?;
-    Ok(Prepared {
-        task,
-        program,
-        plan,
-        before,
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "panic".into())
+}
+
+/// Runs one call of a job, turning a panic into [`JobError::Internal`]: a bug in one job must
+/// not take a worker thread (or the daemon) with it.
+fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T, JobError>) -> Result<T, JobError> {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|p| {
+        Err(JobError::Internal(format!(
+            "the job panicked in {what}: {}",
+            panic_message(&*p)
+        )))
     })
 }
 
-/// The functions besides its own device that a task may rebind: the endpoints of its IOMMU
-/// group (a GPU's task moves its audio function). A PF's VFs need no entry: they cannot have
-/// tasks of their own, and the store finds a VF's blocking task through its PF.
-fn scope(before: &Snapshot) -> Vec<PciAddress> {
-    before.group.iter().map(|b| b.address).collect()
-}
-
-/// Functions whose binding the plan changes or whose existence it ends.
-fn touched(plan: &Plan, before: &Snapshot) -> Vec<PciAddress> {
-    let mut out: Vec<PciAddress> = Vec::new();
-    let mut add = |a: PciAddress| {
-        if !out.contains(&a) {
-            out.push(a)
-        }
+/// Admits `job`, creates its task in `prepare`, then prepares and guards it while the task holds
+/// the device and its scope. A refusal before the task exists creates nothing; a refusal in
+/// prepare or guard ends the task as refused (error, but reset at once: it never holds the
+/// device) and is returned too, so the caller learns why.
+pub fn begin(
+    cx: &JobContext,
+    mut job: Box<dyn Job>,
+    requested_by: &str,
+    notify: &dyn Fn(&TaskRecord, Change),
+) -> Result<Started, JobError> {
+    let admission = guarded("admit", || job.admit(cx))?;
+    let params = match &admission.params {
+        serde_json::Value::Object(_) => admission.params.to_string(),
+        _ => "{}".to_string(),
     };
-    for s in &plan.steps {
-        match s {
-            Step::Write {
-                path: SysPath::Device { address, attr },
-                ..
-            } if attr == "sriov_numvfs" => {
-                add(*address);
-                before.vfs.iter().for_each(|v| add(v.address));
+    let task = cx.store.create_task_covering(
+        job.device(),
+        &admission.scope,
+        admission.kind,
+        &params,
+        requested_by,
+    )?;
+    notify(&task, Change::State);
+    let span = task_span(&task);
+    let _entered = span.enter();
+    tracing::info!(requested_by, "task created");
+
+    let checked = guarded("prepare", || job.prepare(cx))
+        .and_then(|kind| guarded("guard", || job.guard(cx)).map(|()| kind));
+    match checked {
+        Ok(kind) => {
+            let task = if kind != task.kind {
+                let t = cx.store.task_set_kind(task.id, kind)?;
+                notify(&t, Change::Progress);
+                t
+            } else {
+                task
+            };
+            let phases = job.phases();
+            drop(_entered);
+            // The span names the kind prepare decided.
+            let span = task_span(&task);
+            Ok(Started {
+                task,
+                job,
+                phases,
+                span,
+            })
+        }
+        Err(refusal) => {
+            let message = format!(
+                "refused: {}; nothing was changed",
+                crate::error_chain(&refusal)
+            );
+            tracing::warn!("{message}");
+            match cx.store.task_refused(task.id, &message) {
+                Ok(t) => notify(&t, Change::State),
+                Err(e) => tracing::error!("cannot record the refusal: {}", crate::error_chain(&e)),
             }
-            Step::Write {
-                path: SysPath::Driver { attr, .. },
-                value,
-            } if attr == "unbind" => {
-                if let Ok(a) = value.trim().parse() {
-                    add(a);
-                }
-            }
-            _ => {}
+            Err(refusal)
         }
     }
-    out
 }
 
-/// Who uses the functions `plan` would unbind or destroy: claims in the store (claimed or
-/// attached to a VM), running libvirt domains they are assigned to, and processes holding their
-/// VFIO group open (a running VM's QEMU, libvirt's or not). Never take a device away from a
-/// running VM.
-fn in_use(engine: &Engine, plan: &Plan, before: &Snapshot) -> Result<Vec<String>, TaskError> {
-    let sysfs = engine.sysfs();
-    let touched = touched(plan, before);
-    let mut users: Vec<String> = engine
-        .store()
-        .active_claims(&touched)?
-        .into_iter()
-        .map(|(a, vm)| format!("{a} is claimed by VM {vm}"))
-        .collect();
-    // Only functions on vfio-pci can have a VFIO group open; two link reads each, not a whole
-    // read_function (a restore touches 65 functions).
-    let mut groups = Vec::new();
-    for a in &touched {
-        let link = |attr| sysfs.read_optional_link_name(&sysfs.device_attr(*a, attr));
-        if let (Ok(Some(driver)), Ok(Some(group))) = (link("driver"), link("iommu_group")) {
-            if let (Ok(g), "vfio-pci") = (group.parse::<u32>(), driver.as_str()) {
-                if !groups.contains(&g) {
-                    groups.push(g);
-                }
-            }
-        }
-    }
-    for (g, procs) in hostuse::vfio_users(sysfs, &groups) {
-        users.push(format!("IOMMU group {g} is open by {}", procs.join(", ")));
-    }
-    if let Some(uri) = &engine.settings().libvirt_uri {
-        let domains =
-            crate::host::libvirt::running_domains(uri, sysfs.root()).map_err(|source| {
-                TaskError::Libvirt {
-                    address: plan.device,
-                    source,
-                }
-            })?;
-        for d in domains {
-            for f in d.functions.iter().filter(|f| touched.contains(f)) {
-                users.push(format!("{f} is assigned to running domain {}", d.domain));
-            }
-        }
-    }
-    Ok(users)
-}
-
-/// Loads (with modprobe) every driver the plan binds to that the kernel does not have yet. Only
-/// on the real kernel (sysfs root `/`); the simulated kernel has its drivers.
-fn ensure_drivers(engine: &Engine, plan: &Plan) -> Result<(), String> {
-    let sysfs = engine.sysfs();
-    let mut wanted: Vec<&str> = Vec::new();
-    for s in &plan.steps {
-        if let Step::ExpectDriver {
-            driver: Some(d), ..
-        } = s
-        {
-            if !wanted.contains(&d.as_str()) {
-                wanted.push(d);
-            }
-        }
-    }
-    for d in wanted {
-        if sysfs.driver_dir(d).exists() {
-            continue;
-        }
-        if sysfs.root() != std::path::Path::new("/") {
-            return Err(format!("driver {d} is not loaded"));
-        }
-        // Module names use underscores where driver names may use dashes (vfio-pci: vfio_pci);
-        // modprobe accepts either.
-        let out = std::process::Command::new("modprobe")
-            .arg("--")
-            .arg(d)
-            .output()
-            .map_err(|e| format!("driver {d} is not loaded and modprobe could not run: {e}"))?;
-        if !out.status.success() || !sysfs.driver_dir(d).exists() {
-            return Err(format!(
-                "driver {d} is not loaded and `modprobe {d}` did not load it: {}",
-                String::from_utf8_lossy(&out.stderr).trim()
-            ));
-        }
-        tracing::info!("loaded kernel module for driver {d}");
-    }
-    Ok(())
-}
-
-/// Runs a prepared task to its end and returns the final record. `notify(id)` is called after
-/// each recorded change (the D-Bus layer publishes it).
+/// Runs a started task to its end and returns its final record: progress through the job's
+/// phases, rollback after a failure or a panic, success or error recorded. An error keeps the
+/// device until an operator resets the task. `Err` only when the store cannot record the outcome.
 pub fn run(
-    engine: &Engine,
-    prepared: Prepared,
-    notify: &(dyn Fn(i64) + Sync),
+    cx: &JobContext,
+    started: Started,
+    notify: &dyn Fn(&TaskRecord, Change),
 ) -> Result<TaskRecord, StoreError> {
-    let store = engine.store();
-    let sysfs = engine.sysfs();
-    let id = prepared.task.id;
-    let address = prepared.task.address;
-    store.task_progress(id, "checking that nothing uses the device", 0)?;
-    notify(id);
-    let Some(plan) = prepared.plan else {
-        let t = store.task_succeeded(
-            id,
-            &format!("{address} is already in the requested mode: unchanged"),
-        )?;
-        notify(id);
-        return Ok(t);
-    };
+    let Started {
+        task,
+        mut job,
+        phases,
+        span,
+    } = started;
+    let _entered = span.enter();
+    let id = task.id;
+    let first = phases.first().map_or("run", |p| p.name);
+    let t = cx.store.task_progress(id, first, 0)?;
+    notify(&t, Change::State);
 
-    // Checked again here: a VM may have started between the request and now.
-    let users = match in_use(engine, &plan, &prepared.before) {
-        Ok(users) => users,
-        Err(TaskError::Store(e)) => return Err(e),
-        Err(other) => {
-            let why = crate::error_chain(&other);
-            let t = store.task_failed(id, &format!("refused: {why}; nothing was changed"))?;
-            notify(id);
-            return Ok(t);
+    let mut last_error: Option<StoreError> = None;
+    let mut report = |step: &str, pct: u8| match cx.store.task_progress(id, step, pct) {
+        Ok(t) => notify(&t, Change::Progress),
+        Err(e) => last_error = Some(e),
+    };
+    let outcome = {
+        let mut progress = Progress::new(&phases, &mut report);
+        catch_unwind(AssertUnwindSafe(|| job.run(cx, &mut progress))).unwrap_or_else(|p| {
+            Err(super::job::JobFailure::new(format!(
+                "internal error: the job panicked: {}",
+                panic_message(&*p)
+            )))
+        })
+    };
+    if let Some(e) = last_error {
+        tracing::warn!(
+            "a progress report could not be recorded: {}",
+            crate::error_chain(&e)
+        );
+    }
+    let t = match outcome {
+        Ok(message) => {
+            tracing::info!(result = %message, "task succeeded");
+            cx.store.task_succeeded(id, &message)?
+        }
+        Err(failure) => {
+            tracing::warn!(error = %failure.message, "task failed; rolling back");
+            let rollback =
+                catch_unwind(AssertUnwindSafe(|| job.rollback(cx))).unwrap_or_else(|p| {
+                    Err(super::job::JobFailure::new(format!(
+                        "the rollback panicked: {}",
+                        panic_message(&*p)
+                    )))
+                });
+            let message = match rollback {
+                Ok(done) => format!("{}; rollback {done}", failure.message),
+                Err(e) => format!("{}; rollback failed too: {}", failure.message, e.message),
+            };
+            tracing::error!(result = %message, "task failed");
+            cx.store.task_failed(id, &message)?
         }
     };
-    if !users.is_empty() {
-        let t = store.task_failed(
-            id,
-            &format!(
-                "refused: {address} is in use ({}); nothing was changed",
-                users.join("; ")
-            ),
-        )?;
-        notify(id);
-        return Ok(t);
-    }
-
-    // The drivers the plan binds to must be loaded: drivers_probe never loads a module, so a
-    // missing vfio-pci would only show up as a failed bind half-way through the program.
-    if let Err(why) = ensure_drivers(engine, &plan) {
-        let t = store.task_failed(id, &format!("refused: {why}; nothing was changed"))?;
-        notify(id);
-        return Ok(t);
-    }
-
-    // Remember what each function was bound to before vfiod first changed it.
-    for b in group_and_pf(&prepared.before) {
-        store.remember_original_driver(b.address, b.driver.as_deref())?;
-    }
-
-    // convert reports the first step and then at most every 100 ms: one commit each.
-    let mut progress = |done: usize, total: usize, step: &Step| {
-        let pct = ((done * 100) / total.max(1)).min(99) as u8;
-        if store.task_progress(id, &step.to_string(), pct).is_ok() {
-            notify(id);
-        }
-    };
-    let result = convert::apply(sysfs, &plan, &prepared.before, &mut progress);
-    let t = match result {
-        Ok(()) => {
-            if matches!(prepared.program, Program::Restore | Program::Unbind) {
-                for b in group_and_pf(&prepared.before) {
-                    store.forget_original_driver(b.address)?;
-                }
-            }
-            store.task_succeeded(id, &success_message(&prepared.program, address))?
-        }
-        Err(failed) => store.task_failed(id, &crate::error_chain(&*failed))?,
-    };
-    notify(id);
+    notify(&t, Change::State);
     Ok(t)
-}
-
-/// The functions whose driver a program may change: the IOMMU group's endpoints and the PF
-/// (which is one of them whenever it has an IOMMU group), each once.
-fn group_and_pf(before: &Snapshot) -> impl Iterator<Item = &crate::modes::plan::Binding> {
-    let pf_outside =
-        (!before.group.iter().any(|b| b.address == before.pf.address)).then_some(&before.pf);
-    before.group.iter().chain(pf_outside)
-}
-
-fn success_message(p: &Program, a: PciAddress) -> String {
-    match p {
-        Program::Split { num_vfs } => format!("{a} split into {num_vfs} VFs"),
-        Program::Resplit { from, to } => format!("{a} re-split from {from} to {to} VFs"),
-        Program::Restore => format!("{a} restored to PF mode"),
-        Program::RebindVfs => format!("{a}: VFs rebound"),
-        Program::Bind { driver } => format!("{a} and its IOMMU group bound to {driver}"),
-        Program::Unbind => format!("{a} and its IOMMU group returned to their own drivers"),
-        Program::Nothing => format!("{a} unchanged"),
-    }
 }

@@ -27,6 +27,35 @@ pub enum LibvirtError {
 /// asked (its caller gives up after 25 s) or the task.
 pub const ANSWER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
+/// Which running domains have which host PCI functions: what the engine's guards ask before
+/// they take a function down. Asked of libvirt normally; answered from the domain XML a libvirt
+/// hook was given (libvirt must never be called back from inside a hook: it would deadlock).
+pub trait DomainQuery: Send + Sync {
+    /// Running domains and the host PCI functions assigned to them.
+    fn running_domains(&self) -> Result<Vec<DomainDevices>, LibvirtError>;
+}
+
+/// libvirt is not asked (`libvirt_uri = ""`): no domain is known to use anything.
+pub struct NoLibvirt;
+
+impl DomainQuery for NoLibvirt {
+    fn running_domains(&self) -> Result<Vec<DomainDevices>, LibvirtError> {
+        Ok(Vec::new())
+    }
+}
+
+/// Asks the libvirt at `uri` (see [`running_domains`]).
+pub struct UriQuery {
+    pub uri: String,
+    pub root: std::path::PathBuf,
+}
+
+impl DomainQuery for UriQuery {
+    fn running_domains(&self) -> Result<Vec<DomainDevices>, LibvirtError> {
+        running_domains(&self.uri, &self.root)
+    }
+}
+
 /// A running domain and the host PCI functions assigned to it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DomainDevices {

@@ -2,9 +2,8 @@
 //! the store keeps it and the D-Bus API shows it.
 
 use crate::model::pci::{ClassCode, PciAddress};
+use crate::model::text::text_enum;
 use serde::{Deserialize, Serialize};
-use std::fmt;
-use std::str::FromStr;
 
 /// What kind of accelerator a function is, from its class code unless config overrides it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -53,34 +52,6 @@ pub enum State {
     Protected,
     /// Its information can no longer be read completely, or its config space reads all-ones.
     Broken,
-}
-
-macro_rules! text_enum {
-    ($t:ty, $($v:ident => $s:literal),+ $(,)?) => {
-        impl $t {
-            pub fn as_str(self) -> &'static str {
-                match self { $(<$t>::$v => $s),+ }
-            }
-        }
-        impl fmt::Display for $t {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str(self.as_str())
-            }
-        }
-        impl FromStr for $t {
-            type Err = String;
-            fn from_str(s: &str) -> Result<Self, String> {
-                match s {
-                    $($s => Ok(<$t>::$v),)+
-                    other => Err(format!(
-                        "unknown {} {other:?} (expected one of: {})",
-                        stringify!($t).to_lowercase(),
-                        [$($s),+].join(", ")
-                    )),
-                }
-            }
-        }
-    };
 }
 
 text_enum!(Kind, Gpu => "gpu", Fpga => "fpga", Crypto => "crypto", Nvme => "nvme", Nic => "nic", Other => "other");

@@ -245,18 +245,17 @@ pub struct Failed {
     pub rollback: Result<(), ConvertError>,
 }
 
-/// Runs `plan` as one bounded job on the sysfs writer thread (see [`Sysfs::run_bounded`]); on
-/// failure, re-reads the device and runs the rollback plan back to `before`.
+/// Runs `plan` as one bounded job on the sysfs writer thread (see [`Sysfs::run_bounded`]). No
+/// rollback: the caller decides ([`roll_back`], or [`apply`] for both).
 ///
 /// `progress(done, total, step)` runs on the caller's thread at the first step, then at most
 /// every [`PROGRESS_EVERY`], and at the end: each report crosses threads and is recorded, and a
 /// progress bar needs no more. A slow step is reported as soon as the one before it ends.
-pub fn apply(
+pub fn run(
     sysfs: &Sysfs,
     plan: &Plan,
-    before: &Snapshot,
     progress: &mut dyn FnMut(usize, usize, &Step),
-) -> Result<(), Box<Failed>> {
+) -> Result<(), ConvertError> {
     let owned = plan.clone();
     // The step running on the writer thread, to name the one a timed-out write belongs to.
     let current = Arc::new(AtomicUsize::new(0));
@@ -270,7 +269,7 @@ pub fn apply(
                     reported = Some(Instant::now());
                     post((done, total));
                 }
-                test_hook_stop_at(done);
+                test_hook::stop_at(done);
             })
         },
         &mut |(done, total)| {
@@ -280,12 +279,11 @@ pub fn apply(
             }
         },
     );
-    let error = match outcome {
-        Ok(Ok(())) => return Ok(()),
-        Ok(Err(e)) => e,
+    match outcome {
+        Ok(result) => result,
         Err(source) => {
             let index = current.load(Ordering::Relaxed);
-            ConvertError::Sysfs {
+            Err(ConvertError::Sysfs {
                 index,
                 step: plan
                     .steps
@@ -293,31 +291,57 @@ pub fn apply(
                     .map(|s| s.to_string())
                     .unwrap_or_default(),
                 source,
-            }
+            })
         }
+    }
+}
+
+/// Re-reads the device and runs the rollback plan back to `before`.
+pub fn roll_back(sysfs: &Sysfs, device: PciAddress, before: &Snapshot) -> Result<(), ConvertError> {
+    let now = snapshot(sysfs, device, before.original_drivers.clone())?;
+    let back = crate::modes::plan::rollback(before, &now);
+    execute(sysfs, &back, &mut |_, _, _| {})
+}
+
+/// [`run`], and on failure [`roll_back`] to `before`.
+pub fn apply(
+    sysfs: &Sysfs,
+    plan: &Plan,
+    before: &Snapshot,
+    progress: &mut dyn FnMut(usize, usize, &Step),
+) -> Result<(), Box<Failed>> {
+    let Err(error) = run(sysfs, plan, progress) else {
+        return Ok(());
     };
     tracing::warn!(
-        "{}: {}; rolling back",
-        plan.device,
+        device = %plan.device,
+        "{}; rolling back",
         crate::error_chain(&error)
     );
-    let rollback = snapshot(sysfs, plan.device, before.original_drivers.clone()).and_then(|now| {
-        let back = crate::modes::plan::rollback(before, &now);
-        execute(sysfs, &back, &mut |_, _, _| {})
-    });
+    let rollback = roll_back(sysfs, plan.device, before);
     Err(Box::new(Failed { error, rollback }))
 }
 
-/// For the kill-9 test: `VFIOD_TEST_KILL_AT_STEP=k` makes the daemon kill itself (SIGKILL, no
-/// cleanup) just before step k of a program.
-fn test_hook_stop_at(step: usize) {
-    static KILL_AT: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    let at = KILL_AT.get_or_init(|| {
-        std::env::var("VFIOD_TEST_KILL_AT_STEP")
-            .ok()
-            .and_then(|k| k.parse().ok())
-    });
-    if *at == Some(step) {
-        let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
+/// For the kill-9 test (`tests/kill.rs`), only in builds with the `test-hooks` feature:
+/// `VFIOD_TEST_KILL_AT_STEP=k` makes the daemon kill itself (SIGKILL, no cleanup) just before step
+/// k of a program. Release builds carry neither the code nor the variable's name.
+#[cfg(feature = "test-hooks")]
+mod test_hook {
+    pub fn stop_at(step: usize) {
+        static KILL_AT: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+        let at = KILL_AT.get_or_init(|| {
+            std::env::var("VFIOD_TEST_KILL_AT_STEP")
+                .ok()
+                .and_then(|k| k.parse().ok())
+        });
+        if *at == Some(step) {
+            let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
+        }
     }
+}
+
+#[cfg(not(feature = "test-hooks"))]
+mod test_hook {
+    #[inline(always)]
+    pub fn stop_at(_step: usize) {}
 }

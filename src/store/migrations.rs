@@ -267,10 +267,10 @@ mod tests {
     #[test]
     fn the_unique_index_and_active_agree_with_the_state_machine() {
         use super::super::task_state::{is_active, TaskState};
-        use super::super::tasks::ACTIVE;
+        use super::super::tasks::active_sql;
         let mut conn = Connection::open_in_memory().unwrap();
         migrate(&mut conn, MIGRATIONS).unwrap();
-        for (n, state) in TaskState::ALL.into_iter().enumerate() {
+        for (n, state) in TaskState::ALL.iter().copied().enumerate() {
             for reset in [false, true] {
                 let address = format!("0000:{n:02x}:0{}.0", u8::from(reset));
                 let row = |created: i64| {
@@ -283,7 +283,7 @@ mod tests {
                 row(1).unwrap();
                 let active: bool = conn
                     .query_row(
-                        &format!("SELECT {ACTIVE} FROM tasks WHERE address = ?1"),
+                        &format!("SELECT {} FROM tasks WHERE address = ?1", active_sql()),
                         [&address],
                         |r| r.get(0),
                     )

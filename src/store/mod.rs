@@ -19,9 +19,10 @@ mod task_state;
 mod tasks;
 
 pub use task_state::TaskState;
-pub use tasks::TaskRecord;
+pub use tasks::{TaskRecord, REFUSED_BY};
 
 use crate::model::device::{Device, State};
+use crate::model::event::EventKind;
 use crate::model::pci::PciAddress;
 use device_row::{DecodeError, Fields};
 use rusqlite::{params, Connection, ErrorCode, TransactionBehavior};
@@ -131,7 +132,7 @@ pub enum StoreError {
     IllegalTransition {
         id: i64,
         address: PciAddress,
-        kind: String,
+        kind: crate::model::task::TaskKind,
         from: TaskState,
         to: TaskState,
     },
@@ -160,9 +161,8 @@ pub struct Event {
     pub time_ms: i64,
     /// The device it is about; `None` for daemon-wide events (configuration, start-up).
     pub address: Option<PciAddress>,
-    /// What happened: "added", "removed", "changed", "broken", "recovered", "protected",
-    /// "config", ...
-    pub kind: String,
+    /// What happened.
+    pub kind: EventKind,
     pub message: String,
 }
 
@@ -170,20 +170,15 @@ pub struct Event {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NewEvent {
     pub address: Option<PciAddress>,
-    /// Must not be empty.
-    pub kind: String,
+    pub kind: EventKind,
     pub message: String,
 }
 
 impl NewEvent {
-    pub fn new(
-        address: Option<PciAddress>,
-        kind: impl Into<String>,
-        message: impl Into<String>,
-    ) -> Self {
+    pub fn new(address: Option<PciAddress>, kind: EventKind, message: impl Into<String>) -> Self {
         NewEvent {
             address,
-            kind: kind.into(),
+            kind,
             message: message.into(),
         }
     }
@@ -424,6 +419,54 @@ impl Store {
         Ok(events)
     }
 
+    /// The newest `limit` events (of `address`, or of every device), before event id `before`
+    /// when given: a page back through the history. Oldest first, like [`Store::events`].
+    pub fn recent_events(
+        &self,
+        address: Option<PciAddress>,
+        before: Option<i64>,
+        limit: usize,
+    ) -> Result<Vec<Event>, StoreError> {
+        let action = "read recent events";
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let before = before.unwrap_or(i64::MAX);
+        let conn = self.lock();
+        let columns = "SELECT id, time_ms, address, kind, message FROM events";
+        let sql = match address {
+            Some(_) => {
+                format!("{columns} WHERE address = ?3 AND id < ?1 ORDER BY id DESC LIMIT ?2")
+            }
+            None => format!("{columns} WHERE id < ?1 ORDER BY id DESC LIMIT ?2"),
+        };
+        let mut stmt = conn
+            .prepare_cached(&sql)
+            .map_err(|e| self.sqlite(action, e))?;
+        let mut rows = match address {
+            Some(a) => stmt.query(params![before, limit, a.to_string()]),
+            None => stmt.query(params![before, limit]),
+        }
+        .map_err(|e| self.sqlite(action, e))?;
+        let mut events = Vec::new();
+        while let Some(row) = rows.next().map_err(|e| self.sqlite(action, e))? {
+            events.push(decode_event(row).map_err(|e| self.decode(e))?);
+        }
+        events.reverse();
+        Ok(events)
+    }
+
+    /// Whether `address` is present or has any history: what a query about it may ask.
+    pub fn knows(&self, address: PciAddress) -> Result<bool, StoreError> {
+        let action = "look a device up";
+        let conn = self.lock();
+        conn.query_row(
+            "SELECT EXISTS (SELECT 1 FROM devices WHERE address = ?1) \
+             OR EXISTS (SELECT 1 FROM events WHERE address = ?1)",
+            params![address.to_string()],
+            |r| r.get::<_, bool>(0),
+        )
+        .map_err(|e| self.sqlite(action, e))
+    }
+
     /// How many devices are present, and how many are usable, protected and broken.
     pub fn counts(&self) -> Result<Counts, StoreError> {
         let action = "count devices";
@@ -548,14 +591,14 @@ fn insert_event(conn: &Connection, event: &NewEvent, now: i64) -> rusqlite::Resu
     .execute(params![
         now,
         event.address.map(|a| a.to_string()),
-        event.kind,
+        event.kind.as_str(),
         event.message
     ])?;
     Ok(Event {
         id: conn.last_insert_rowid(),
         time_ms: now,
         address: event.address,
-        kind: event.kind.clone(),
+        kind: event.kind,
         message: event.message.clone(),
     })
 }
@@ -571,7 +614,7 @@ fn decode_event(row: &rusqlite::Row<'_>) -> Result<Event, DecodeError> {
         id,
         time_ms: f.get("time_ms")?,
         address: f.opt_parse("address")?,
-        kind: f.get("kind")?,
+        kind: f.parse("kind")?,
         message: f.get("message")?,
     })
 }
@@ -622,7 +665,7 @@ mod tests {
             let mut conn = inner.lock();
             let tx = conn.transaction().unwrap();
             tx.execute(
-                "INSERT INTO events (time_ms, address, kind, message) VALUES (0, NULL, 'x', '')",
+                "INSERT INTO events (time_ms, address, kind, message) VALUES (0, NULL, 'config', '')",
                 [],
             )
             .unwrap();
@@ -633,7 +676,7 @@ mod tests {
         // The half-done transaction was rolled back and the store still works.
         assert!(store.events(None, 0, 10).unwrap().is_empty());
         store
-            .record_event(NewEvent::new(None, "config", "after"))
+            .record_event(NewEvent::new(None, EventKind::Config, "after"))
             .unwrap();
         assert_eq!(store.events(None, 0, 10).unwrap().len(), 1);
     }

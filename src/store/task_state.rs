@@ -12,9 +12,8 @@
 //! success always has a `started_ms` and a last step to show. A task with nothing to do reports
 //! one step ("already split", 100%) and then succeeds.
 
+use crate::model::text::text_enum;
 use serde::{Deserialize, Serialize};
-use std::fmt;
-use std::str::FromStr;
 
 /// Where a task is in its life.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -32,23 +31,10 @@ pub enum TaskState {
     Error,
 }
 
+text_enum!(TaskState as "task state",
+    Prepare => "prepare", Running => "running", Success => "success", Error => "error");
+
 impl TaskState {
-    pub const ALL: [TaskState; 4] = [
-        TaskState::Prepare,
-        TaskState::Running,
-        TaskState::Success,
-        TaskState::Error,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            TaskState::Prepare => "prepare",
-            TaskState::Running => "running",
-            TaskState::Success => "success",
-            TaskState::Error => "error",
-        }
-    }
-
     /// The task's work is over (success or error): no further progress or outcome is accepted.
     pub fn is_final(self) -> bool {
         matches!(self, TaskState::Success | TaskState::Error)
@@ -57,27 +43,6 @@ impl TaskState {
     /// Whether a task in this state may move to `next`; see [`transition`].
     pub fn can_become(self, next: TaskState) -> bool {
         transition(self, next)
-    }
-}
-
-impl fmt::Display for TaskState {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for TaskState {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        TaskState::ALL
-            .into_iter()
-            .find(|state| state.as_str() == s)
-            .ok_or_else(|| {
-                format!(
-                    "unknown task state {s:?} (expected one of: prepare, running, success, error)"
-                )
-            })
     }
 }
 
@@ -145,7 +110,7 @@ mod tests {
 
     #[test]
     fn final_states_have_no_way_out() {
-        for from in TaskState::ALL {
+        for &from in TaskState::ALL {
             let exits = TaskState::ALL.iter().any(|&to| transition(from, to));
             assert_eq!(from.is_final(), !exits, "{from}");
         }
@@ -169,7 +134,7 @@ mod tests {
 
     #[test]
     fn states_round_trip_as_text() {
-        for state in TaskState::ALL {
+        for &state in TaskState::ALL {
             assert_eq!(state.as_str().parse::<TaskState>().unwrap(), state);
             assert_eq!(
                 serde_json::to_string(&state).unwrap(),

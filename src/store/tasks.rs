@@ -9,7 +9,9 @@
 use super::device_row::{DecodeError, Fields};
 use super::task_state::{self, TaskState};
 use super::{insert_event, now_ms, NewEvent, Store, StoreError};
+use crate::model::event::EventKind;
 use crate::model::pci::PciAddress;
+use crate::model::task::TaskKind;
 use rusqlite::{named_params, params, Connection, ErrorCode, OptionalExtension, Row};
 use serde::Serialize;
 
@@ -20,8 +22,8 @@ pub struct TaskRecord {
     pub id: i64,
     /// The device the task works on; for a PF's task this covers its VFs too.
     pub address: PciAddress,
-    /// "split", "restore", "bind", "unbind", ... (free text for kinds to come).
-    pub kind: String,
+    /// What the task does; a mode task may learn it while it prepares.
+    pub kind: TaskKind,
     pub state: TaskState,
     /// The step running or last run; empty until the first progress report.
     pub step: String,
@@ -66,9 +68,35 @@ impl TaskRecord {
     }
 }
 
-/// The SQL twin of [`task_state::is_active`]; it must match the unique index of migration 2.
-pub(super) const ACTIVE: &str =
-    "(state IN ('prepare', 'running') OR (state = 'error' AND reset_ms IS NULL))";
+/// The SQL twin of [`task_state::is_active`], derived from it, so the rule is written once (the
+/// unique index of migration 3 says the same; a test keeps the two equal).
+pub(super) fn active_sql() -> &'static str {
+    static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    SQL.get_or_init(|| state_predicate(task_state::is_active))
+}
+
+/// Rows whose work has not ended (prepare, running): derived from [`TaskState::is_final`].
+fn unfinished_sql() -> &'static str {
+    static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    SQL.get_or_init(|| state_predicate(|state, _| !state.is_final()))
+}
+
+/// A SQL condition on `state` and `reset_ms` that holds exactly where `rule(state, reset)` does.
+fn state_predicate(rule: impl Fn(TaskState, bool) -> bool) -> String {
+    let mut any = Vec::new();
+    for &state in TaskState::ALL {
+        match (rule(state, false), rule(state, true)) {
+            (true, true) => any.push(format!("state = '{state}'")),
+            (true, false) => any.push(format!("(state = '{state}' AND reset_ms IS NULL)")),
+            (false, true) => any.push(format!("(state = '{state}' AND reset_ms IS NOT NULL)")),
+            (false, false) => {}
+        }
+    }
+    if any.is_empty() {
+        return "0".into();
+    }
+    format!("({})", any.join(" OR "))
+}
 
 const SELECT: &str = "SELECT id, address, kind, state, step, percent, message, params, \
      requested_by, created_ms, started_ms, finished_ms, reset_ms, reset_by FROM tasks";
@@ -83,7 +111,7 @@ fn decode(row: &Row<'_>) -> Result<TaskRecord, DecodeError> {
     Ok(TaskRecord {
         id,
         address: f.parse("address")?,
-        kind: f.get("kind")?,
+        kind: f.parse("kind")?,
         state: f.parse("state")?,
         step: f.get("step")?,
         percent: f.int("percent")?,
@@ -100,9 +128,21 @@ fn decode(row: &Row<'_>) -> Result<TaskRecord, DecodeError> {
 
 /// A change the store applies to one task row.
 enum Change<'a> {
-    Progress { step: &'a str, percent: u8 },
-    Succeeded { message: &'a str },
-    Failed { message: &'a str },
+    Progress {
+        step: &'a str,
+        percent: u8,
+    },
+    Succeeded {
+        message: &'a str,
+    },
+    Failed {
+        message: &'a str,
+    },
+    /// Refused while it prepared, before any change: it ends in error but does not hold its
+    /// device (it is reset at once, by vfiod).
+    Refused {
+        message: &'a str,
+    },
 }
 
 impl Change<'_> {
@@ -110,7 +150,7 @@ impl Change<'_> {
         match self {
             Change::Progress { .. } => TaskState::Running,
             Change::Succeeded { .. } => TaskState::Success,
-            Change::Failed { .. } => TaskState::Error,
+            Change::Failed { .. } | Change::Refused { .. } => TaskState::Error,
         }
     }
 }
@@ -118,6 +158,11 @@ impl Change<'_> {
 /// The row after `change`, or `None` when the state machine forbids it for `current`. Pure.
 fn apply(current: &TaskRecord, change: &Change<'_>, now: i64) -> Option<TaskRecord> {
     if !current.state.can_become(change.target()) {
+        return None;
+    }
+    // A refusal is a verdict of prepare: once a task has run a step, the device may have
+    // changed, and only an operator can say it is fine again.
+    if matches!(change, Change::Refused { .. }) && current.state != TaskState::Prepare {
         return None;
     }
     let mut next = current.clone();
@@ -137,9 +182,18 @@ fn apply(current: &TaskRecord, change: &Change<'_>, now: i64) -> Option<TaskReco
             next.message = message.to_string();
             next.finished_ms = Some(now);
         }
+        Change::Refused { message } => {
+            next.message = message.to_string();
+            next.finished_ms = Some(now);
+            next.reset_ms = Some(now);
+            next.reset_by = Some(REFUSED_BY.to_string());
+        }
     }
     Some(next)
 }
+
+/// Who "resets" a task refused before any change: nobody needs to, it never held its device.
+pub const REFUSED_BY: &str = "vfiod (refused before any change)";
 
 /// The event message of a task that has just reached `task.state`.
 fn event_message(task: &TaskRecord) -> String {
@@ -188,7 +242,7 @@ impl Store {
     pub fn create_task(
         &self,
         address: PciAddress,
-        kind: &str,
+        kind: TaskKind,
         params: &str,
         requested_by: &str,
     ) -> Result<TaskRecord, StoreError> {
@@ -202,11 +256,10 @@ impl Store {
         &self,
         address: PciAddress,
         covers: &[PciAddress],
-        kind: &str,
+        kind: TaskKind,
         params: &str,
         requested_by: &str,
     ) -> Result<TaskRecord, StoreError> {
-        check_not_empty("task kind", kind)?;
         check_not_empty("requested_by", requested_by)?;
         match serde_json::from_str::<serde_json::Value>(params) {
             Ok(serde_json::Value::Object(_)) => {}
@@ -241,7 +294,7 @@ impl Store {
                 .and_then(|mut stmt| {
                     stmt.execute(named_params! {
                         ":address": address.to_string(),
-                        ":kind": kind,
+                        ":kind": kind.as_str(),
                         ":state": TaskState::Prepare.as_str(),
                         ":params": params,
                         ":requested_by": requested_by,
@@ -418,6 +471,36 @@ impl Store {
         self.change(id, "record a task failure", Change::Failed { message })
     }
 
+    /// A task refused while it prepared, before it changed anything (the device is in use, a
+    /// driver it needs is missing, ...): it ends in `error` with `message` but is reset at once
+    /// (by [`REFUSED_BY`]), so it does not hold its device. Only from `prepare`.
+    pub fn task_refused(&self, id: i64, message: &str) -> Result<TaskRecord, StoreError> {
+        check_not_empty("task refusal message", message)?;
+        self.change(id, "record a task refusal", Change::Refused { message })
+    }
+
+    /// What a task in `prepare` found it has to do: a mode task asked for VF mode learns there
+    /// whether that is a split, a re-split or nothing (a check). No event: the next state change
+    /// names the kind.
+    pub fn task_set_kind(&self, id: i64, kind: TaskKind) -> Result<TaskRecord, StoreError> {
+        let action = "set a task's kind";
+        self.write(action, |conn| {
+            let task = self
+                .read_one(conn, action, "WHERE id = ?1", params![id])?
+                .ok_or(StoreError::NoSuchTask(id))?;
+            if task.state != TaskState::Prepare {
+                return Err(invalid(format!(
+                    "task {id} is {}: its kind is fixed once it runs",
+                    task.state
+                )));
+            }
+            conn.prepare_cached("UPDATE tasks SET kind = ?2 WHERE id = ?1")
+                .and_then(|mut stmt| stmt.execute(params![id, kind.as_str()]))
+                .map_err(|e| self.sqlite(action, e))?;
+            Ok(TaskRecord { kind, ..task })
+        })
+    }
+
     /// An operator's reset of the task in error on `address` (its own, or the one covering it):
     /// the row stays `error` as history, gains `reset_ms`/`reset_by`, and no longer keeps the
     /// device busy. Records an event naming `by`. Refused (`NotInError`) when the device is idle
@@ -468,7 +551,7 @@ impl Store {
             let unfinished = self.read_all(
                 conn,
                 action,
-                "WHERE state IN ('prepare', 'running') ORDER BY id",
+                &format!("WHERE {} ORDER BY id", unfinished_sql()),
             )?;
             let now = now_ms();
             let mut interrupted = Vec::with_capacity(unfinished.len());
@@ -553,7 +636,7 @@ impl Store {
     ) -> Result<(), StoreError> {
         insert_event(
             conn,
-            &NewEvent::new(Some(task.address), "task", message),
+            &NewEvent::new(Some(task.address), EventKind::Task, message),
             now,
         )
         .map(drop)
@@ -569,7 +652,7 @@ impl Store {
         self.read_one(
             conn,
             action,
-            &format!("WHERE address = ?1 AND {ACTIVE}"),
+            &format!("WHERE address = ?1 AND {}", active_sql()),
             params![address.to_string()],
         )
     }
@@ -588,10 +671,11 @@ impl Store {
             conn,
             action,
             &format!(
-                "WHERE {ACTIVE} AND (address IN (SELECT value FROM json_each(?1)) \
+                "WHERE {} AND (address IN (SELECT value FROM json_each(?1)) \
                  OR id IN (SELECT task_id FROM task_scope \
                            WHERE address IN (SELECT value FROM json_each(?1)))) \
-                 ORDER BY id LIMIT 1"
+                 ORDER BY id LIMIT 1",
+                active_sql()
             ),
             params![wanted],
         )?
@@ -690,7 +774,7 @@ fn illegal(task: &TaskRecord, change: &Change<'_>) -> StoreError {
     StoreError::IllegalTransition {
         id: task.id,
         address: task.address,
-        kind: task.kind.clone(),
+        kind: task.kind,
         from: task.state,
         to: change.target(),
     }

@@ -134,14 +134,7 @@ impl Harness {
     }
 
     pub fn store(&self) -> Arc<vfiod::store::Store> {
-        Arc::clone(
-            self.server
-                .as_ref()
-                .expect("server running")
-                .service
-                .engine
-                .store(),
-        )
+        Arc::clone(self.server.as_ref().expect("server running").engine.store())
     }
 
     pub async fn manager(&self) -> vfiod::client::ManagerProxy<'static> {

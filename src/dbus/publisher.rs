@@ -1,0 +1,158 @@
+//! Turns the engine's events into the bus: objects appear (`InterfacesAdded`), disappear
+//! (`InterfacesRemoved`) and change (`PropertiesChanged`), in the order the engine committed
+//! them. One task does it, so signals never overtake each other, and it takes no interface lock:
+//! it updates the [`View`] and emits the signals itself.
+
+use super::device::{self, DeviceObject};
+use super::manager::Manager;
+use super::task;
+use super::{device_path, signal_changed, strict::Strict, Objects, ROOT_PATH};
+use crate::engine::{DeviceView, EngineEvent, EventStream};
+use crate::store::DeviceChange;
+use zbus::object_server::SignalEmitter;
+
+pub(super) async fn run(objects: Objects, mut events: EventStream) {
+    while let Some(event) = events.recv().await {
+        match event {
+            EngineEvent::Inventory { changes, tasks } => {
+                for change in &changes {
+                    let tasks = tasks
+                        .iter()
+                        .find(|t| t.address == change.address())
+                        .cloned();
+                    if let Err(e) = apply(&objects, change, tasks).await {
+                        tracing::error!(device = %change.address(), "cannot publish a change on D-Bus: {e}");
+                    }
+                }
+                if !changes.is_empty() {
+                    if let Err(e) = counts_changed(&objects).await {
+                        tracing::error!("cannot signal the manager's counts: {e}");
+                    }
+                }
+            }
+            EngineEvent::Task { task, devices } => {
+                let id = task.id;
+                if let Err(e) = publish_task(&objects, task).await {
+                    tracing::error!(task_id = id, "cannot publish a task on D-Bus: {e}");
+                }
+                for t in devices {
+                    let address = t.address;
+                    let Some((old, new)) = objects.view.set_device_tasks(t) else {
+                        continue;
+                    };
+                    let changed = device::changed_task_properties(&old, &new);
+                    if let Err(e) =
+                        emit(&objects, device_path(address), device::INTERFACE, changed).await
+                    {
+                        tracing::error!(device = %address, "cannot signal a device's task state: {e}");
+                    }
+                }
+            }
+            EngineEvent::Settings => {
+                if let Err(e) = settings_changed(&objects).await {
+                    tracing::error!("cannot signal the manager's settings: {e}");
+                }
+            }
+            EngineEvent::Flush(done) => {
+                let _ = done.send(());
+            }
+        }
+    }
+}
+
+async fn emit(
+    objects: &Objects,
+    path: zbus::OwnedObjectPath,
+    interface: &'static str,
+    changed: std::collections::HashMap<&'static str, zbus::OwnedVariant>,
+) -> zbus::Result<()> {
+    if changed.is_empty() {
+        return Ok(());
+    }
+    let emitter = SignalEmitter::new(&objects.conn, path)?;
+    signal_changed(&emitter, interface, changed).await
+}
+
+async fn apply(
+    objects: &Objects,
+    change: &DeviceChange,
+    tasks: Option<crate::engine::DeviceTasks>,
+) -> zbus::Result<()> {
+    let server = objects.conn.object_server();
+    match change {
+        DeviceChange::Added(d) => {
+            let path = device_path(d.address);
+            let (active, last) = tasks.map_or((None, None), |t| (t.active, t.last));
+            objects.view.put_device(DeviceView {
+                device: d.clone(),
+                active,
+                last,
+            });
+            // A stale object (should not happen) is replaced rather than kept.
+            server.remove::<Strict<DeviceObject>, _>(&path).await.ok();
+            server.at(&path, objects.device_object(d.address)).await?;
+        }
+        DeviceChange::Removed(d) => {
+            server
+                .remove::<Strict<DeviceObject>, _>(device_path(d.address))
+                .await?;
+            objects.view.remove_device(d.address);
+        }
+        DeviceChange::Changed { new, .. } => {
+            if let Some((old, now)) = objects.view.update_device(new.clone()) {
+                let changed = device::changed_properties(&old.device, &now.device);
+                emit(
+                    objects,
+                    device_path(new.address),
+                    device::INTERFACE,
+                    changed,
+                )
+                .await?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Creates or updates `/org/vfiod/Vfiod1/task/<id>`.
+async fn publish_task(objects: &Objects, task: crate::store::TaskRecord) -> zbus::Result<()> {
+    let id = task.id;
+    match objects.view.put_task(task.clone()) {
+        Some(old) => {
+            let changed = task::changed_properties(&old, &task);
+            emit(objects, task::task_path(id), task::INTERFACE, changed).await
+        }
+        None => objects
+            .conn
+            .object_server()
+            .at(task::task_path(id), objects.task_object(id))
+            .await
+            .map(drop),
+    }
+}
+
+async fn counts_changed(objects: &Objects) -> zbus::Result<()> {
+    let iface = objects
+        .conn
+        .object_server()
+        .interface::<_, Strict<Manager>>(ROOT_PATH)
+        .await?;
+    let em = iface.signal_emitter();
+    let m = &iface.get().await.inner;
+    m.device_count_changed(em).await?;
+    m.usable_count_changed(em).await?;
+    m.protected_count_changed(em).await?;
+    m.broken_count_changed(em).await
+}
+
+async fn settings_changed(objects: &Objects) -> zbus::Result<()> {
+    let iface = objects
+        .conn
+        .object_server()
+        .interface::<_, Strict<Manager>>(ROOT_PATH)
+        .await?;
+    let em = iface.signal_emitter();
+    let m = &iface.get().await.inner;
+    m.scenario_changed(em).await?;
+    m.config_sources_changed(em).await
+}

@@ -1,0 +1,158 @@
+//! The shapes of list replies and queries: `a{sv}` dictionaries, one definition for the service
+//! and its clients (`crate::client`). A new field is a new key: old clients ignore it, and no
+//! signature changes.
+
+use super::error::{quote, Error};
+use crate::model::pci::PciAddress;
+use crate::modes::planner::DevicePlan;
+use crate::store::{Event, TaskRecord};
+use std::collections::HashMap;
+use zbus::{OwnedVariant, Variant};
+
+/// One `a{sv}` dictionary.
+pub type Dict = HashMap<String, OwnedVariant>;
+
+fn v<'a>(x: impl Into<Variant<'a>>) -> OwnedVariant {
+    OwnedVariant::try_from(x.into()).expect("plain values convert")
+}
+
+/// `Manager.GetEvents` entry.
+pub fn event(e: &Event) -> Dict {
+    Dict::from([
+        ("id".into(), v(e.id)),
+        ("time".into(), v(e.time_ms)),
+        (
+            "address".into(),
+            v(e.address.map(|a| a.to_string()).unwrap_or_default()),
+        ),
+        ("kind".into(), v(e.kind.as_str())),
+        ("message".into(), v(e.message.as_str())),
+    ])
+}
+
+/// `Manager.GetTasks` entry.
+pub fn task(t: &TaskRecord) -> Dict {
+    Dict::from([
+        ("id".into(), v(t.id)),
+        ("kind".into(), v(t.kind.as_str())),
+        ("device".into(), v(t.address.to_string())),
+        ("state".into(), v(t.state.as_str())),
+        ("step".into(), v(t.step.as_str())),
+        ("percent".into(), v(t.percent)),
+        ("result".into(), v(t.message.as_str())),
+        ("parameters".into(), v(t.params.as_str())),
+        ("requested_by".into(), v(t.requested_by.as_str())),
+        ("created".into(), v(t.created_ms)),
+        ("started".into(), v(t.started_ms.unwrap_or(0))),
+        ("finished".into(), v(t.finished_ms.unwrap_or(0))),
+        ("reset_by".into(), v(t.reset_by.clone().unwrap_or_default())),
+    ])
+}
+
+/// `Manager.GetPlan` reply and `GetPlans` entry.
+pub fn plan(p: &DevicePlan) -> Dict {
+    use crate::modes::policy::Decision;
+    let decision = match &p.decision {
+        Decision::Leave { .. } => "leave",
+        Decision::Target { .. } => "target",
+        Decision::Refuse { .. } => "refuse",
+    };
+    let program = serde_json::to_value(&p.program)
+        .ok()
+        .and_then(|v| {
+            v.get("program")
+                .and_then(|x| x.as_str())
+                .map(str::to_string)
+        })
+        .unwrap_or_default();
+    let steps: Vec<String> = p
+        .plan
+        .as_ref()
+        .map(|pl| pl.steps.iter().map(|s| s.to_string()).collect())
+        .unwrap_or_default();
+    Dict::from([
+        ("address".into(), v(p.address.to_string())),
+        ("decision".into(), v(decision)),
+        ("reason".into(), v(p.decision.reason())),
+        ("program".into(), v(program)),
+        ("steps".into(), v(steps)),
+        (
+            "plan".into(),
+            v(serde_json::to_string(p).unwrap_or_default()),
+        ),
+    ])
+}
+
+/// A query dictionary whose keys were checked against those the method knows.
+pub struct Query(Dict);
+
+impl Query {
+    pub fn new(dict: Dict, known: &[&str]) -> Result<Query, Error> {
+        if let Some(bad) = dict.keys().find(|k| !known.contains(&k.as_str())) {
+            return Err(Error::InvalidArgument(format!(
+                "unknown query key {} (known: {})",
+                quote(bad),
+                known.join(", ")
+            )));
+        }
+        Ok(Query(dict))
+    }
+
+    fn get<T: TryFrom<OwnedVariant>>(&self, key: &str, kind: &str) -> Result<Option<T>, Error> {
+        let Some(value) = self.0.get(key) else {
+            return Ok(None);
+        };
+        let wrong = || {
+            Error::InvalidArgument(format!(
+                "query key {key} must be {kind}, not of type {}",
+                value.value_signature()
+            ))
+        };
+        let owned = value.try_clone().map_err(|_| wrong())?;
+        T::try_from(owned).map(Some).map_err(|_| wrong())
+    }
+
+    pub fn str(&self, key: &str) -> Result<Option<String>, Error> {
+        self.get::<String>(key, "a string (s)")
+    }
+
+    pub fn i64(&self, key: &str) -> Result<Option<i64>, Error> {
+        self.get::<i64>(key, "a 64-bit integer (x)")
+    }
+
+    pub fn u32(&self, key: &str) -> Result<Option<u32>, Error> {
+        self.get::<u32>(key, "an unsigned 32-bit integer (u)")
+    }
+}
+
+/// Reads back what [`event`], [`task`] and [`plan`] write (the client side).
+pub struct Entry<'a>(pub &'a Dict);
+
+impl Entry<'_> {
+    fn get<T: TryFrom<OwnedVariant>>(&self, key: &str) -> Option<T> {
+        self.0
+            .get(key)
+            .and_then(|v| v.try_clone().ok())
+            .and_then(|v| T::try_from(v).ok())
+    }
+
+    pub fn str(&self, key: &str) -> String {
+        self.get::<String>(key).unwrap_or_default()
+    }
+
+    pub fn i64(&self, key: &str) -> i64 {
+        self.get::<i64>(key).unwrap_or_default()
+    }
+
+    pub fn u8(&self, key: &str) -> u8 {
+        self.get::<u8>(key).unwrap_or_default()
+    }
+
+    pub fn strings(&self, key: &str) -> Vec<String> {
+        self.get::<Vec<String>>(key).unwrap_or_default()
+    }
+
+    pub fn address(&self, key: &str) -> Option<PciAddress> {
+        self.str(key).parse().ok()
+    }
+}

@@ -1,0 +1,61 @@
+//! What a job may use, and nothing else: the kernel's device tree, the store, a snapshot of the
+//! settings taken when its task started, the question "which running domains use what", and a
+//! way to load kernel modules. Jobs never see the engine, the D-Bus layer or the loop, so the
+//! engine depends on jobs and never the reverse.
+
+use crate::config::Settings;
+use crate::host::libvirt::DomainQuery;
+use crate::host::sysfs::Sysfs;
+use crate::store::Store;
+use std::sync::Arc;
+
+/// Loads the kernel module behind a driver name, so that a job binding to `vfio-pci` does not
+/// fail half-way through because `drivers_probe` never loads a module.
+pub trait ModuleLoader: Send + Sync {
+    /// Ok when `driver` is bound-able afterwards (`<sysfs>/bus/pci/drivers/<driver>` exists);
+    /// otherwise why not.
+    fn ensure_loaded(&self, sysfs: &Sysfs, driver: &str) -> Result<(), String>;
+}
+
+/// `modprobe` on the real kernel (sysfs root `/`). Under another root (the simulated kernel, a
+/// test tree) nothing is loaded: the driver is there or it is missing.
+pub struct Modprobe;
+
+impl ModuleLoader for Modprobe {
+    fn ensure_loaded(&self, sysfs: &Sysfs, driver: &str) -> Result<(), String> {
+        if sysfs.driver_dir(driver).exists() {
+            return Ok(());
+        }
+        if sysfs.root() != std::path::Path::new("/") {
+            return Err(format!("driver {driver} is not loaded"));
+        }
+        // Module names use underscores where driver names may use dashes (vfio-pci: vfio_pci);
+        // modprobe accepts either.
+        let out = std::process::Command::new("modprobe")
+            .arg("--")
+            .arg(driver)
+            .output()
+            .map_err(|e| {
+                format!("driver {driver} is not loaded and modprobe could not run: {e}")
+            })?;
+        if !out.status.success() || !sysfs.driver_dir(driver).exists() {
+            return Err(format!(
+                "driver {driver} is not loaded and `modprobe {driver}` did not load it: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        tracing::info!(driver, "loaded the kernel module for a driver");
+        Ok(())
+    }
+}
+
+/// The narrow context every job runs with. Cheap to clone.
+#[derive(Clone)]
+pub struct JobContext {
+    pub sysfs: Sysfs,
+    pub store: Arc<Store>,
+    /// The settings when the task started: a reload during the task does not change its course.
+    pub settings: Arc<Settings>,
+    pub domains: Arc<dyn DomainQuery>,
+    pub modules: Arc<dyn ModuleLoader>,
+}

@@ -1,0 +1,257 @@
+//! The engine's blocking core: the settings in force and where they come from, the kernel's
+//! device tree, the store, and the host questions jobs ask. An inventory pass and a reload are
+//! done here; [`super::Engine`] runs them off the async threads and publishes their outcome.
+
+use super::context::{JobContext, ModuleLoader};
+use super::events::{DeviceTasks, DeviceView};
+use crate::config::{ConfigError, Settings};
+use crate::host::libvirt::{DomainQuery, NoLibvirt, UriQuery};
+use crate::host::sysfs::{Sysfs, SysfsError};
+use crate::inventory;
+use crate::model::device::{Device, Role};
+use crate::model::event::EventKind;
+use crate::model::pci::PciAddress;
+use crate::store::{DeviceChange, Event, NewEvent, Store, StoreError, TaskRecord};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::{Arc, RwLock};
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("invalid configuration")]
+    Config(#[from] ConfigError),
+    #[error("state store failed")]
+    Store(#[from] StoreError),
+    #[error("cannot list PCI functions")]
+    Sysfs(#[from] SysfsError),
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl From<tokio::task::JoinError> for EngineError {
+    fn from(e: tokio::task::JoinError) -> Self {
+        EngineError::Internal(format!("a worker failed: {e}"))
+    }
+}
+
+/// Where the settings come from, so a reload reads the same files.
+#[derive(Clone, Debug)]
+pub struct ConfigSource {
+    pub main: PathBuf,
+    pub dropin_dir: Option<PathBuf>,
+    pub main_required: bool,
+    /// Applied after every load (e.g. `--simulate` pins the sysfs root and state dir).
+    pub pin_sysfs_root: Option<PathBuf>,
+    pub pin_state_dir: Option<PathBuf>,
+}
+
+impl ConfigSource {
+    pub fn load(&self) -> Result<Settings, ConfigError> {
+        let mut s = Settings::load(&self.main, self.dropin_dir.as_deref(), self.main_required)?;
+        if let Some(r) = &self.pin_sysfs_root {
+            s.sysfs_root = r.clone();
+        }
+        if let Some(d) = &self.pin_state_dir {
+            s.state_dir = d.clone();
+        }
+        Ok(s)
+    }
+}
+
+/// The result of one inventory pass.
+#[derive(Debug, Default)]
+pub struct Pass {
+    pub changes: Vec<DeviceChange>,
+    pub events: Vec<Event>,
+}
+
+/// Who answers "which running domains use what" under these settings.
+fn domain_query(settings: &Settings) -> Arc<dyn DomainQuery> {
+    match &settings.libvirt_uri {
+        Some(uri) => Arc::new(UriQuery {
+            uri: uri.clone(),
+            root: settings.sysfs_root.clone(),
+        }),
+        None => Arc::new(NoLibvirt),
+    }
+}
+
+pub struct Core {
+    sysfs: Sysfs,
+    store: Arc<Store>,
+    settings: RwLock<Arc<Settings>>,
+    source: Option<ConfigSource>,
+    domains: RwLock<Arc<dyn DomainQuery>>,
+    modules: Arc<dyn ModuleLoader>,
+}
+
+impl Core {
+    pub fn new(
+        settings: Settings,
+        source: Option<ConfigSource>,
+        sysfs: Sysfs,
+        store: Arc<Store>,
+        modules: Arc<dyn ModuleLoader>,
+    ) -> Core {
+        Core {
+            domains: RwLock::new(domain_query(&settings)),
+            sysfs,
+            store,
+            settings: RwLock::new(Arc::new(settings)),
+            source,
+            modules,
+        }
+    }
+
+    pub fn settings(&self) -> Arc<Settings> {
+        Arc::clone(&self.settings.read().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    pub fn store(&self) -> &Arc<Store> {
+        &self.store
+    }
+
+    pub fn sysfs(&self) -> &Sysfs {
+        &self.sysfs
+    }
+
+    /// What a job runs with: the settings as they are now, fixed for the job's life.
+    pub fn job_context(&self) -> JobContext {
+        JobContext {
+            sysfs: self.sysfs.clone(),
+            store: Arc::clone(&self.store),
+            settings: self.settings(),
+            domains: Arc::clone(&self.domains.read().unwrap_or_else(|p| p.into_inner())),
+            modules: Arc::clone(&self.modules),
+        }
+    }
+
+    /// One inventory pass: scan, diff against the store, commit.
+    pub fn refresh(&self) -> Result<Pass, EngineError> {
+        let settings = self.settings();
+        let previous: BTreeMap<PciAddress, Device> = self
+            .store
+            .devices()?
+            .into_iter()
+            .map(|d| (d.address, d))
+            .collect();
+        let scanned = inventory::scan(&self.sysfs, &settings, &previous)?;
+        let (changes, new_events) = inventory::diff(&previous, &scanned);
+        if changes.is_empty() && new_events.is_empty() {
+            return Ok(Pass::default());
+        }
+        let events = self.store.apply_changes(&changes, &new_events)?;
+        // A function that vanishes or breaks deserves the operator's attention; VFs removed
+        // because their PF's VF count went down do not (a restore removes 64 at once).
+        let vfs_removed: Vec<PciAddress> = changes
+            .iter()
+            .filter_map(|c| match c {
+                DeviceChange::Removed(d) if d.role == Role::Vf => Some(d.address),
+                _ => None,
+            })
+            .collect();
+        for e in &events {
+            let expected = e.address.is_some_and(|a| vfs_removed.contains(&a));
+            let device = e.address.map(|a| a.to_string()).unwrap_or_default();
+            match e.kind {
+                EventKind::Broken => tracing::warn!(device, "{}", e.message),
+                EventKind::Removed if !expected => tracing::warn!(device, "{}", e.message),
+                _ => tracing::info!(device, "{}", e.message),
+            }
+        }
+        Ok(Pass { changes, events })
+    }
+
+    /// Re-reads the config files. A bad file is rejected and the old settings stay in force;
+    /// either way the outcome is recorded as an event.
+    pub fn reload(&self) -> Result<Arc<Settings>, EngineError> {
+        let Some(source) = &self.source else {
+            return Ok(self.settings());
+        };
+        match source.load() {
+            Ok(new) => {
+                let old = self.settings();
+                if new.sysfs_root != old.sysfs_root || new.state_dir != old.state_dir {
+                    // Moving the store or the kernel tree under a running daemon would split
+                    // its state; those two take effect at restart.
+                    tracing::warn!(
+                        "sysfs_root and state_dir changes take effect at the next start"
+                    );
+                }
+                let mut effective = new;
+                effective.sysfs_root = old.sysfs_root.clone();
+                effective.state_dir = old.state_dir.clone();
+                let effective = Arc::new(effective);
+                if effective.libvirt_uri != old.libvirt_uri {
+                    *self.domains.write().unwrap_or_else(|p| p.into_inner()) =
+                        domain_query(&effective);
+                }
+                *self.settings.write().unwrap_or_else(|p| p.into_inner()) = Arc::clone(&effective);
+                self.store.record_event(NewEvent::new(
+                    None,
+                    EventKind::Config,
+                    format!(
+                        "configuration reloaded from {}",
+                        effective
+                            .sources
+                            .iter()
+                            .map(|p| p.display().to_string())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                ))?;
+                tracing::info!("configuration reloaded");
+                Ok(effective)
+            }
+            Err(e) => {
+                let msg = format!(
+                    "configuration reload rejected, previous settings kept: {}",
+                    crate::error_chain(&e)
+                );
+                tracing::error!("{msg}");
+                self.store
+                    .record_event(NewEvent::new(None, EventKind::Config, msg))?;
+                Err(e.into())
+            }
+        }
+    }
+
+    /// The task state of `address`: the task that holds it and its last finished one.
+    pub fn device_tasks(&self, address: PciAddress) -> Result<DeviceTasks, StoreError> {
+        Ok(DeviceTasks {
+            address,
+            active: self.store.blocking_task(address)?,
+            last: self.store.last_result(address)?,
+        })
+    }
+
+    /// The task state of every device `task` concerns: its own device, each function in its
+    /// scope, and its device's VFs (which show their PF's task).
+    pub fn covered_by(&self, task: &TaskRecord) -> Result<Vec<DeviceTasks>, StoreError> {
+        let mut addresses = vec![task.address];
+        addresses.extend(self.store.task_scope(task.id)?);
+        addresses.extend(self.store.vfs_of(task.address)?);
+        addresses.sort();
+        addresses.dedup();
+        addresses
+            .into_iter()
+            .map(|a| self.device_tasks(a))
+            .collect()
+    }
+
+    /// Every device with its task state: what a consumer starts from.
+    pub fn device_views(&self) -> Result<Vec<DeviceView>, StoreError> {
+        self.store
+            .devices()?
+            .into_iter()
+            .map(|device| {
+                let t = self.device_tasks(device.address)?;
+                Ok(DeviceView {
+                    device,
+                    active: t.active,
+                    last: t.last,
+                })
+            })
+            .collect()
+    }
+}

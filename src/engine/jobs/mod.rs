@@ -1,0 +1,6 @@
+//! The kinds of job the engine runs, one module each. A new kind of job is a new module here
+//! that implements [`super::Job`]; the engine needs no change.
+
+pub mod mode;
+
+pub use mode::ModeJob;

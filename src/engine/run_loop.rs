@@ -1,0 +1,145 @@
+//! The loop that keeps the store in step with the kernel: a pass on every burst of uevents, at
+//! each poll tick, and a reload (then reconcile) on SIGHUP, until shutdown. Shutdown wins over
+//! whatever the loop is doing: a reload stuck on a file or a slow pass never keeps the daemon
+//! from stopping.
+
+use super::Engine;
+use crate::host::uevent::{EventReceiver, Uevent};
+use crate::model::event::EventKind;
+use crate::store::NewEvent;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// What one turn of the loop does.
+enum Work {
+    Pass(Vec<Uevent>),
+    Tick,
+    Reload,
+    UeventsClosed,
+}
+
+impl Engine {
+    /// Records AER recovery reports; they are health history even when the scan sees no change.
+    async fn note_uevents(&self, events: Vec<Uevent>) {
+        let notes: Vec<NewEvent> = events
+            .iter()
+            .filter_map(|ev| {
+                let (what, online) = ev.aer_event()?;
+                let address = ev.pci_address();
+                let message = format!(
+                    "AER {what} on {}{}",
+                    address
+                        .map(|a| a.to_string())
+                        .unwrap_or_else(|| ev.devpath.clone()),
+                    match online {
+                        Some(true) => ", device online",
+                        Some(false) => ", device offline",
+                        None => "",
+                    }
+                );
+                tracing::warn!("{message}");
+                Some(NewEvent::new(address, EventKind::Aer, message))
+            })
+            .collect();
+        if notes.is_empty() {
+            return;
+        }
+        let recorded = self
+            .read(move |core| {
+                for n in notes {
+                    core.store().record_event(n)?;
+                }
+                Ok::<_, crate::store::StoreError>(())
+            })
+            .await;
+        match recorded {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::error!("cannot record AER event: {}", crate::error_chain(&e)),
+            Err(e) => tracing::error!("cannot record AER event: {}", crate::error_chain(&e)),
+        }
+    }
+
+    /// The main loop, until `shutdown` resolves.
+    pub async fn run(
+        self: &Arc<Self>,
+        mut uevents: Option<EventReceiver>,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) {
+        tokio::pin!(shutdown);
+        let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
+        let mut interval = self.settings().poll_interval;
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            let work = tokio::select! {
+                _ = &mut shutdown => break,
+                ev = async {
+                    match uevents.as_mut() {
+                        Some(rx) => rx.recv().await,
+                        None => std::future::pending().await,
+                    }
+                } => match ev {
+                    Some(first) => {
+                        // A split emits one event per VF; gather the burst into one pass.
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                        let mut burst = vec![first];
+                        if let Some(rx) = uevents.as_mut() {
+                            while let Ok(more) = rx.try_recv() {
+                                burst.push(more);
+                            }
+                        }
+                        Work::Pass(burst)
+                    }
+                    None => Work::UeventsClosed,
+                },
+                _ = tick.tick() => Work::Tick,
+                _ = async {
+                    match hup.as_mut() {
+                        Some(h) => { h.recv().await; }
+                        None => std::future::pending().await,
+                    }
+                } => Work::Reload,
+            };
+            let turn = async {
+                match work {
+                    Work::Pass(burst) => {
+                        self.note_uevents(burst).await;
+                        self.pass().await;
+                    }
+                    Work::Tick => self.pass().await,
+                    Work::UeventsClosed => {
+                        tracing::warn!("uevent source closed; relying on polling");
+                        uevents = None;
+                    }
+                    Work::Reload => {
+                        tracing::info!("SIGHUP: reloading configuration");
+                        match self.reload().await {
+                            Ok(_) => {
+                                self.reconcile("reload (SIGHUP)").await;
+                            }
+                            Err(e) => {
+                                tracing::error!("reload failed: {}", crate::error_chain(&e))
+                            }
+                        }
+                    }
+                }
+            };
+            tokio::select! {
+                _ = &mut shutdown => break,
+                _ = turn => {}
+            }
+            // A reload (SIGHUP or D-Bus) may have changed the poll interval.
+            let new_interval = self.settings().poll_interval;
+            if new_interval != interval {
+                interval = new_interval;
+                tick = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
+            }
+        }
+    }
+
+    async fn pass(&self) {
+        if let Err(e) = self.refresh().await {
+            tracing::error!("inventory pass failed: {}", crate::error_chain(&e));
+        }
+    }
+}

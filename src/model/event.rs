@@ -1,0 +1,34 @@
+//! What an entry of the history is about (`vfioctl events`, `Manager.GetEvents`).
+
+use crate::model::text::text_enum;
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EventKind {
+    /// A function appeared.
+    Added,
+    /// A function is gone (unplugged, or a VF whose PF's VF count went down).
+    Removed,
+    /// A function's record changed (driver, VF count, ...).
+    Changed,
+    /// A function's information can no longer be read completely.
+    Broken,
+    /// A broken function reads completely again.
+    Recovered,
+    /// The host now uses a function (or the config protects it).
+    Protected,
+    /// The host no longer uses it.
+    Unprotected,
+    /// The configuration was reloaded, or a reload was refused.
+    Config,
+    /// A PCIe AER report (error, recovery).
+    Aer,
+    /// A task was created, changed state, or was reset.
+    Task,
+}
+
+text_enum!(EventKind as "event kind",
+    Added => "added", Removed => "removed", Changed => "changed", Broken => "broken",
+    Recovered => "recovered", Protected => "protected", Unprotected => "unprotected",
+    Config => "config", Aer => "aer", Task => "task");
