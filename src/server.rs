@@ -22,6 +22,8 @@ pub struct Options {
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
+    #[error("cannot take the state directory")]
+    StateLock(#[from] crate::store::lock::LockError),
     #[error("cannot open the state store")]
     Store(#[from] crate::store::StoreError),
     #[error("first inventory pass failed")]
@@ -35,6 +37,8 @@ pub struct Server {
     pub service: Arc<Service<DbusPublisher>>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<()>,
+    /// Held while the server lives: one daemon per state directory.
+    _state_lock: crate::store::lock::StateDirLock,
 }
 
 impl Server {
@@ -52,6 +56,9 @@ impl Server {
             s.sysfs_root.display(),
             s.state_dir.display()
         );
+        // Before the store is touched: a second daemon on this directory would mark the
+        // first one's running tasks interrupted.
+        let state_lock = crate::store::lock::StateDirLock::acquire(&s.state_dir)?;
         let store = Arc::new(Store::open(&s.state_dir)?);
         // A task that was running when vfiod died is not silently forgotten: it ends in
         // error ("interrupted") and its device waits for an operator's ResetTask.
@@ -112,6 +119,7 @@ impl Server {
             service,
             stop: Some(stop),
             task,
+            _state_lock: state_lock,
         })
     }
 
