@@ -29,6 +29,8 @@ pub struct Options {
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
+    #[error("cannot take the state directory")]
+    StateLock(#[from] crate::store::lock::LockError),
     #[error("cannot open the state store")]
     Store(#[from] crate::store::StoreError),
     #[error("first inventory pass failed")]
@@ -42,6 +44,8 @@ pub struct Server {
     pub engine: Arc<Engine>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<()>,
+    /// Held while the server lives: one daemon per state directory.
+    _state_lock: crate::store::lock::StateDirLock,
 }
 
 impl Server {
@@ -59,6 +63,9 @@ impl Server {
             s.sysfs_root.display(),
             s.state_dir.display()
         );
+        // Before the store is touched: a second daemon on this directory would mark the first
+        // one's running tasks interrupted.
+        let state_lock = crate::store::lock::StateDirLock::acquire(&s.state_dir)?;
         let state_dir = s.state_dir.clone();
         let store = tokio::task::spawn_blocking(move || -> Result<Store, ServerError> {
             let store = Store::open(&state_dir)?;
@@ -134,6 +141,7 @@ impl Server {
             engine,
             stop: Some(stop),
             task,
+            _state_lock: state_lock,
         })
     }
 

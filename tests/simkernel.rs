@@ -1592,3 +1592,222 @@ fn bounded_job_reports_a_hung_write_and_is_abandoned() {
         .expect("a write after a job panicked");
     assert_eq!(h.attr(NIC, "sriov_drivers_autoprobe"), "1");
 }
+
+// ----- persistence across SIGKILL ------------------------------------------------------------
+
+/// Set (to a persistent kernel's root) only in the child that [`churn_child`] runs in.
+const CHURN_ROOT_ENV: &str = "VFIOD_TEST_CHURN_ROOT";
+
+/// One round of what vfiod does to the NIC and the FPGA: enable VFs, move two VFs to vfio-pci
+/// and back (override, unbind, probe), disable the VFs. Every write must succeed.
+fn churn_once(sysfs: &Sysfs) {
+    let set = |a: PciAddress, attr: &str, v: &str| {
+        sysfs
+            .write_device_attr(a, attr, v)
+            .unwrap_or_else(|e| panic!("{a}/{attr} <- {v:?}: {}", vfiod::error_chain(&e)))
+    };
+    let write = |p: PathBuf, v: &str| {
+        sysfs
+            .write(&p, v)
+            .unwrap_or_else(|e| panic!("{} <- {v:?}: {}", p.display(), vfiod::error_chain(&e)))
+    };
+    let (nic, fpga) = (addr(NIC), addr(FPGA));
+    set(nic, "sriov_numvfs", "8");
+    set(fpga, "sriov_numvfs", "4");
+    let vfs = [addr("0000:3b:02.0"), addr("0000:3b:02.1")];
+    for (from, to) in [("iavf", "vfio-pci"), ("vfio-pci", "iavf")] {
+        for vf in vfs {
+            set(vf, "driver_override", if to == "iavf" { "\n" } else { to });
+            write(sysfs.driver_dir(from).join("unbind"), &vf.to_string());
+            write(sysfs.pci_bus_dir().join("drivers_probe"), &vf.to_string());
+        }
+    }
+    set(fpga, "sriov_numvfs", "0");
+    set(nic, "sriov_numvfs", "0");
+}
+
+/// Not a test: the child process of [`a_persistent_kernel_killed_at_random_reopens_whole`],
+/// which reruns this test binary with `--ignored --exact churn_child`. It churns until killed.
+#[test]
+#[ignore = "helper process of a_persistent_kernel_killed_at_random_reopens_whole"]
+fn churn_child() {
+    let Some(root) = std::env::var_os(CHURN_ROOT_ENV) else {
+        return;
+    };
+    let root = PathBuf::from(root);
+    let kernel = SimKernel::open(&root).expect("reopen the persistent kernel");
+    let sysfs = kernel.sysfs();
+    // The last child was killed anywhere in a round: start the rounds from no VFs.
+    for pf in [addr(NIC), addr(FPGA)] {
+        if kernel.num_vfs(pf) != Some(0) {
+            sysfs.write_device_attr(pf, "sriov_numvfs", "0").unwrap();
+        }
+    }
+    churn_once(&sysfs);
+    // Tells the parent that the loop runs (and that one whole round worked).
+    fs::write(root.with_file_name("churning"), "").unwrap();
+    loop {
+        churn_once(&sysfs);
+    }
+}
+
+/// A random duration in `[lo, hi)` (std's per-map random keys: no dependency for this).
+fn random_between(lo: Duration, hi: Duration) -> Duration {
+    use std::hash::{BuildHasher, Hasher};
+    let r = std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish();
+    lo + Duration::from_micros(r % (hi - lo).as_micros() as u64)
+}
+
+/// The files of a kernel agree with its model: the same functions on the bus, and for each
+/// its driver link (both ends), `driver_override`, `sriov_numvfs` and `virtfnN` links.
+fn assert_tree_is_the_model(k: &SimKernel, context: &str) {
+    let root = k.root();
+    let devices = root.join("sys/bus/pci/devices");
+    let model: BTreeSet<PciAddress> = k.addresses().into_iter().collect();
+    let listed: BTreeSet<PciAddress> = names_in(&devices)
+        .iter()
+        .map(|n| n.parse().expect("address"))
+        .collect();
+    assert_eq!(listed, model, "{context}: functions on the bus");
+    for a in &model {
+        let dir = devices.join(a.to_string());
+        let driver = fs::read_link(dir.join("driver"))
+            .ok()
+            .map(|t| t.file_name().unwrap().to_str().unwrap().to_string());
+        assert_eq!(driver, k.driver_of(*a), "{context}: {a}/driver");
+        if let Some(d) = &driver {
+            let back = root.join("sys/bus/pci/drivers").join(d).join(a.to_string());
+            assert!(exists(&back), "{context}: {} missing", back.display());
+        }
+        let over = fs::read_to_string(dir.join("driver_override")).unwrap();
+        assert_eq!(
+            over.trim_end(),
+            k.driver_override_of(*a).as_deref().unwrap_or("(null)"),
+            "{context}: {a}/driver_override"
+        );
+        if let Ok(n) = fs::read_to_string(dir.join("sriov_numvfs")) {
+            assert_eq!(
+                n.trim().parse::<u32>().ok(),
+                k.num_vfs(*a),
+                "{context}: {a}/sriov_numvfs"
+            );
+            let links = names_in(&dir)
+                .iter()
+                .filter(|n| n.starts_with("virtfn"))
+                .count();
+            assert_eq!(
+                Some(links as u32),
+                k.num_vfs(*a),
+                "{context}: {a}/virtfnN links"
+            );
+        }
+    }
+    for d in names_in(&root.join("sys/bus/pci/drivers")) {
+        for n in names_in(&root.join("sys/bus/pci/drivers").join(&d)) {
+            if let Ok(a) = n.parse::<PciAddress>() {
+                assert_eq!(
+                    k.driver_of(a).as_deref(),
+                    Some(d.as_str()),
+                    "{context}: drivers/{d}/{a} of a function not bound to {d}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn a_persistent_kernel_killed_at_random_reopens_whole() {
+    let dir = scratch_dir();
+    let root = dir.path().join("root");
+    let ready = dir.path().join("churning");
+    let log = dir.path().join("child.log");
+    SimKernel::open_or_build(&root, &HostModel::reference()).expect("build and save");
+    for round in 0..8 {
+        let _ = fs::remove_file(&ready);
+        let out = fs::File::create(&log).unwrap();
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--ignored", "--exact", "churn_child", "--nocapture"])
+            .args(["--test-threads", "1"])
+            .env(CHURN_ROOT_ENV, &root)
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .spawn()
+            .expect("start the churning child");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !exists(&ready) {
+            let status = child.try_wait().unwrap();
+            if status.is_some() || Instant::now() > deadline {
+                let _ = child.kill();
+                panic!(
+                    "round {round}: the child did not start churning ({status:?}): {}",
+                    fs::read_to_string(&log).unwrap_or_default()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        std::thread::sleep(random_between(
+            Duration::from_millis(1),
+            Duration::from_millis(300),
+        ));
+        let still_running = child.try_wait().unwrap().is_none();
+        let _ = child.kill(); // SIGKILL
+        let _ = child.wait();
+        assert!(
+            still_running,
+            "round {round}: the child stopped churning by itself: {}",
+            fs::read_to_string(&log).unwrap_or_default()
+        );
+        let k = SimKernel::open(&root).expect("reopen after SIGKILL");
+        assert_tree_is_the_model(&k, &format!("round {round}, reopened"));
+    }
+
+    // And the reopened kernel works: restore, split onto vfio-pci, restore again.
+    let k = SimKernel::open(&root).unwrap();
+    let sysfs = k.sysfs();
+    let (nic, fpga) = (addr(NIC), addr(FPGA));
+    for pf in [nic, fpga] {
+        if k.num_vfs(pf) != Some(0) {
+            sysfs.write_device_attr(pf, "sriov_numvfs", "0").unwrap();
+        }
+    }
+    sysfs
+        .write_device_attr(nic, "sriov_drivers_autoprobe", "0")
+        .unwrap();
+    sysfs.write_device_attr(nic, "sriov_numvfs", "4").unwrap();
+    let vfs: Vec<PciAddress> = (0..4).map(|i| addr(&format!("0000:3b:02.{i}"))).collect();
+    for vf in &vfs {
+        assert_eq!(k.driver_of(*vf), None, "{vf}: autoprobe is off");
+        sysfs
+            .write_device_attr(*vf, "driver_override", "vfio-pci")
+            .unwrap();
+        sysfs
+            .write(&sysfs.pci_bus_dir().join("drivers_probe"), &vf.to_string())
+            .unwrap();
+        assert_eq!(k.driver_of(*vf).as_deref(), Some("vfio-pci"));
+    }
+    for vf in &vfs {
+        sysfs
+            .write_device_attr(*vf, "driver_override", "\n")
+            .unwrap();
+        sysfs
+            .write(
+                &sysfs.driver_dir("vfio-pci").join("unbind"),
+                &vf.to_string(),
+            )
+            .unwrap_or_else(|e| panic!("unbind {vf}: {}", vfiod::error_chain(&e)));
+    }
+    sysfs.write_device_attr(nic, "sriov_numvfs", "0").unwrap();
+    sysfs
+        .write_device_attr(nic, "sriov_drivers_autoprobe", "1")
+        .unwrap();
+    assert_eq!(k.driver_of(nic).as_deref(), Some("i40e"));
+    assert_tree_is_the_model(&k, "after the final restore");
+    drop(k);
+    // What was saved last is what a next open shows.
+    let k = SimKernel::open(&root).unwrap();
+    assert_eq!(k.num_vfs(nic), Some(0));
+    assert_eq!(k.driver_override_of(vfs[0]), None);
+    assert_tree_is_the_model(&k, "reopened after the final restore");
+}

@@ -210,24 +210,26 @@ async fn simulate(args: Args) -> Result<ExitCode, String> {
             tmp.path().to_path_buf()
         }
     };
+    // One simulation per directory, taken before anything in it is touched: a second run
+    // would re-render the kernel's files and start a bus under the running one's feet.
+    // Created first with the default mode (the lock would make it 0700): other users' vfioctl
+    // must reach the bus socket inside.
+    std::fs::create_dir_all(&base).map_err(|e| format!("cannot create {}: {e}", base.display()))?;
+    let _sim_lock =
+        vfiod::store::lock::StateDirLock::acquire(&base).map_err(|e| error_chain(&e))?;
     let root = base.join("root");
     // With --sim-root the simulated host persists: a second run (after a stop, or a kill)
     // reopens the same kernel state, as a real host keeps its devices across a daemon restart.
-    let kernel = if root.join("sys").exists() {
-        SimKernel::open(&root).map_err(|e| {
+    let kernel = if args.sim_root.is_some() {
+        SimKernel::open_or_build(&root, &HostModel::reference()).map_err(|e| {
             format!(
-                "cannot reopen the simulated host in {}: {e}",
+                "cannot open or build the simulated host in {}: {e}",
                 root.display()
             )
         })?
     } else {
-        let k = SimKernel::build(&root, &HostModel::reference())
-            .map_err(|e| format!("cannot build the simulated host: {e}"))?;
-        if args.sim_root.is_some() {
-            k.make_persistent()
-                .map_err(|e| format!("cannot save the simulated host: {e}"))?;
-        }
-        k
+        SimKernel::build(&root, &HostModel::reference())
+            .map_err(|e| format!("cannot build the simulated host: {e}"))?
     };
     let (settings, source) = match &args.config {
         Some(path) => {

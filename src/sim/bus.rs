@@ -1,9 +1,22 @@
 //! A private `dbus-daemon` for `--simulate` and for tests: a real bus, started as a child
 //! process on a unix socket in a directory we own, stopped when dropped.
+//!
+//! It must not outlive its parent even when the parent cannot drop it (SIGKILL, a fatal
+//! signal): an orphaned bus would keep a restarted `vfiod --simulate` from being reachable, or
+//! delete its socket when it finally exits. So the child asks the kernel for a signal when its
+//! parent dies (`PR_SET_PDEATHSIG`), and each bus gets a socket path of its own.
 
-use std::io::{BufRead, BufReader};
+use std::io::{self, BufRead, BufReader};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{mpsc, OnceLock};
+
+/// The socket's name inside a bus's own directory.
+const SOCKET: &str = "bus.sock";
+/// Prefix of a bus's own directory: `bus-<starter pid>-<n>`.
+const INSTANCE_PREFIX: &str = "bus-";
 
 #[derive(Debug, thiserror::Error)]
 pub enum PrivateBusError {
@@ -15,15 +28,16 @@ pub enum PrivateBusError {
     },
     #[error("cannot start dbus-daemon (is the dbus-daemon package installed?)")]
     Spawn(#[source] std::io::Error),
-    #[error("dbus-daemon exited before printing its address")]
-    NoAddress,
+    #[error("dbus-daemon exited before printing its address (its log: {})", .log.display())]
+    NoAddress { log: PathBuf },
 }
 
 /// A running private bus.
 pub struct PrivateBus {
     child: Child,
     address: String,
-    _dir: PathBuf,
+    /// This bus's own directory (config, socket, log), removed when it stops.
+    instance: PathBuf,
 }
 
 impl PrivateBus {
@@ -76,15 +90,18 @@ impl PrivateBus {
         Self::launch(dir, "system", &body)
     }
 
-    /// Writes `dir/bus.conf` (bus type, a socket in `dir`, `body` for the policy) and starts
-    /// `dbus-daemon` on it.
+    /// Starts `dbus-daemon` in a directory of its own under `dir` (config, socket and log), so
+    /// that a bus never shares a socket path with another one: dbus-daemon deletes a socket at
+    /// its path when it starts and when it exits, whoever made it.
     fn launch(dir: &Path, bus_type: &str, body: &str) -> Result<PrivateBus, PrivateBusError> {
         let setup = |source| PrivateBusError::Setup {
             dir: dir.to_path_buf(),
             source,
         };
         std::fs::create_dir_all(dir).map_err(setup)?;
-        let config = dir.join("bus.conf");
+        remove_stale_instances(dir);
+        let instance = new_instance_dir(dir).map_err(setup)?;
+        let config = instance.join("bus.conf");
         let text = format!(
             r#"<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
  "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
@@ -94,36 +111,37 @@ impl PrivateBus {
   <auth>EXTERNAL</auth>
 {body}</busconfig>
 "#,
-            dir.join("bus.sock").display()
+            instance.join(SOCKET).display()
         );
         std::fs::write(&config, text).map_err(setup)?;
         // Its warnings (e.g. that it cannot raise the fd limit) go to a log beside the socket.
-        let log = std::fs::File::create(dir.join("bus.log")).map_err(setup)?;
-        let mut child = Command::new("dbus-daemon")
-            .arg(format!("--config-file={}", config.display()))
+        let log_path = instance.join("bus.log");
+        let log = std::fs::File::create(&log_path).map_err(setup)?;
+        let mut cmd = Command::new("dbus-daemon");
+        cmd.arg(format!("--config-file={}", config.display()))
             .arg("--nofork")
             .arg("--print-address=1")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
-            .stderr(Stdio::from(log))
-            .spawn()
-            .map_err(PrivateBusError::Spawn)?;
-        let stdout = child.stdout.take().ok_or(PrivateBusError::NoAddress)?;
+            .stderr(Stdio::from(log));
+        let mut child = spawn_tied_to_process(cmd).map_err(PrivateBusError::Spawn)?;
+        let no_address = || PrivateBusError::NoAddress {
+            log: log_path.clone(),
+        };
+        let stdout = child.stdout.take().ok_or_else(no_address)?;
         let mut line = String::new();
         // dbus-daemon prints the address once it listens, so the bus is ready when we return.
-        BufReader::new(stdout)
-            .read_line(&mut line)
-            .map_err(|_| PrivateBusError::NoAddress)?;
+        let read = BufReader::new(stdout).read_line(&mut line);
         let address = line.trim().to_string();
-        if address.is_empty() {
+        if read.is_err() || address.is_empty() {
             let _ = child.kill();
             let _ = child.wait();
-            return Err(PrivateBusError::NoAddress);
+            return Err(no_address());
         }
         Ok(PrivateBus {
             child,
             address,
-            _dir: dir.to_path_buf(),
+            instance,
         })
     }
 
@@ -135,11 +153,106 @@ impl PrivateBus {
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
+
+    /// This bus's own directory under the one given to `start`: its `bus.conf`, socket and
+    /// `bus.log`.
+    pub fn dir(&self) -> &Path {
+        &self.instance
+    }
 }
 
 impl Drop for PrivateBus {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.instance);
     }
+}
+
+/// Creates `dir/bus-<our pid>-<n>`, a name no other live process uses.
+fn new_instance_dir(dir: &Path) -> io::Result<PathBuf> {
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    loop {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let path = dir.join(format!("{INSTANCE_PREFIX}{}-{n}", std::process::id()));
+        // Default mode (umask): other uids (polkitd) must reach the socket when `dir` lets them.
+        match std::fs::create_dir(&path) {
+            Ok(()) => return Ok(path),
+            // Left by an earlier process that had our pid and still listening: not ours.
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Removes the directories of buses whose starter is dead and whose socket nobody listens on
+/// (left by a starter killed before it could drop its bus). A live bus, or one whose starter
+/// still runs, is never touched.
+fn remove_stale_instances(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(INSTANCE_PREFIX))
+            .and_then(|n| n.split_once('-'))
+            .and_then(|(pid, _)| pid.parse::<i32>().ok())
+            .filter(|pid| *pid > 0)
+        else {
+            continue;
+        };
+        let starter_alive = !matches!(
+            nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None),
+            Err(nix::errno::Errno::ESRCH)
+        );
+        if starter_alive || std::os::unix::net::UnixStream::connect(e.path().join(SOCKET)).is_ok() {
+            continue;
+        }
+        let _ = std::fs::remove_dir_all(e.path());
+    }
+}
+
+type SpawnRequest = (Command, mpsc::Sender<io::Result<Child>>);
+
+/// Spawns `cmd` so that it gets SIGTERM when this process dies.
+///
+/// `PR_SET_PDEATHSIG` fires when the *thread* that forked the child exits, not the process: a
+/// bus started from a short-lived thread (a test's, tokio's blocking pool) would die with that
+/// thread. So every bus is forked by one thread that lives as long as the process.
+fn spawn_tied_to_process(mut cmd: Command) -> io::Result<Child> {
+    static SPAWNER: OnceLock<mpsc::Sender<SpawnRequest>> = OnceLock::new();
+    let parent = nix::unistd::getpid();
+    // SAFETY: the closure runs between fork and exec and makes only async-signal-safe calls
+    // (prctl, getppid), allocating nothing.
+    unsafe {
+        cmd.pre_exec(move || {
+            nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGTERM)
+                .map_err(|e| io::Error::from_raw_os_error(e as i32))?;
+            // The parent may have died between fork and prctl: then no signal will come.
+            if nix::unistd::getppid() != parent {
+                return Err(io::Error::from_raw_os_error(libc::ESRCH));
+            }
+            Ok(())
+        });
+    }
+    let spawner = SPAWNER.get_or_init(|| {
+        let (tx, rx) = mpsc::channel::<SpawnRequest>();
+        let started = std::thread::Builder::new()
+            .name("private-bus-spawner".into())
+            .spawn(move || {
+                for (mut cmd, reply) in rx {
+                    let _ = reply.send(cmd.spawn());
+                }
+            });
+        if let Err(e) = started {
+            tracing::warn!("cannot start the private bus spawner thread: {e}");
+        }
+        tx
+    });
+    let (reply, answer) = mpsc::channel();
+    let gone = || io::Error::other("the private bus spawner thread is gone");
+    spawner.send((cmd, reply)).map_err(|_| gone())?;
+    answer.recv().map_err(|_| gone())?
 }

@@ -13,6 +13,7 @@
 
 mod claims;
 mod device_row;
+pub mod lock;
 mod migrations;
 mod original_drivers;
 mod task_state;

@@ -7,6 +7,9 @@
 //! with a chosen errno, a write that hangs, an attribute that becomes unreadable, a device
 //! that vanishes or whose config space reads all-ones.
 //!
+//! A persistent kernel (`vfiod --simulate --sim-root`) saves its model after every change and
+//! survives a SIGKILL: the saved model is the truth, the files are re-rendered from it on open.
+//!
 //! It backs both the tests and `vfiod --simulate`, so it lives in the library.
 
 pub mod models;
@@ -21,7 +24,7 @@ use crate::host::uevent::{Action, EventReceiver, Uevent};
 use crate::model::pci::PciAddress;
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsString;
-use std::io;
+use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -93,10 +96,17 @@ struct State {
     /// Every accepted write, in order: (path relative to root, value). For tests that must
     /// prove "zero writes".
     write_log: Vec<(PathBuf, String)>,
+    /// The host's own use of its devices, rendered under `proc/` and the devices' directories.
+    mounts: Vec<MountSpec>,
+    interfaces: Vec<InterfaceSpec>,
 }
 
 /// What survives the process when persistence is on: enough to reopen the tree later as the
 /// same kernel (faults and subscribers do not survive).
+///
+/// It is the one source of truth. The files are only its rendering, always written before
+/// it is saved, so after a kill they may be ahead of it or half-written: [`SimKernel::open`]
+/// throws them away and renders the saved model again.
 #[derive(serde::Serialize, serde::Deserialize)]
 struct Persisted {
     devices: BTreeMap<PciAddress, SimDevice>,
@@ -104,10 +114,18 @@ struct Persisted {
     drivers: BTreeMap<String, DriverSpec>,
     next_group: u32,
     seqnum: u64,
+    /// Absent from files saved before the host's use was saved; those were all of
+    /// `vfiod --simulate --sim-root`, i.e. of the reference host.
+    #[serde(default)]
+    mounts: Option<Vec<MountSpec>>,
+    #[serde(default)]
+    interfaces: Option<Vec<InterfaceSpec>>,
 }
 
 /// Where [`Persisted`] lives under the root.
 const STATE_FILE: &str = ".simkernel-state.json";
+/// Where it is written before it is renamed over [`STATE_FILE`].
+const STATE_TEMP: &str = ".simkernel-state.json.new";
 
 /// A simulated kernel rooted at a directory.
 pub struct SimKernel {
@@ -150,6 +168,8 @@ impl SimKernel {
         };
         {
             let mut st = k.lock();
+            st.mounts = model.mounts.clone();
+            st.interfaces = model.interfaces.clone();
             for d in &model.drivers {
                 st.drivers.insert(d.name.clone(), d.clone());
             }
@@ -185,7 +205,13 @@ impl SimKernel {
             for (pf, n) in pfs {
                 k.enable_vfs(&mut st, pf, n)?;
             }
-            render::host_use(&k.root, &st, model)?;
+            render::host_use(&k.root, &st)?;
+            // A function's config space shows whether its slot is multi-function, which an
+            // earlier function rendered before its siblings existed could not know. Rendered
+            // again with the whole host: the tree equals the one `open` renders from the model.
+            for d in st.devices.values() {
+                render::device_config(&k.root, &st, d)?;
+            }
             st.write_log.clear();
         }
         Ok(Arc::new(k))
@@ -202,20 +228,26 @@ impl SimKernel {
         self.persist(&st)
     }
 
-    /// Reopens a kernel that [`SimKernel::make_persistent`] saved under `root` (its tree is
-    /// already there). It stays persistent.
+    /// Reopens a kernel that [`SimKernel::make_persistent`] saved under `root`. It stays
+    /// persistent. The saved model is authoritative: the tree is rendered from it afresh,
+    /// whatever a killed process left in the files.
     pub fn open(root: &Path) -> io::Result<Arc<SimKernel>> {
         let root = std::fs::canonicalize(root)?;
         let text = std::fs::read(root.join(STATE_FILE))?;
         let p: Persisted = serde_json::from_slice(&text).map_err(io::Error::other)?;
+        let reference = || HostModel::reference();
         let st = State {
             devices: p.devices,
             removed: p.removed,
             drivers: p.drivers,
             next_group: p.next_group,
             seqnum: p.seqnum,
+            mounts: p.mounts.unwrap_or_else(|| reference().mounts),
+            interfaces: p.interfaces.unwrap_or_else(|| reference().interfaces),
             ..State::default()
         };
+        remove_if_exists(&root.join(STATE_TEMP))?;
+        render::all(&root, &st)?;
         Ok(Arc::new(SimKernel {
             root,
             state: Mutex::new(st),
@@ -226,6 +258,23 @@ impl SimKernel {
         }))
     }
 
+    /// Reopens the kernel saved under `root`, or, if none was saved there (a first run, or a
+    /// run killed before its first save, whose files mean nothing), builds `model` there afresh
+    /// and makes it persistent.
+    pub fn open_or_build(root: &Path, model: &HostModel) -> io::Result<Arc<SimKernel>> {
+        if root.join(STATE_FILE).exists() {
+            return Self::open(root);
+        }
+        render::wipe(root)?;
+        let k = Self::build(root, model)?;
+        // The state file appears last, whole (rename): its presence marks a finished build.
+        k.make_persistent()?;
+        Ok(k)
+    }
+
+    /// Saves the model, if persistent: to a temporary file, synced, then renamed over the old
+    /// one (and the directory synced), so that a kill or a crash leaves either the old model
+    /// or the new one, never a torn file. Called with the state locked, after whole operations.
     fn persist(&self, st: &State) -> io::Result<()> {
         if !self.persistent.load(Ordering::SeqCst) {
             return Ok(());
@@ -236,11 +285,18 @@ impl SimKernel {
             drivers: st.drivers.clone(),
             next_group: st.next_group,
             seqnum: st.seqnum,
+            mounts: Some(st.mounts.clone()),
+            interfaces: Some(st.interfaces.clone()),
         };
         let text = serde_json::to_vec(&p).map_err(io::Error::other)?;
-        let tmp = self.root.join(format!("{STATE_FILE}.new"));
-        std::fs::write(&tmp, text)?;
-        std::fs::rename(tmp, self.root.join(STATE_FILE))
+        let tmp = self.root.join(STATE_TEMP);
+        {
+            let mut f = std::fs::File::create(&tmp)?;
+            f.write_all(&text)?;
+            f.sync_all()?;
+        }
+        std::fs::rename(tmp, self.root.join(STATE_FILE))?;
+        std::fs::File::open(&self.root)?.sync_all()
     }
 
     /// A sysfs handle backed by this kernel.
@@ -317,20 +373,23 @@ impl SimKernel {
             .ok_or_else(|| err(libc::ENODEV))?;
         dev.config_all_ones = gone;
         let dev = dev.clone();
-        render::device_config(&self.root, &st, &dev)
+        render::device_config(&self.root, &st, &dev)?;
+        self.persist(&st)
     }
 
     /// Surprise removal: the device and its VFs disappear without any driver cooperation.
     /// A rescan brings it back.
     pub fn vanish(&self, address: PciAddress) -> io::Result<()> {
         let mut st = self.lock();
-        self.remove_device(&mut st, address)
+        self.remove_device(&mut st, address)?;
+        self.persist(&st)
     }
 
     /// Hot-adds a new function (its parent must exist).
     pub fn hot_add(&self, spec: FunctionSpec) -> io::Result<()> {
         let mut st = self.lock();
-        self.add_device(&mut st, spec, None, None, true)
+        self.add_device(&mut st, spec, None, None, true)?;
+        self.persist(&st)
     }
 
     /// An AER error on the device: bumps its counters and emits the recovery uevents the
@@ -361,7 +420,7 @@ impl SimKernel {
             &dev,
             &[("ERROR_EVENT", ev), ("DEVICE_ONLINE", online)],
         );
-        Ok(())
+        self.persist(&st)
     }
 
     /// Every write the kernel accepted since boot (or the last [`SimKernel::take_write_log`]).
@@ -381,6 +440,10 @@ impl SimKernel {
 
     pub fn num_vfs(&self, address: PciAddress) -> Option<u32> {
         Some(self.lock().devices.get(&address)?.num_vfs)
+    }
+
+    pub fn driver_override_of(&self, address: PciAddress) -> Option<String> {
+        self.lock().devices.get(&address)?.driver_override.clone()
     }
 
     // ----- the kernel's behaviour ---------------------------------------------------------
@@ -775,29 +838,28 @@ impl SimKernel {
         Ok((rel, target))
     }
 
-    fn apply_write(&self, target: &WriteTarget, value: &str) -> io::Result<()> {
-        let mut st = self.lock();
+    fn apply_write(&self, st: &mut State, target: &WriteTarget, value: &str) -> io::Result<()> {
         let addr_value =
             || -> io::Result<PciAddress> { value.trim().parse().map_err(|_| err(libc::ENODEV)) };
         match target {
             WriteTarget::Bus(a) if a == "drivers_probe" => {
                 let addr = addr_value()?;
-                self.probe(&mut st, addr)
+                self.probe(st, addr)
             }
             WriteTarget::Bus(a) if a == "rescan" => {
                 parse_int(value)?;
-                self.rescan(&mut st)
+                self.rescan(st)
             }
             WriteTarget::Driver(d, a) if a == "bind" => {
                 let addr = addr_value()?;
-                self.bind(&mut st, addr, d)
+                self.bind(st, addr, d)
             }
             WriteTarget::Driver(d, a) if a == "unbind" => {
                 let addr = addr_value()?;
                 if st.devices.get(&addr).and_then(|x| x.driver.as_deref()) != Some(d.as_str()) {
                     return Err(err(libc::ENODEV));
                 }
-                self.unbind(&mut st, addr)
+                self.unbind(st, addr)
             }
             WriteTarget::Driver(d, a) if a == "new_id" => {
                 // "VVVV DDDD": add the id, then probe every unbound match, exactly the
@@ -819,12 +881,12 @@ impl SimKernel {
                     .map(|x| x.spec.address)
                     .collect();
                 for a in matching {
-                    let _ = self.bind(&mut st, a, d);
+                    let _ = self.bind(st, a, d);
                 }
                 Ok(())
             }
             WriteTarget::Device(a, attr) => match attr.as_str() {
-                "sriov_numvfs" => self.set_numvfs(&mut st, *a, value),
+                "sriov_numvfs" => self.set_numvfs(st, *a, value),
                 "sriov_drivers_autoprobe" => {
                     let v = parse_int(value)?;
                     let dev = st.devices.get_mut(a).ok_or_else(|| err(libc::ENODEV))?;
@@ -833,7 +895,7 @@ impl SimKernel {
                     }
                     dev.autoprobe = v != 0;
                     let dev = dev.clone();
-                    render::device_attrs(&self.root, &st, &dev)
+                    render::device_attrs(&self.root, st, &dev)
                 }
                 "driver_override" => {
                     let v = value.trim_end_matches('\n');
@@ -843,17 +905,17 @@ impl SimKernel {
                     let dev = st.devices.get_mut(a).ok_or_else(|| err(libc::ENODEV))?;
                     dev.driver_override = (!v.is_empty()).then(|| v.to_string());
                     let dev = dev.clone();
-                    render::device_attrs(&self.root, &st, &dev)
+                    render::device_attrs(&self.root, st, &dev)
                 }
                 "remove" => {
                     if parse_int(value)? != 0 {
-                        self.remove_device(&mut st, *a)?;
+                        self.remove_device(st, *a)?;
                     }
                     Ok(())
                 }
                 "rescan" => {
                     parse_int(value)?;
-                    self.rescan(&mut st)
+                    self.rescan(st)
                 }
                 "reset" => {
                     let dev = st.devices.get(a).ok_or_else(|| err(libc::ENODEV))?;
@@ -875,6 +937,13 @@ impl SimKernel {
         let _unused = c
             .wait_timeout_while(guard, dur, |gen| *gen == start)
             .unwrap();
+    }
+}
+
+fn remove_if_exists(path: &Path) -> io::Result<()> {
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
     }
 }
 
@@ -926,16 +995,18 @@ impl Backend for SimKernel {
             Some(FaultAction::Delay(d)) => std::thread::sleep(d),
             None => {}
         }
-        self.apply_write(&target, &value)?;
-        {
-            let mut st = self.lock();
+        let mut st = self.lock();
+        let result = self.apply_write(&mut st, &target, &value);
+        if result.is_ok() {
             st.write_log.push((rel, value));
-            self.persist(&st)?;
             if let Some(a) = vanish {
                 let _ = self.remove_device(&mut st, a);
             }
         }
-        Ok(())
+        // Even after a failed write: it may have changed something before failing (as a
+        // rolled-back sriov_enable does), and the saved model must be what the tree shows.
+        self.persist(&st)?;
+        result
     }
 
     fn read_link(&self, path: &Path) -> io::Result<PathBuf> {

@@ -152,7 +152,7 @@ impl DriverSpec {
 }
 
 /// A block device the host has mounted (or uses as swap), on a modelled NVMe controller.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MountSpec {
     pub controller: PciAddress,
     /// Controller instance, e.g. 0 for nvme0.
@@ -162,7 +162,7 @@ pub struct MountSpec {
 }
 
 /// A network interface on a modelled NIC.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct InterfaceSpec {
     pub device: PciAddress,
     pub name: String,

@@ -1,7 +1,7 @@
 //! Renders the simulated kernel's state as files and relative symlinks, laid out like Linux's
 //! sysfs, so that real tools (lspci, virsh's nodedev code paths, shell scripts) can read it.
 
-use super::{viable_groups, SimDevice, State};
+use super::{viable_groups, SimDevice, SimKernel, State};
 use crate::model::pci::PciAddress;
 use std::fs;
 use std::io;
@@ -41,6 +41,44 @@ fn write(path: &Path, content: impl AsRef<[u8]>) -> io::Result<()> {
     let tmp = path.with_file_name(format!(".{name}.new"));
     fs::write(&tmp, content)?;
     fs::rename(&tmp, path)
+}
+
+/// The top directories the kernel renders (everything else under the root is someone else's).
+const TREES: [&str; 3] = ["sys", "dev", "proc"];
+
+/// Removes every file the kernel rendered under `root`.
+pub(super) fn wipe(root: &Path) -> io::Result<()> {
+    for t in TREES {
+        match fs::remove_dir_all(root.join(t)) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// Renders the whole tree of `st` from nothing, replacing whatever files were there: the
+/// files of a reopened kernel are a function of its saved model alone.
+pub(super) fn all(root: &Path, st: &State) -> io::Result<()> {
+    wipe(root)?;
+    skeleton(root, st)?;
+    // Parents before the functions nested in their directories.
+    let mut devices: Vec<&SimDevice> = st.devices.values().collect();
+    devices.sort_by_key(|d| (d.dir.components().count(), d.spec.address));
+    for d in devices {
+        device(root, st, d)?;
+        device_driver(root, st, d)?;
+    }
+    for d in st.devices.values() {
+        let Some(sriov) = &d.spec.sriov else { continue };
+        for i in 0..d.num_vfs {
+            if let Some(vf) = SimKernel::vf_address(d.spec.address, sriov.offset, sriov.stride, i) {
+                virtfn_link(root, &d.dir, i, vf, true)?;
+            }
+        }
+    }
+    refresh_vfio_nodes(root, st)?;
+    host_use(root, st)
 }
 
 pub(super) fn skeleton(root: &Path, st: &State) -> io::Result<()> {
@@ -376,13 +414,13 @@ pub(super) fn refresh_vfio_nodes(root: &Path, st: &State) -> io::Result<()> {
 }
 
 /// The host's own use of its devices: mounted NVMe partitions, swap, interfaces that are up.
-pub(super) fn host_use(root: &Path, st: &State, model: &super::HostModel) -> io::Result<()> {
+pub(super) fn host_use(root: &Path, st: &State) -> io::Result<()> {
     let mut mounts = String::new();
     let mut swaps = String::from("Filename\t\t\t\tType\t\tSize\t\tUsed\t\tPriority\n");
     mounts.push_str("proc /proc proc rw,nosuid,nodev,noexec,relatime 0 0\n");
     mounts.push_str("sysfs /sys sysfs rw,nosuid,nodev,noexec,relatime 0 0\n");
     mounts.push_str("tmpfs /run tmpfs rw,nosuid,nodev,size=3273516k,mode=755 0 0\n");
-    for m in &model.mounts {
+    for m in &st.mounts {
         let Some(ctrl) = st.devices.get(&m.controller) else {
             continue;
         };
@@ -408,7 +446,7 @@ pub(super) fn host_use(root: &Path, st: &State, model: &super::HostModel) -> io:
     }
     write(&root.join("proc/mounts"), mounts)?;
     write(&root.join("proc/swaps"), swaps)?;
-    for i in &model.interfaces {
+    for i in &st.interfaces {
         let Some(dev) = st.devices.get(&i.device) else {
             continue;
         };
