@@ -405,3 +405,63 @@ fn integer_beyond_64_bits_says_too_large_with_key_and_range() {
          expected 1..=65535"
     );
 }
+
+#[test]
+fn check_config_warns_about_a_driver_no_module_provides_and_succeeds() {
+    let tmp = tempfile::tempdir().unwrap();
+    // A fake host: vfio-pci registered, the release's module index lists qat_4xxx.
+    let root = tmp.path().join("root");
+    fs::create_dir_all(root.join("sys/bus/pci/drivers/vfio-pci")).unwrap();
+    fs::create_dir_all(root.join("proc/sys/kernel")).unwrap();
+    fs::write(root.join("proc/sys/kernel/osrelease"), "6.1.0-test\n").unwrap();
+    let modules = root.join("lib/modules/6.1.0-test");
+    fs::create_dir_all(&modules).unwrap();
+    fs::write(
+        modules.join("modules.dep"),
+        "kernel/drivers/crypto/intel/qat/qat_4xxx/qat_4xxx.ko.zst: kernel/drivers/crypto/intel/qat/qat_common/intel_qat.ko.zst\n",
+    )
+    .unwrap();
+    fs::write(
+        modules.join("modules.builtin"),
+        "kernel/drivers/pci/pci-stub.ko\n",
+    )
+    .unwrap();
+
+    let config = tmp.path().join("10-x.toml");
+    fs::write(
+        &config,
+        format!(
+            "sysfs_root = \"{}\"\n\n[[select]]\nid = \"8086:4940\"\nvf_driver = \"vfio-pcii\"\n\
+             pf_driver = \"qat-4xxx\"\n\n[[select]]\nclass = \"0x03\"\nvf_driver = \"vfio-pci\"\n\
+             pf_driver = \"pci_stub\"\n",
+            root.display()
+        ),
+    )
+    .unwrap();
+    let conf_d = tmp.path().join("conf.d");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_vfiod"))
+        .arg("--check-config")
+        .arg("--config")
+        .arg(&config)
+        .arg("--conf-dir")
+        .arg(&conf_d)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{:?}\n{stdout}\n{stderr}", out.status);
+    assert!(stdout.starts_with("configuration OK"), "{stdout}");
+    let warnings: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.starts_with("warning: "))
+        .collect();
+    assert_eq!(
+        warnings,
+        [format!(
+            "warning: vf_driver \"vfio-pcii\" ({}:5:13) is not a loaded driver, a module or \
+             built in: a task that needs it will be refused",
+            config.display()
+        )],
+        "{stderr}"
+    );
+}
