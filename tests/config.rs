@@ -242,3 +242,226 @@ fn libvirt_uri_defaults_to_the_system_qemu_driver_and_empty_turns_the_check_off(
         None
     );
 }
+
+/// Runs `load` on a thread and waits at most a few seconds for it: a load that blocks (a FIFO
+/// opened for reading waits for a writer) fails the test instead of hanging it.
+fn load_within_seconds(main: PathBuf, dropins: Option<PathBuf>) -> Result<Settings, ConfigError> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(Settings::load(&main, dropins.as_deref(), true));
+    });
+    rx.recv_timeout(Duration::from_secs(10))
+        .expect("loading the configuration blocked")
+}
+
+fn mkfifo(path: &Path) {
+    nix::unistd::mkfifo(
+        path,
+        nix::sys::stat::Mode::S_IRUSR | nix::sys::stat::Mode::S_IWUSR,
+    )
+    .unwrap();
+}
+
+#[test]
+fn fifo_main_file_is_refused_at_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let main = tmp.path().join("vfiod.toml");
+    mkfifo(&main);
+    let err = load_within_seconds(main.clone(), None).unwrap_err();
+    assert_eq!(
+        vfiod::error_chain(&err),
+        format!(
+            "{}: cannot read config file: is a FIFO (named pipe), not a regular file",
+            main.display()
+        )
+    );
+}
+
+#[test]
+fn fifo_dropin_is_refused_naming_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let main = tmp.path().join("vfiod.toml");
+    fs::write(&main, "scenario = \"public\"\n").unwrap();
+    let dropins = tmp.path().join("conf.d");
+    fs::create_dir(&dropins).unwrap();
+    fs::write(dropins.join("10-good.toml"), "poll_interval = 60\n").unwrap();
+    let fifo = dropins.join("20-fifo.toml");
+    mkfifo(&fifo);
+    let err = load_within_seconds(main, Some(dropins)).unwrap_err();
+    assert!(
+        matches!(&err, ConfigError::File { file, .. } if *file == fifo),
+        "{err:?}"
+    );
+    assert_eq!(
+        vfiod::error_chain(&err),
+        format!(
+            "{}: cannot read drop-in file: is a FIFO (named pipe), not a regular file",
+            fifo.display()
+        )
+    );
+}
+
+#[test]
+fn dropins_that_are_not_files_are_refused_by_what_they_are() {
+    let tmp = tempfile::tempdir().unwrap();
+    let main = tmp.path().join("vfiod.toml");
+    fs::write(&main, "").unwrap();
+    let dropins = tmp.path().join("conf.d");
+    fs::create_dir(&dropins).unwrap();
+
+    let dir = dropins.join("10-dir.toml");
+    fs::create_dir(&dir).unwrap();
+    let err = load_within_seconds(main.clone(), Some(dropins.clone())).unwrap_err();
+    assert_eq!(
+        vfiod::error_chain(&err),
+        format!(
+            "{}: cannot read drop-in file: is a directory, not a regular file",
+            dir.display()
+        )
+    );
+    fs::remove_dir(&dir).unwrap();
+
+    let socket = dropins.join("10-socket.toml");
+    let _listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    let err = load_within_seconds(main.clone(), Some(dropins.clone())).unwrap_err();
+    assert_eq!(
+        vfiod::error_chain(&err),
+        format!(
+            "{}: cannot read drop-in file: is a socket, not a regular file",
+            socket.display()
+        )
+    );
+    fs::remove_file(&socket).unwrap();
+
+    // A link to a regular file is a regular file.
+    let target = tmp.path().join("shared.toml");
+    fs::write(&target, "poll_interval = 45\n").unwrap();
+    std::os::unix::fs::symlink(&target, dropins.join("10-link.toml")).unwrap();
+    let settings = load_within_seconds(main, Some(dropins)).unwrap();
+    assert_eq!(settings.poll_interval, Duration::from_secs(45));
+}
+
+#[test]
+fn oversize_file_is_refused_before_it_is_parsed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let main = tmp.path().join("vfiod.toml");
+    // Valid TOML (comments), one byte over the bound: only the size is wrong.
+    let mut text = "# padding\n".repeat((1 << 20) / 10 + 1);
+    text.truncate((1 << 20) + 1);
+    fs::write(&main, text).unwrap();
+    let err = Settings::load(&main, None, true).unwrap_err();
+    assert_eq!(
+        vfiod::error_chain(&err),
+        format!(
+            "{}: cannot read config file: is larger than 1048576 bytes",
+            main.display()
+        )
+    );
+}
+
+#[test]
+fn huge_driver_name_is_refused_with_a_short_message() {
+    let tmp = tempfile::tempdir().unwrap();
+    let main = tmp.path().join("vfiod.toml");
+    let name = "x".repeat(1_000_000);
+    fs::write(
+        &main,
+        format!("[[select]]\nid = \"8086:4940\"\nvf_driver = \"{name}\"\n"),
+    )
+    .unwrap();
+    let err = Settings::load(&main, None, true).unwrap_err();
+    let message = err.to_string();
+    assert!(
+        message.starts_with(&format!(
+            "{}:3:13: `vf_driver` in [[select]] #1: 1000000 bytes is too long, at most 55 allowed",
+            main.display()
+        )),
+        "{}",
+        &message[..message.len().min(300)]
+    );
+    assert!(
+        message.len() < 300,
+        "{} bytes: {}…",
+        message.len(),
+        &message[..300]
+    );
+}
+
+#[test]
+fn integer_beyond_64_bits_says_too_large_with_key_and_range() {
+    let parse = |text: &str| {
+        Settings::from_toml_str(text, Path::new("t.toml"))
+            .unwrap_err()
+            .to_string()
+    };
+    assert_eq!(
+        parse("poll_interval = 99999999999999999999\n"),
+        "t.toml:1:17: `poll_interval`: the number is too large (beyond 64 bits): \
+         expected 1..=86400 seconds"
+    );
+    assert_eq!(
+        parse("[[select]]\nid = \"8086:*\"\nnum_vfs = -99999999999999999999\n"),
+        "t.toml:3:11: `num_vfs` in [[select]] #1: the number is too large (beyond 64 bits): \
+         expected 1..=65535"
+    );
+}
+
+#[test]
+fn check_config_warns_about_a_driver_no_module_provides_and_succeeds() {
+    let tmp = tempfile::tempdir().unwrap();
+    // A fake host: vfio-pci registered, the release's module index lists qat_4xxx.
+    let root = tmp.path().join("root");
+    fs::create_dir_all(root.join("sys/bus/pci/drivers/vfio-pci")).unwrap();
+    fs::create_dir_all(root.join("proc/sys/kernel")).unwrap();
+    fs::write(root.join("proc/sys/kernel/osrelease"), "6.1.0-test\n").unwrap();
+    let modules = root.join("lib/modules/6.1.0-test");
+    fs::create_dir_all(&modules).unwrap();
+    fs::write(
+        modules.join("modules.dep"),
+        "kernel/drivers/crypto/intel/qat/qat_4xxx/qat_4xxx.ko.zst: kernel/drivers/crypto/intel/qat/qat_common/intel_qat.ko.zst\n",
+    )
+    .unwrap();
+    fs::write(
+        modules.join("modules.builtin"),
+        "kernel/drivers/pci/pci-stub.ko\n",
+    )
+    .unwrap();
+
+    let config = tmp.path().join("10-x.toml");
+    fs::write(
+        &config,
+        format!(
+            "sysfs_root = \"{}\"\n\n[[select]]\nid = \"8086:4940\"\nvf_driver = \"vfio-pcii\"\n\
+             pf_driver = \"qat-4xxx\"\n\n[[select]]\nclass = \"0x03\"\nvf_driver = \"vfio-pci\"\n\
+             pf_driver = \"pci_stub\"\n",
+            root.display()
+        ),
+    )
+    .unwrap();
+    let conf_d = tmp.path().join("conf.d");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_vfiod"))
+        .arg("--check-config")
+        .arg("--config")
+        .arg(&config)
+        .arg("--conf-dir")
+        .arg(&conf_d)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{:?}\n{stdout}\n{stderr}", out.status);
+    assert!(stdout.starts_with("configuration OK"), "{stdout}");
+    let warnings: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.starts_with("warning: "))
+        .collect();
+    assert_eq!(
+        warnings,
+        [format!(
+            "warning: vf_driver \"vfio-pcii\" ({}:5:13) is not a loaded driver, a module or \
+             built in: a task that needs it will be refused",
+            config.display()
+        )],
+        "{stderr}"
+    );
+}

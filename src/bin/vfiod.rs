@@ -155,6 +155,10 @@ fn print_settings(s: &Settings) {
     for p in &s.protect {
         println!("  {p}");
     }
+    // Warnings, not errors: the module may be installed after the configuration is written.
+    for warning in vfiod::host::modules::driver_warnings(s, &s.sysfs_root) {
+        eprintln!("warning: {warning}");
+    }
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -5,5 +5,6 @@
 //! real (the simulated kernel, a real libvirtd).
 
 pub mod libvirt;
+pub mod modules;
 pub mod sysfs;
 pub mod uevent;

@@ -1,0 +1,147 @@
+//! The daemon's own keys, at the top level of a file: `scenario`, `poll_interval`, `state_dir`,
+//! `sysfs_root`, `libvirt_uri`. Their raw form is the top of [`RawFile`](super::raw::RawFile).
+
+use super::error::{ConfigError, Key, Quoted};
+use super::merge::{last_valid, Inputs, Located};
+use super::raw::PathText;
+use serde::Serialize;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::time::Duration;
+
+/// The local system QEMU driver, where libvirt keeps the domains of a host like this one.
+pub const DEFAULT_LIBVIRT_URI: &str = "qemu:///system";
+/// Default seconds between safety-net rescans (uevents drive normal operation).
+const DEFAULT_POLL_SECS: u64 = 30;
+/// Longest accepted rescan interval: one day. A longer one would leave missed events unnoticed
+/// for so long that it is more likely a unit mistake (milliseconds?) than an intent.
+const MAX_POLL_SECS: i64 = 86_400;
+
+/// The deployment scenario, which decides the default mode of a separable (SR-IOV) device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Scenario {
+    /// Shared hosts: separable devices are split into VFs so several VMs can each get a slice.
+    Public,
+    /// Dedicated hosts: devices stay whole (PF mode) and go to one VM each.
+    Private,
+}
+
+impl Scenario {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Scenario::Public => "public",
+            Scenario::Private => "private",
+        }
+    }
+}
+
+impl fmt::Display for Scenario {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Scenario {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "public" => Ok(Scenario::Public),
+            "private" => Ok(Scenario::Private),
+            other => Err(format!(
+                "invalid scenario {}: expected \"public\" or \"private\"",
+                Quoted(other)
+            )),
+        }
+    }
+}
+
+/// The daemon's settings after every file: the last value each key was given, or its default.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Daemon {
+    pub scenario: Scenario,
+    pub poll_interval: Duration,
+    pub state_dir: PathBuf,
+    pub sysfs_root: PathBuf,
+    pub libvirt_uri: Option<String>,
+}
+
+impl Default for Daemon {
+    /// A host without any configuration: private scenario, the system libvirt.
+    fn default() -> Self {
+        Daemon {
+            scenario: Scenario::Private,
+            poll_interval: Duration::from_secs(DEFAULT_POLL_SECS),
+            state_dir: PathBuf::from("/var/lib/vfiod"),
+            sysfs_root: PathBuf::from("/"),
+            libvirt_uri: Some(DEFAULT_LIBVIRT_URI.to_string()),
+        }
+    }
+}
+
+pub(crate) fn validate(inputs: &Inputs) -> Result<Daemon, ConfigError> {
+    let mut daemon = Daemon::default();
+    let scenario = inputs.values(|f| f.scenario.as_ref());
+    if let Some(value) = last_valid(scenario, |v| {
+        v.check(Key::top("scenario"), v.value.as_str().parse())
+    })? {
+        daemon.scenario = value;
+    }
+    let poll = inputs.values(|f| f.poll_interval.as_ref());
+    if let Some(secs) = last_valid(poll, |v| {
+        let secs = v.value.in_range(1, MAX_POLL_SECS, " seconds");
+        v.check(Key::top("poll_interval"), secs)
+    })? {
+        daemon.poll_interval = Duration::from_secs(secs as u64);
+    }
+    let state_dir = inputs.values(|f| f.state_dir.as_ref());
+    if let Some(path) = last_valid(state_dir, |v| absolute_path(v, "state_dir"))? {
+        daemon.state_dir = path;
+    }
+    let sysfs_root = inputs.values(|f| f.sysfs_root.as_ref());
+    if let Some(path) = last_valid(sysfs_root, |v| absolute_path(v, "sysfs_root"))? {
+        daemon.sysfs_root = path;
+    }
+    let uri = inputs.values(|f| f.libvirt_uri.as_ref());
+    if let Some(uri) = last_valid(uri, |v| {
+        v.check(Key::top("libvirt_uri"), libvirt_uri(v.value.as_str()))
+    })? {
+        daemon.libvirt_uri = (!uri.is_empty()).then_some(uri);
+    }
+    Ok(daemon)
+}
+
+fn absolute_path(value: Located<'_, PathText>, key: &str) -> Result<PathBuf, ConfigError> {
+    let path = Path::new(value.value.as_str());
+    let result = if path.is_absolute() {
+        Ok(path.to_path_buf())
+    } else {
+        Err(format!(
+            "{} is not an absolute path",
+            Quoted(value.value.as_str())
+        ))
+    };
+    value.check(Key::top(key), result)
+}
+
+/// "" (no libvirt check) or a libvirt URI: `driver[+transport]://[host]/path[?query]`.
+fn libvirt_uri(uri: &str) -> Result<String, String> {
+    if uri.is_empty() {
+        return Ok(String::new());
+    }
+    let scheme_ok = uri.split_once("://").is_some_and(|(scheme, _)| {
+        !scheme.is_empty()
+            && scheme
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'+' || b == b'-')
+    });
+    if !scheme_ok || uri.chars().any(char::is_whitespace) {
+        return Err(format!(
+            "invalid libvirt_uri {}: expected a libvirt URI such as \"qemu:///system\", \
+             or \"\" to skip the libvirt check",
+            Quoted(uri)
+        ));
+    }
+    Ok(uri.to_string())
+}
