@@ -43,7 +43,8 @@ fn main() {
         sysfs.clone(),
         Arc::clone(&store),
         Arc::new(Modprobe),
-    );
+    )
+    .unwrap();
     engine.refresh().unwrap();
     let nic: PciAddress = "0000:3b:00.0".parse().unwrap();
     // The whole life of a task, as the daemon gives it: admitted, created, prepared from the

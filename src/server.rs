@@ -84,13 +84,14 @@ impl Server {
         })
         .await
         .map_err(EngineError::from)??;
+        crate::engine::warn_about_drivers(&opts.settings);
         let core = Core::new(
             opts.settings,
             opts.source,
             opts.sysfs,
             Arc::new(store),
             Arc::new(Modprobe),
-        );
+        )?;
         let (engine, events) = Engine::new(core);
         // The first pass commits before the name is taken: when clients can see vfiod, they
         // see the whole inventory.

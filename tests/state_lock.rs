@@ -15,7 +15,10 @@ async fn a_second_daemon_on_the_same_state_directory_refuses_to_start() {
     let mut h = Harness::start(STEADY_CONFIG).await;
     let fpga = common::addr("0000:af:00.0");
     // The first daemon is in the middle of a task.
-    let t = h.store().create_task(fpga, "split", "{}", "test").unwrap();
+    let t = h
+        .store()
+        .create_task(fpga, vfiod::model::task::TaskKind::Split, "{}", "test")
+        .unwrap();
     h.store()
         .task_progress(t.id, "echo '4' > sriov_numvfs", 20)
         .unwrap();

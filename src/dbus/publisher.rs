@@ -53,6 +53,8 @@ pub(super) async fn run(objects: Objects, mut events: EventStream) {
                     tracing::error!("cannot signal the manager's settings: {e}");
                 }
             }
+            // Nothing on the bus shows domains yet (claims will).
+            EngineEvent::Domain(_) => {}
             EngineEvent::Flush(done) => {
                 let _ = done.send(());
             }

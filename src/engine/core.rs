@@ -5,7 +5,7 @@
 use super::context::{JobContext, ModuleLoader};
 use super::events::{DeviceTasks, DeviceView};
 use crate::config::{ConfigError, Settings};
-use crate::host::libvirt::{DomainQuery, NoLibvirt, UriQuery};
+use crate::host::libvirt::{Libvirt, LibvirtEvent};
 use crate::host::sysfs::{Sysfs, SysfsError};
 use crate::inventory;
 use crate::model::device::{Device, Role};
@@ -65,14 +65,11 @@ pub struct Pass {
     pub events: Vec<Event>,
 }
 
-/// Who answers "which running domains use what" under these settings.
-fn domain_query(settings: &Settings) -> Arc<dyn DomainQuery> {
-    match &settings.libvirt_uri {
-        Some(uri) => Arc::new(UriQuery {
-            uri: uri.clone(),
-            root: settings.sysfs_root.clone(),
-        }),
-        None => Arc::new(NoLibvirt),
+/// Logs the configured drivers that no loaded driver, module or built-in provides: a task that
+/// needs one will be refused, and the operator should hear it at load, not then.
+pub fn warn_about_drivers(settings: &Settings) {
+    for w in crate::host::modules::driver_warnings(settings, &settings.sysfs_root) {
+        tracing::warn!("{w}");
     }
 }
 
@@ -81,7 +78,9 @@ pub struct Core {
     store: Arc<Store>,
     settings: RwLock<Arc<Settings>>,
     source: Option<ConfigSource>,
-    domains: RwLock<Arc<dyn DomainQuery>>,
+    /// The one connection to libvirt: which running domains use what, domain events.
+    libvirt: Libvirt,
+    libvirt_events: std::sync::Mutex<Option<tokio::sync::mpsc::UnboundedReceiver<LibvirtEvent>>>,
     modules: Arc<dyn ModuleLoader>,
 }
 
@@ -92,15 +91,38 @@ impl Core {
         sysfs: Sysfs,
         store: Arc<Store>,
         modules: Arc<dyn ModuleLoader>,
-    ) -> Core {
-        Core {
-            domains: RwLock::new(domain_query(&settings)),
+    ) -> Result<Core, EngineError> {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let libvirt = Libvirt::start(
+            settings.libvirt_uri.clone(),
+            settings.sysfs_root.clone(),
+            Some(tx),
+        )
+        .map_err(|e| EngineError::Internal(format!("cannot start the libvirt worker: {e}")))?;
+        Ok(Core {
             sysfs,
             store,
             settings: RwLock::new(Arc::new(settings)),
             source,
+            libvirt,
+            libvirt_events: std::sync::Mutex::new(Some(rx)),
             modules,
-        }
+        })
+    }
+
+    /// libvirt's domain lifecycle events and connection changes, once (the engine's loop takes
+    /// them).
+    pub fn take_libvirt_events(
+        &self,
+    ) -> Option<tokio::sync::mpsc::UnboundedReceiver<LibvirtEvent>> {
+        self.libvirt_events
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+    }
+
+    pub fn libvirt(&self) -> &Libvirt {
+        &self.libvirt
     }
 
     pub fn settings(&self) -> Arc<Settings> {
@@ -121,7 +143,7 @@ impl Core {
             sysfs: self.sysfs.clone(),
             store: Arc::clone(&self.store),
             settings: self.settings(),
-            domains: Arc::clone(&self.domains.read().unwrap_or_else(|p| p.into_inner())),
+            domains: Arc::new(self.libvirt.clone()),
             modules: Arc::clone(&self.modules),
         }
     }
@@ -183,9 +205,9 @@ impl Core {
                 effective.state_dir = old.state_dir.clone();
                 let effective = Arc::new(effective);
                 if effective.libvirt_uri != old.libvirt_uri {
-                    *self.domains.write().unwrap_or_else(|p| p.into_inner()) =
-                        domain_query(&effective);
+                    self.libvirt.set_uri(effective.libvirt_uri.clone());
                 }
+                warn_about_drivers(&effective);
                 *self.settings.write().unwrap_or_else(|p| p.into_inner()) = Arc::clone(&effective);
                 self.store.record_event(NewEvent::new(
                     None,

@@ -40,6 +40,8 @@ pub enum EngineEvent {
     },
     /// The settings were replaced by a reload.
     Settings,
+    /// A libvirt domain was defined, started, stopped, ... (from libvirt's own events).
+    Domain(crate::host::libvirt::DomainEvent),
     /// A marker: answered once every event sent before it has been handled, so that a D-Bus
     /// reply naming a new task is sent only when the task's object exists.
     Flush(oneshot::Sender<()>),

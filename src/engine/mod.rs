@@ -16,7 +16,7 @@ pub mod jobs;
 mod run_loop;
 pub mod tasks;
 
-pub use self::core::{ConfigSource, Core, EngineError, Pass};
+pub use self::core::{warn_about_drivers, ConfigSource, Core, EngineError, Pass};
 pub use context::{JobContext, Modprobe, ModuleLoader};
 pub use events::{DeviceTasks, DeviceView, EngineEvent, EventStream};
 pub use job::{Admission, Job, JobError, JobFailure, Phase, Progress};

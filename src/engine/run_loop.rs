@@ -4,6 +4,7 @@
 //! from stopping.
 
 use super::Engine;
+use crate::host::libvirt::LibvirtEvent;
 use crate::host::uevent::{EventReceiver, Uevent};
 use crate::model::event::EventKind;
 use crate::store::NewEvent;
@@ -13,6 +14,8 @@ use std::time::Duration;
 /// What one turn of the loop does.
 enum Work {
     Pass(Vec<Uevent>),
+    Libvirt(LibvirtEvent),
+    LibvirtClosed,
     Tick,
     Reload,
     UeventsClosed,
@@ -66,6 +69,7 @@ impl Engine {
         shutdown: impl std::future::Future<Output = ()>,
     ) {
         tokio::pin!(shutdown);
+        let mut libvirt = self.core.take_libvirt_events();
         let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
         let mut interval = self.settings().poll_interval;
         let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
@@ -92,6 +96,15 @@ impl Engine {
                     }
                     None => Work::UeventsClosed,
                 },
+                ev = async {
+                    match libvirt.as_mut() {
+                        Some(rx) => rx.recv().await,
+                        None => std::future::pending().await,
+                    }
+                } => match ev {
+                    Some(ev) => Work::Libvirt(ev),
+                    None => Work::LibvirtClosed,
+                },
                 _ = tick.tick() => Work::Tick,
                 _ = async {
                     match hup.as_mut() {
@@ -107,6 +120,8 @@ impl Engine {
                         self.pass().await;
                     }
                     Work::Tick => self.pass().await,
+                    Work::Libvirt(ev) => self.libvirt_event(ev),
+                    Work::LibvirtClosed => libvirt = None,
                     Work::UeventsClosed => {
                         tracing::warn!("uevent source closed; relying on polling");
                         uevents = None;
@@ -133,6 +148,25 @@ impl Engine {
             if new_interval != interval {
                 interval = new_interval;
                 tick = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
+            }
+        }
+    }
+
+    /// A domain event goes on to the engine's consumers (claims and hooks act on them); a
+    /// connection change is logged (events during an outage are lost: whoever tracks domains
+    /// re-reads them on `Connected`).
+    fn libvirt_event(&self, ev: LibvirtEvent) {
+        match ev {
+            LibvirtEvent::Domain(d) => {
+                tracing::debug!(domain = %d.name, uuid = %d.uuid, "libvirt domain event {:?}", d.kind);
+                self.send(super::EngineEvent::Domain(d));
+            }
+            LibvirtEvent::Connected { uri } => tracing::info!(uri, "connected to libvirt"),
+            LibvirtEvent::Disconnected { uri, reason } => {
+                tracing::warn!(
+                    uri,
+                    "lost the connection to libvirt ({reason:?}); reconnecting"
+                )
             }
         }
     }
