@@ -199,3 +199,43 @@ pub fn prop_str(p: &Props, k: &str) -> Option<String> {
 pub fn addr(s: &str) -> vfiod::model::pci::PciAddress {
     s.parse().expect("address")
 }
+
+/// Polls `condition` until it returns `Some`, and returns that; fails the test with `what` if it
+/// has not within `within`. The one way tests wait for something asynchronous (no fixed sleeps):
+/// it returns as soon as the condition holds, and a regression fails with a message, not a hang.
+pub async fn eventually<T>(
+    within: Duration,
+    what: &str,
+    mut condition: impl FnMut() -> Option<T>,
+) -> T {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        if let Some(v) = condition() {
+            return v;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{what}: not within {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// [`eventually`] for a condition that needs to await (a D-Bus call).
+pub async fn eventually_async<T, F, Fut>(within: Duration, what: &str, mut condition: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        if let Some(v) = condition().await {
+            return v;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{what}: not within {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
