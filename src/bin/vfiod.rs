@@ -49,42 +49,71 @@ struct Args {
 type ReadyHook = Box<dyn FnOnce() -> Result<Option<tokio::process::Child>, String> + Send>;
 
 fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("VFIOD_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    // Under systemd the journal adds timestamps; elsewhere keep them.
-    let journal = std::env::var_os("JOURNAL_STREAM").is_some();
-    let b = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    use tracing_subscriber::prelude::*;
+    let filter = || {
+        tracing_subscriber::EnvFilter::try_from_env("VFIOD_LOG")
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"))
+    };
+    // Under systemd (stderr connected to the journal), log natively: span and event fields
+    // become journal fields (VFIOD_TASK_ID, VFIOD_DEVICE, VFIOD_KIND, ...), and the journal adds
+    // the timestamps.
+    if std::env::var_os("JOURNAL_STREAM").is_some() {
+        if let Ok(journald) = tracing_journald::layer() {
+            let journald = journald
+                .with_field_prefix(Some("VFIOD".into()))
+                .with_syslog_identifier("vfiod".into());
+            tracing_subscriber::registry()
+                .with(journald.with_filter(filter()))
+                .init();
+            return;
+        }
+    }
+    tracing_subscriber::fmt()
+        .with_env_filter(filter())
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_target(false);
-    if journal {
-        b.without_time().init();
-    } else {
-        b.init();
-    }
+        .with_target(false)
+        .init();
 }
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
     let args = Args::parse();
     init_logging();
-    match run(args).await {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("vfiod: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let code = match runtime.block_on(run(args)) {
         Ok(code) => code,
         Err(e) => {
             eprintln!("vfiod: {e}");
             ExitCode::FAILURE
         }
-    }
+    };
+    // A blocking worker may be stuck (a write a driver never completes): dropping the runtime
+    // would wait for it forever, and SIGTERM must end vfiod within seconds. Its task is reported
+    // as interrupted at the next start.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    code
 }
 
-async fn shutdown_signal() {
+/// Resolves on SIGTERM or SIGINT. The handlers are installed when this is called, not when it is
+/// first polled.
+fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
     let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
-    tokio::select! {
-        _ = term.recv() => {},
-        _ = int.recv() => {},
+    async move {
+        tokio::select! {
+            _ = term.recv() => {},
+            _ = int.recv() => {},
+        }
     }
 }
 
@@ -172,7 +201,11 @@ async fn serve(
     simulated: bool,
     on_ready: Option<ReadyHook>,
 ) -> Result<ExitCode, String> {
-    let server = Server::start(Options {
+    // Handlers first: a SIGTERM during start-up (a reconcile waiting on a slow device) ends vfiod
+    // too, instead of the default action killing it between two writes.
+    let shutdown = shutdown_signal();
+    tokio::pin!(shutdown);
+    let start = Server::start(Options {
         settings,
         source,
         sysfs,
@@ -180,9 +213,14 @@ async fn serve(
         bus,
         authorizer,
         simulated,
-    })
-    .await
-    .map_err(|e| error_chain(&e))?;
+    });
+    let server = tokio::select! {
+        started = start => started.map_err(|e| error_chain(&e))?,
+        _ = &mut shutdown => {
+            tracing::warn!("stopped during start-up");
+            return Ok(ExitCode::SUCCESS);
+        }
+    };
     let child = match on_ready {
         Some(f) => f(),
         None => Ok(None),
@@ -190,7 +228,7 @@ async fn serve(
     let code = match child {
         Ok(Some(mut c)) => c.wait().await.ok().and_then(|s| s.code()).unwrap_or(1),
         Ok(None) => {
-            shutdown_signal().await;
+            shutdown.await;
             0
         }
         Err(e) => {

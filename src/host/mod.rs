@@ -1,8 +1,10 @@
 //! The host's edges: everything vfiod reads from or does to the machine it runs on. [`sysfs`]
 //! is the only way to the kernel's device tree (every path under one configurable root, every
-//! write bounded in time); [`uevent`] brings the kernel's hot-plug events; [`libvirt`] answers
-//! which running domains use which host functions. Each is small, blocking, and tested for
-//! real (the simulated kernel, a real libvirtd).
+//! write bounded in time); [`uevent`] brings the kernel's hot-plug events; [`libvirt`] is one
+//! worker thread that owns the libvirt connection (which running domains use which functions,
+//! domain XML, hostdev attach and detach, domain lifecycle events), bounded and reconnecting;
+//! [`modules`] tells which driver names a loaded driver, a module or the kernel provides. Each
+//! is small, blocking, and tested for real (the simulated kernel, a real libvirtd).
 
 pub mod libvirt;
 pub mod modules;
