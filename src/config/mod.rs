@@ -9,10 +9,10 @@
 //! # Stages
 //!
 //! ```text
-//!  files      raw           merge          validate (one module per section)          Settings
-//!  bytes ──▶ Fragment ──▶ Inputs ──┬─ the Inputs ───────────▶ daemon  (top-level keys) ─┐
-//!  + path    (one file,   (files in ├─ entries(|f| &f.select) ─▶ select  ([[select]])   ├─▶ Settings
-//!            spanned,     order)    └─ entries(|f| &f.protect) ▶ protect ([[protect]])  ┘
+//!  files      raw          merge        validate (one module per section)      Settings
+//!  bytes ──▶ Fragment ──▶ Inputs ──┬─ Inputs ──────────────────▶ daemon  ─┐
+//!  + path    (one file,   (files   ├─ entries(|f| &f.select) ──▶ select  ─┼─▶ Settings
+//!            spanned,     in order)└─ entries(|f| &f.protect) ─▶ protect ─┘
 //!            bounded)
 //! ```
 //!
