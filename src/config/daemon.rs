@@ -1,9 +1,15 @@
 //! The daemon's own keys, at the top level of a file: `scenario`, `poll_interval`, `state_dir`,
-//! `sysfs_root`, `libvirt_uri`. Their raw form is the top of [`RawFile`](super::raw::RawFile).
+//! `sysfs_root`, `libvirt_uri`.
+//!
+//! Unlike a section, these have no raw struct of their own: they are fields of
+//! [`RawFile`](super::raw::RawFile) itself (serde does not deny unknown keys through a
+//! flattened struct). So this module reads them from [`Inputs`] and sits above `merge`, where
+//! the sections sit below `raw`.
 
+use super::bounded::PathText;
 use super::error::{ConfigError, Key, Quoted};
-use super::merge::{last_valid, Inputs, Located};
-use super::raw::PathText;
+use super::located::{last_valid, Located};
+use super::merge::Inputs;
 use serde::Serialize;
 use std::fmt;
 use std::path::{Path, PathBuf};

@@ -65,7 +65,7 @@ pub(crate) fn file_error(file: &Path, message: &str, source: io::Error) -> Confi
     }
 }
 
-/// Names a key for messages: "`poll_interval`" or "`id` in [[select]] #3" (entries count from 1
+/// Names a key for messages: "`poll_interval`" or "`id` in \[\[select\]\] #3" (entries count from 1
 /// within the file, as a reader counts headers).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Key<'a> {

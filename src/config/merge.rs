@@ -1,18 +1,18 @@
 //! Stage 3: the fragments combined in the order they apply (main file, then drop-ins in byte
 //! order of their names): [`Inputs`].
 //!
-//! Combining is generic, so a new section needs nothing here:
-//! - a scalar key: [`Inputs::values`] yields every value it is given, in file order, and
-//!   [`last_valid`] keeps the last one after checking them all (a bad value is an error even
-//!   where a later file overrides it: nothing of a file with an error is used);
+//! Combining is generic, so a new section needs nothing here. The pipeline picks a section's
+//! field of [`RawFile`] and hands the validator what it yields:
+//! - a scalar key or a table: [`Inputs::values`] yields every value it is given, in file order,
+//!   and `located::last_valid` keeps the last one after checking them all (for a table, per
+//!   key, through [`Located::field`]);
 //! - an array of tables (`[[select]]`): [`Inputs::entries`] appends every file's entries in
 //!   order, each with its index within its file (for "`[[select]] #2`" in messages).
 //!
 //! Every value stays [`Located`]: it keeps its file and offset, so validation still reports
 //! `file:line:column`.
 
-use super::error::{ConfigError, Key};
-use super::position::Origin;
+use super::located::{Entry, Located};
 use super::raw::{Fragment, RawFile};
 use std::path::PathBuf;
 use toml::Spanned;
@@ -30,106 +30,44 @@ impl Inputs {
 
     /// The files, in order (for [`Settings::sources`](super::Settings::sources)).
     pub fn sources(&self) -> Vec<PathBuf> {
-        self.fragments.iter().map(|f| f.origin.clone()).collect()
+        self.fragments
+            .iter()
+            .map(|f| f.source.file.clone())
+            .collect()
     }
 
-    /// Every value a key is given, in file order; the last one is in force.
+    /// Every value a key (or table) is given, in file order; the last one is in force. Cloning
+    /// the iterator starts over, so a table's validator can walk it once per key.
     pub fn values<'a, T: 'a>(
         &'a self,
-        get: impl Fn(&'a RawFile) -> Option<&'a Spanned<T>> + 'a,
-    ) -> impl Iterator<Item = Located<'a, T>> + 'a {
+        get: impl Fn(&'a RawFile) -> Option<&'a Spanned<T>> + Clone + 'a,
+    ) -> impl Iterator<Item = Located<'a, T>> + Clone + 'a {
         self.fragments.iter().filter_map(move |fragment| {
-            get(&fragment.raw).map(|spanned| Located::new(fragment, spanned))
+            get(&fragment.raw).map(|spanned| Located::new(&fragment.source, spanned))
         })
     }
 
     /// The entries of an array of tables from every file, appended in file order.
     pub fn entries<'a, T: 'a>(
         &'a self,
-        get: impl Fn(&'a RawFile) -> &'a [Spanned<T>] + 'a,
-    ) -> impl Iterator<Item = Entry<'a, T>> + 'a {
+        get: impl Fn(&'a RawFile) -> &'a [Spanned<T>] + Clone + 'a,
+    ) -> impl Iterator<Item = Entry<'a, T>> + Clone + 'a {
         self.fragments.iter().flat_map(move |fragment| {
             get(&fragment.raw)
                 .iter()
                 .enumerate()
                 .map(move |(index, spanned)| Entry {
                     index,
-                    item: Located::new(fragment, spanned),
+                    item: Located::new(&fragment.source, spanned),
                 })
         })
     }
 }
 
-/// Checks every value of a scalar key and keeps the last (later files win).
-pub(crate) fn last_valid<'a, T: 'a, U>(
-    values: impl Iterator<Item = Located<'a, T>>,
-    mut check: impl FnMut(Located<'a, T>) -> Result<U, ConfigError>,
-) -> Result<Option<U>, ConfigError> {
-    let mut last = None;
-    for value in values {
-        last = Some(check(value)?);
-    }
-    Ok(last)
-}
-
-/// A value and where it was written.
-#[derive(Debug)]
-pub(crate) struct Located<'a, T> {
-    pub value: &'a T,
-    fragment: &'a Fragment,
-    offset: usize,
-}
-
-impl<T> Clone for Located<'_, T> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-
-impl<T> Copy for Located<'_, T> {}
-
-impl<'a, T> Located<'a, T> {
-    fn new(fragment: &'a Fragment, spanned: &'a Spanned<T>) -> Self {
-        Located {
-            value: spanned.get_ref(),
-            fragment,
-            offset: spanned.span().start,
-        }
-    }
-
-    /// A key inside this value (a table or an entry), located in the same file.
-    pub fn field<U>(
-        &self,
-        get: impl FnOnce(&'a T) -> Option<&'a Spanned<U>>,
-    ) -> Option<Located<'a, U>> {
-        get(self.value).map(|spanned| Located::new(self.fragment, spanned))
-    }
-
-    pub fn origin(&self) -> Origin {
-        self.fragment.origin_at(self.offset)
-    }
-
-    /// An error at this value.
-    pub fn error(&self, message: String) -> ConfigError {
-        self.fragment.error_at(self.offset, message)
-    }
-
-    /// Turns a validation result into an error at this value, naming its key.
-    pub fn check<U>(&self, key: Key<'_>, result: Result<U, String>) -> Result<U, ConfigError> {
-        result.map_err(|reason| self.error(format!("{key}: {reason}")))
-    }
-}
-
-/// One entry of an array of tables.
-#[derive(Debug)]
-pub(crate) struct Entry<'a, T> {
-    /// 0-based index of the entry within its own file.
-    pub index: usize,
-    pub item: Located<'a, T>,
-}
-
 #[cfg(test)]
 mod tests {
+    use super::super::error::Key;
+    use super::super::located::last_valid;
     use super::*;
 
     fn inputs(files: &[&str]) -> Inputs {

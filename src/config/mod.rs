@@ -9,10 +9,10 @@
 //! # Stages
 //!
 //! ```text
-//!  files      raw           merge            validate (one module per section)   Settings
-//!  bytes ──▶ Fragment ──▶ Inputs ──┬──▶ daemon   (scenario, poll_interval, ...) ─┐
-//!  + path    (one file,   (files in ├──▶ select   ([[select]])                    ├──▶ Settings
-//!            spanned,     order)    └──▶ protect  ([[protect]])                   ┘
+//!  files      raw          merge        validate (one module per section)      Settings
+//!  bytes ──▶ Fragment ──▶ Inputs ──┬─ Inputs ──────────────────▶ daemon  ─┐
+//!  + path    (one file,   (files   ├─ entries(|f| &f.select) ──▶ select  ─┼─▶ Settings
+//!            spanned,     in order)└─ entries(|f| &f.protect) ─▶ protect ─┘
 //!            bounded)
 //! ```
 //!
@@ -20,37 +20,66 @@
 //!    names, hidden ones skipped). The only I/O; regular files only, bounded in size and count,
 //!    never a blocking open.
 //! 2. `raw`: one file's text into a `raw::Fragment`: serde mirror structs that keep each
-//!    value's span, reject unknown keys, and bound every string. Syntax and shape (type) errors
-//!    are found here.
+//!    value's span, reject unknown keys, and bound every string (`bounded`). Syntax and shape
+//!    (type) errors are found here.
 //! 3. `merge`: the fragments in order, as `merge::Inputs`: a scalar's values in file order
-//!    (the last wins, every one is checked), array entries appended. Each value keeps its file
-//!    and span, so validation reports `file:line:column`.
-//! 4. One module per section validates its raw values into typed ones: `daemon` (the top-level
-//!    keys), `select`, `protect` (`selector` holds what the last two share).
+//!    (the last wins, every one is checked), array entries appended. Each value stays
+//!    `located::Located` in its file, so validation reports `file:line:column`.
+//! 4. One module per section validates its raw values into typed ones: `select`, `protect`
+//!    (`selector` holds what the two share). The pipeline hands each its own values from
+//!    `Inputs`, so a section never sees the file struct. `daemon` validates the top-level keys,
+//!    which are fields of the file struct itself, so it reads them from `Inputs`.
 //! 5. `settle` (this module) assembles [`Settings`].
 //!
 //! Syntax and shape errors of every file come before value errors; value errors are reported
 //! section by section, in file order within a section.
 //!
+//! # Module graph
+//!
+//! Sibling modules use each other in one direction only (no cycle: `tests/architecture.rs`):
+//!
+//! ```text
+//!  pipeline   mod.rs (load, settle)   uses every module
+//!  top keys   daemon                  merge and below
+//!  stage 3    merge                   raw, located
+//!  stage 2    raw                     the sections' raw structs, bounded, position, error
+//!  sections   select, protect         selector and the leaves
+//!             selector                the leaves
+//!  stage 1    files                   error
+//!  leaves     located                 position, error  (Located, Entry, last_valid)
+//!             bounded                 error            (bounded strings, Int)
+//!             position                error            (Origin, Source, key at a span)
+//!             error                   -                (ConfigError, Key, Quoted)
+//! ```
+//!
+//! `raw` names each section's raw struct, so a section must not use `raw` or `merge`.
+//!
 //! # How to add a section
 //!
 //! For a `[hooks]` table (or a `[[pool]]` array):
 //! 1. `src/config/hooks.rs`: `RawHooks` (`#[derive(Deserialize)] #[serde(deny_unknown_fields)]`,
-//!    values as `Spanned<raw::Keyword>` / `Spanned<raw::PathText>` / `Spanned<raw::Int>`, never a
-//!    bare `String`), the typed `Hooks`, and
-//!    `pub(crate) fn validate(inputs: &Inputs) -> Result<Hooks, ConfigError>` built on
-//!    `inputs.values(|f| f.hooks.as_ref())` + `merge::last_valid` (a table: each key's last
-//!    value wins) or `inputs.entries(|f| &f.pool)` (an array: entries append);
+//!    values as `Spanned<bounded::Keyword>` / `Spanned<bounded::PathText>` /
+//!    `Spanned<bounded::Int>`, never a bare `String`), the typed `Hooks`, and its validator,
+//!    built on the leaves only (`located`, `bounded`, `error`; `selector` for selectors):
+//!    - a table: `pub(crate) fn validate<'a>(tables: impl Iterator<Item = Located<'a,
+//!      RawHooks>> + Clone) -> Result<Hooks, ConfigError>`, each key's last value winning:
+//!      `last_valid(tables.clone().filter_map(|t| t.field(|h| h.dir.as_ref())), check)`;
+//!    - an array: `pub(crate) fn validate<'a>(entries: impl Iterator<Item = Entry<'a,
+//!      RawPool>>) -> Result<Vec<Pool>, ConfigError>`, entries appended;
 //! 2. one field in `raw::RawFile`: `hooks: Option<Spanned<RawHooks>>`
 //!    (or `#[serde(default)] pool: Vec<Spanned<RawPool>>`);
 //! 3. one field in [`Settings`] (and its default);
-//! 4. one line in `settle`: `hooks: hooks::validate(inputs)?,`.
+//! 4. one line in `settle`: `hooks: hooks::validate(inputs.values(|f| f.hooks.as_ref()))?,`
+//!    (or `pool: pool::validate(inputs.entries(|f| &f.pool))?,`).
 //!
-//! Nothing in `files` or `merge` changes.
+//! Nothing in `files`, `merge` or the leaves changes. A new top-level daemon key is a field of
+//! `raw::RawFile` and a check in `daemon::validate`.
 
+mod bounded;
 mod daemon;
 mod error;
 mod files;
+mod located;
 mod merge;
 mod position;
 mod protect;
@@ -58,11 +87,11 @@ mod raw;
 mod select;
 mod selector;
 
+pub use bounded::{MAX_DRIVER_BYTES, MAX_KEYWORD_BYTES, MAX_PATH_BYTES};
 pub use daemon::{Scenario, DEFAULT_LIBVIRT_URI};
 pub use error::{ConfigError, FileRefusal};
 pub use files::{MAX_DROPINS, MAX_FILE_BYTES, MAX_TOTAL_BYTES};
 pub use position::Origin;
-pub use raw::{MAX_DRIVER_BYTES, MAX_KEYWORD_BYTES, MAX_PATH_BYTES};
 pub use select::{DeviceRule, RuleOrigin};
 pub use selector::{ClassPrefix, Selector};
 
@@ -170,7 +199,9 @@ impl Settings {
 /// The last stage: every section validated, assembled into [`Settings`].
 fn settle(inputs: &Inputs) -> Result<Settings, ConfigError> {
     let daemon = daemon::validate(inputs)?;
-    let (select, select_origins) = select::validate(inputs)?.into_iter().unzip();
+    let (select, select_origins) = select::validate(inputs.entries(|f| &f.select))?
+        .into_iter()
+        .unzip();
     Ok(Settings {
         scenario: daemon.scenario,
         poll_interval: daemon.poll_interval,
@@ -179,7 +210,7 @@ fn settle(inputs: &Inputs) -> Result<Settings, ConfigError> {
         libvirt_uri: daemon.libvirt_uri,
         select,
         select_origins,
-        protect: protect::validate(inputs)?,
+        protect: protect::validate(inputs.entries(|f| &f.protect))?,
         sources: inputs.sources(),
     })
 }

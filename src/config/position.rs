@@ -1,6 +1,7 @@
 //! Where in a file a byte offset is: its line and column, and the key it belongs to. Used to
 //! turn the parser's byte spans into `file:line:column: <key>: ...` messages.
 
+use super::error::ConfigError;
 use std::fmt;
 use std::ops::Range;
 use std::path::PathBuf;
@@ -16,6 +17,35 @@ pub struct Origin {
 impl fmt::Display for Origin {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}:{}:{}", self.file.display(), self.line, self.column)
+    }
+}
+
+/// One file as read: its name and its text, which turn a byte offset into an [`Origin`].
+#[derive(Debug)]
+pub(crate) struct Source {
+    pub file: PathBuf,
+    pub text: String,
+}
+
+impl Source {
+    pub fn origin_at(&self, offset: usize) -> Origin {
+        let (line, column) = line_column(self.text.as_bytes(), offset);
+        Origin {
+            file: self.file.clone(),
+            line,
+            column,
+        }
+    }
+
+    /// An error at `offset`: `file:line:column: message`.
+    pub fn error_at(&self, offset: usize, message: String) -> ConfigError {
+        let Origin { file, line, column } = self.origin_at(offset);
+        ConfigError::Invalid {
+            file,
+            line,
+            column,
+            message,
+        }
     }
 }
 

@@ -1,16 +1,17 @@
 //! The `[[protect]]` section: devices vfiod must never touch, on top of those the host is
 //! detected to use. An entry is a selector and nothing else (its raw form is
-//! [`RawSelector`](super::selector::RawSelector)).
+//! [`RawSelector`]).
 
 use super::error::ConfigError;
-use super::merge::{Entry, Inputs};
+use super::located::Entry;
 use super::selector::{self, RawSelector, Selector};
 
 /// Every `[[protect]]` entry of every file, in order.
-pub(crate) fn validate(inputs: &Inputs) -> Result<Vec<Selector>, ConfigError> {
-    inputs
-        .entries(|f| &f.protect)
-        .map(|Entry { index, item }: Entry<'_, RawSelector>| {
+pub(crate) fn validate<'a>(
+    entries: impl Iterator<Item = Entry<'a, RawSelector>>,
+) -> Result<Vec<Selector>, ConfigError> {
+    entries
+        .map(|Entry { index, item }| {
             selector::validate(
                 item,
                 "protect",

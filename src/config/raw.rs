@@ -3,34 +3,21 @@
 //! Serde reads the text into `Raw*` mirror structs whose fields keep their byte span
 //! ([`Spanned`]) and which reject unknown keys, so that a typo is an error rather than a
 //! silently ignored setting. Nothing is judged here beyond the shape (types, known keys) and
-//! the size of each value: every string is a [`Text`] with a bound, so no later stage (nor any
-//! error message) ever holds a value of unbounded length.
+//! the size of each value: every string is a bounded `Text` (see `bounded`), so no later stage
+//! (nor any error message) ever holds a value of unbounded length.
 //!
-//! The file's own keys are the fields of [`RawFile`]; a section's raw struct lives in the
-//! section's module, next to its validator.
+//! The file's own keys are the fields of [`RawFile`]: the daemon's keys at the top level, and
+//! one field per section whose raw struct lives in the section's module, next to its
+//! validator. So this module depends on the sections, never the other way round.
 
+use super::bounded::{Int, Keyword, PathText};
 use super::error::{bound_message, ConfigError, Key};
-use super::position::{key_path_at, line_column, Origin, Segment};
+use super::position::{key_path_at, line_column, Segment, Source};
 use super::select::RawRule;
 use super::selector::RawSelector;
-use serde::de::{self, Deserializer, Visitor};
 use serde::Deserialize;
-use std::fmt;
 use std::path::PathBuf;
 use toml::Spanned;
-
-/// Longest keyword or selector value (`scenario`, `kind`, `mode`, `address`, `id`, `class`);
-/// every valid one is far shorter, so this only bounds what an error may quote.
-pub const MAX_KEYWORD_BYTES: usize = 64;
-/// A driver name is a kernel module name: `MODULE_NAME_LEN` is 64 - sizeof(long) = 56 bytes
-/// with the terminating NUL.
-pub const MAX_DRIVER_BYTES: usize = 55;
-/// Paths and URIs: `PATH_MAX` (4096) without the terminating NUL.
-pub const MAX_PATH_BYTES: usize = 4095;
-
-pub(crate) type Keyword = Text<MAX_KEYWORD_BYTES>;
-pub(crate) type DriverText = Text<MAX_DRIVER_BYTES>;
-pub(crate) type PathText = Text<MAX_PATH_BYTES>;
 
 /// The raw mirror of one file. Field names are the TOML keys.
 #[derive(Debug, Default, Deserialize)]
@@ -50,11 +37,10 @@ pub(crate) struct RawFile {
     pub protect: Vec<Spanned<RawSelector>>,
 }
 
-/// One file: its name, its text (for positions in errors) and what it says.
+/// One file: where it came from and its text (for positions in errors), and what it says.
 #[derive(Debug)]
 pub(crate) struct Fragment {
-    pub origin: PathBuf,
-    pub text: String,
+    pub source: Source,
     pub raw: RawFile,
 }
 
@@ -73,184 +59,68 @@ impl Fragment {
     }
 
     pub fn parse_text(text: String, origin: PathBuf) -> Result<Fragment, ConfigError> {
-        let mut fragment = Fragment {
-            origin,
-            text,
-            raw: RawFile::default(),
-        };
+        let source = Source { file: origin, text };
         let table =
-            toml::de::DeTable::parse(&fragment.text).map_err(|e| fragment.syntax_error(&e))?;
-        fragment.raw = RawFile::deserialize(toml::de::Deserializer::from(table))
-            .map_err(|e| fragment.shape_error(&e))?;
-        Ok(fragment)
-    }
-
-    pub fn origin_at(&self, offset: usize) -> Origin {
-        let (line, column) = line_column(self.text.as_bytes(), offset);
-        Origin {
-            file: self.origin.clone(),
-            line,
-            column,
-        }
-    }
-
-    pub fn error_at(&self, offset: usize, message: String) -> ConfigError {
-        let Origin { file, line, column } = self.origin_at(offset);
-        ConfigError::Invalid {
-            file,
-            line,
-            column,
-            message,
-        }
-    }
-
-    fn syntax_error(&self, e: &toml::de::Error) -> ConfigError {
-        let span = e.span().unwrap_or(0..0);
-        let mut message = format!("invalid TOML: {}", e.message());
-        // The parser's "duplicate key" does not say which; its span covers the key.
-        if let Some(text) = self.text.get(span.clone()).filter(|t| !t.is_empty()) {
-            if e.message() == "duplicate key" {
-                message = format!("invalid TOML: duplicate key `{}`", text.trim());
-            }
-        }
-        self.error_at(span.start, bound_message(&message))
-    }
-
-    /// An unknown key or a value of the wrong type, found by serde. Serde's message does not say
-    /// which key it is about, so find the key whose span the error points into.
-    fn shape_error(&self, e: &toml::de::Error) -> ConfigError {
-        let span = e.span().unwrap_or(0..0);
-        let path = key_path_at(&self.text, &span);
-        let (entry, inner) = match path.as_slice() {
-            [Segment::Key(array), Segment::Index(index), inner @ ..] => {
-                (Some((array.as_str(), *index)), inner)
-            }
-            whole => (None, whole),
-        };
-        let name = inner
-            .iter()
-            .rev()
-            .find_map(|segment| match segment {
-                Segment::Key(name) => Some(name.as_str()),
-                Segment::Index(_) => None,
-            })
-            // "unknown field `x`, expected one of ..." names the key itself.
-            .filter(|_| !e.message().starts_with("unknown field"));
-        let mut message = match (entry, name) {
-            (None, None) => e.message().to_string(),
-            _ => format!("{}: {}", Key { entry, name }, e.message()),
-        };
-        if let [Segment::Key(array)] = path.as_slice() {
-            if (array == "select" || array == "protect")
-                && e.message().starts_with("invalid type: map")
-            {
-                message.push_str(&format!(
-                    " (entries are written [[{array}]], not [{array}])"
-                ));
-            }
-        }
-        // The key names and the message may quote the file's text at any length.
-        self.error_at(span.start, bound_message(&message))
+            toml::de::DeTable::parse(&source.text).map_err(|e| syntax_error(&source, &e))?;
+        let raw = RawFile::deserialize(toml::de::Deserializer::from(table))
+            .map_err(|e| shape_error(&source, &e))?;
+        Ok(Fragment { source, raw })
     }
 }
 
-/// A string of at most `MAX` bytes. Refused while parsing, before anything keeps or quotes it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct Text<const MAX: usize>(String);
-
-impl<const MAX: usize> Text<MAX> {
-    pub fn as_str(&self) -> &str {
-        &self.0
+fn syntax_error(source: &Source, e: &toml::de::Error) -> ConfigError {
+    let span = e.span().unwrap_or(0..0);
+    let mut message = format!("invalid TOML: {}", e.message());
+    // The parser's "duplicate key" does not say which; its span covers the key.
+    if let Some(text) = source.text.get(span.clone()).filter(|t| !t.is_empty()) {
+        if e.message() == "duplicate key" {
+            message = format!("invalid TOML: duplicate key `{}`", text.trim());
+        }
     }
+    source.error_at(span.start, bound_message(&message))
 }
 
-impl<'de, const MAX: usize> Deserialize<'de> for Text<MAX> {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct TextVisitor<const MAX: usize>;
-        impl<const MAX: usize> Visitor<'_> for TextVisitor<MAX> {
-            type Value = Text<MAX>;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a string")
-            }
-            fn visit_str<E: de::Error>(self, value: &str) -> Result<Text<MAX>, E> {
-                if value.len() <= MAX {
-                    return Ok(Text(value.to_string()));
-                }
-                // Quote only the start: the length says the rest.
-                let cut = value
-                    .char_indices()
-                    .nth(super::error::QUOTE_CHARS)
-                    .map_or(value.len(), |(i, _)| i);
-                let more = if cut < value.len() { "…" } else { "" };
-                Err(E::custom(format!(
-                    "{} bytes is too long, at most {MAX} allowed: {:?}{more}",
-                    value.len(),
-                    &value[..cut]
-                )))
-            }
+/// An unknown key or a value of the wrong type, found by serde. Serde's message does not say
+/// which key it is about, so find the key whose span the error points into.
+fn shape_error(source: &Source, e: &toml::de::Error) -> ConfigError {
+    let span = e.span().unwrap_or(0..0);
+    let path = key_path_at(&source.text, &span);
+    let (entry, inner) = match path.as_slice() {
+        [Segment::Key(array), Segment::Index(index), inner @ ..] => {
+            (Some((array.as_str(), *index)), inner)
         }
-        // Through a visitor, so that the parser attaches the value's span to the error.
-        deserializer.deserialize_str(TextVisitor::<MAX>)
-    }
-}
-
-/// An integer as written, or `None` when it does not fit in 64 bits. TOML integers are 64-bit;
-/// the parser hands larger ones to serde as 128-bit ones (and fails beyond that), which serde
-/// would report as "invalid value: integer `…` as i128, expected i64", without the key or
-/// the range. Keeping the fact lets the validator say "too large" with the key's range.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Int(pub Option<i64>);
-
-/// What the TOML parser says about an integer beyond 128 bits.
-const TOML_INTEGER_OVERFLOW: &str = "integer number overflowed";
-
-impl Int {
-    /// The value when within `min..=max`; otherwise why not, with the range (`unit` follows it).
-    pub fn in_range(self, min: i64, max: i64, unit: &str) -> Result<i64, String> {
-        match self.0 {
-            Some(value) if (min..=max).contains(&value) => Ok(value),
-            Some(value) => Err(format!(
-                "{value} is out of range: expected {min}..={max}{unit}"
-            )),
-            None => Err(format!(
-                "the number is too large (beyond 64 bits): expected {min}..={max}{unit}"
-            )),
+        whole => (None, whole),
+    };
+    let name = inner
+        .iter()
+        .rev()
+        .find_map(|segment| match segment {
+            Segment::Key(name) => Some(name.as_str()),
+            Segment::Index(_) => None,
+        })
+        // "unknown field `x`, expected one of ..." names the key itself.
+        .filter(|_| !e.message().starts_with("unknown field"));
+    let mut message = match (entry, name) {
+        (None, None) => e.message().to_string(),
+        _ => format!("{}: {}", Key { entry, name }, e.message()),
+    };
+    if let [Segment::Key(array)] = path.as_slice() {
+        // Any array of tables (a section's entries), so a new section gets the hint too.
+        if e.message()
+            .starts_with("invalid type: map, expected a sequence")
+        {
+            message.push_str(&format!(
+                " (entries are written [[{array}]], not [{array}])"
+            ));
         }
     }
-}
-
-impl<'de> Deserialize<'de> for Int {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct IntVisitor;
-        impl Visitor<'_> for IntVisitor {
-            type Value = Int;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                // What serde's own i64 says, which the messages have always shown.
-                f.write_str("i64")
-            }
-            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Int, E> {
-                Ok(Int(Some(v)))
-            }
-            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Int, E> {
-                Ok(Int(i64::try_from(v).ok()))
-            }
-            fn visit_i128<E: de::Error>(self, v: i128) -> Result<Int, E> {
-                Ok(Int(i64::try_from(v).ok()))
-            }
-            fn visit_u128<E: de::Error>(self, v: u128) -> Result<Int, E> {
-                Ok(Int(i64::try_from(v).ok()))
-            }
-        }
-        match deserializer.deserialize_any(IntVisitor) {
-            // Serde's error type offers only its text; toml's ends with a newline.
-            Err(e) if e.to_string().lines().any(|l| l == TOML_INTEGER_OVERFLOW) => Ok(Int(None)),
-            other => other,
-        }
-    }
+    // The key names and the message may quote the file's text at any length.
+    source.error_at(span.start, bound_message(&message))
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::bounded::MAX_DRIVER_BYTES;
     use super::*;
 
     #[test]

@@ -1,10 +1,10 @@
 //! The `[[select]]` section: which devices vfiod manages and how ([`DeviceRule`]), its raw
 //! form and its validation.
 
+use super::bounded::{DriverText, Int, Keyword};
 use super::error::{ConfigError, Key, Quoted};
-use super::merge::{Entry, Inputs, Located};
+use super::located::{Entry, Located};
 use super::position::Origin;
-use super::raw::{DriverText, Int, Keyword};
 use super::selector::{self, Selector};
 use crate::model::device::{Kind, Mode};
 use serde::Deserialize;
@@ -55,8 +55,10 @@ pub(crate) struct RawRule {
 }
 
 /// Every `[[select]]` entry of every file, in order (the first match applies).
-pub(crate) fn validate(inputs: &Inputs) -> Result<Vec<(DeviceRule, RuleOrigin)>, ConfigError> {
-    inputs.entries(|f| &f.select).map(rule).collect()
+pub(crate) fn validate<'a>(
+    entries: impl Iterator<Item = Entry<'a, RawRule>>,
+) -> Result<Vec<(DeviceRule, RuleOrigin)>, ConfigError> {
+    entries.map(rule).collect()
 }
 
 fn rule(

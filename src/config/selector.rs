@@ -1,9 +1,9 @@
 //! Selectors: which PCI functions a `[[select]]` or `[[protect]]` entry means (`address`, `id`,
 //! `class`), their raw form and their validation, shared by both sections.
 
+use super::bounded::Keyword;
 use super::error::{ConfigError, Key, Quoted};
-use super::merge::Located;
-use super::raw::Keyword;
+use super::located::Located;
 use crate::model::pci::{ClassCode, PciAddress};
 use serde::Deserialize;
 use std::fmt;
