@@ -12,7 +12,7 @@ pub const ACTION_MANAGE: &str = "org.vfiod.vfiod1.manage";
 pub enum Authorizer {
     /// Ask polkitd on the system bus (the default).
     Polkit,
-    /// Allow every caller. Only for `--simulate` on a private bus, where it is announced.
+    /// Allow every caller. Only for the simulation on a private bus, where it is announced.
     AllowAll,
 }
 

@@ -72,7 +72,7 @@ impl Manager {
         self.objects.engine.settings().scenario.as_str().into()
     }
 
-    /// True when running on the simulated kernel (`vfiod --simulate`).
+    /// True when running on the simulated kernel (vfiod's simulate option).
     #[zbus(property(emits_changed_signal = "const"))]
     fn simulated(&self) -> bool {
         self.simulated

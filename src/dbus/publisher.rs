@@ -95,10 +95,12 @@ async fn apply(
             server.at(&path, objects.device_object(d.address)).await?;
         }
         DeviceChange::Removed(d) => {
-            server
-                .remove::<Strict<DeviceObject>, _>(device_path(d.address))
-                .await?;
-            objects.view.remove_device(d.address);
+            // Gone already when the objects were first exported after this pass committed.
+            if objects.view.remove_device(d.address).is_some() {
+                server
+                    .remove::<Strict<DeviceObject>, _>(device_path(d.address))
+                    .await?;
+            }
         }
         DeviceChange::Changed { new, .. } => {
             if let Some((old, now)) = objects.view.update_device(new.clone()) {

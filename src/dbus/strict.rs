@@ -47,9 +47,23 @@ impl<I> std::ops::Deref for Strict<I> {
 fn shape(xml: &str) -> (HashMap<String, String>, HashSet<String>) {
     let mut methods = HashMap::new();
     let mut read_only = HashSet::new();
-    let Ok(doc) = roxmltree::Document::parse(xml) else {
-        tracing::error!("cannot parse an interface's own introspection");
-        return (methods, read_only);
+    // zbus writes doc comments as XML comments without escaping "--": drop the comments.
+    let mut text = String::with_capacity(xml.len());
+    let mut rest = xml;
+    while let Some(start) = rest.find("<!--") {
+        text.push_str(&rest[..start]);
+        rest = match rest[start + 4..].find("-->") {
+            Some(end) => &rest[start + 4 + end + 3..],
+            None => "",
+        };
+    }
+    text.push_str(rest);
+    let doc = match roxmltree::Document::parse(&text) {
+        Ok(doc) => doc,
+        Err(e) => {
+            tracing::error!("cannot parse an interface's own introspection: {e}");
+            return (methods, read_only);
+        }
     };
     for node in doc.descendants().filter(|n| n.is_element()) {
         match node.tag_name().name() {
