@@ -159,18 +159,25 @@ def modes(tb: Testbed) -> None:
     check_split(g)
     g.run(f"vfioctl mode {PF} pf --wait", quiet=True)
 
-    # A driver that cannot be loaded: the task fails before the first write, the device untouched.
+    # A driver that cannot be loaded: the task is refused before the first write, the device
+    # untouched; a refusal does not hold the device, so the next request runs once it loads.
     g.run("modprobe -r vfio-pci && echo 'install vfio_pci /bin/false' > /etc/modprobe.d/vfiod-test.conf")
     res = g.run(f"vfioctl mode {PF} vf --vfs 2 --wait", check=False)
-    assert res.rc != 0, res.describe()
+    assert res.rc != 0 and "vfio-pci" in res.err and "org.vfiod.Vfiod1.Error.Failed" in res.err, res.describe()
     task = tasks(g)[0]
-    assert task["state"] == "error" and "nothing was changed" in task["result"], task
+    assert task["state"] == "error" and "nothing was changed" in task["result"] and task["reset_by"], task
     check_whole(g)
     assert g.run(f"cat {DEV}/sriov_drivers_autoprobe", quiet=True).out.strip() == "1"
+    assert g.json(f"vfioctl show {PF} --json", quiet=True)["task_state"] == "idle", "a refusal must not hold the device"
     g.run("rm /etc/modprobe.d/vfiod-test.conf")
-    res = g.run(f"vfioctl mode {PF} vf --vfs 2", check=False)
-    assert res.rc != 0 and "Busy" in res.err, "a device in error must wait for a reset\n" + res.describe()
-    g.run(f"vfioctl task reset {PF}")
+    g.run(f"vfioctl mode {PF} vf --vfs 2 --wait", quiet=True)
+    check_split(g)
+
+    # Each task's log lines carry its id, device and kind as journal fields.
+    journal = g.run("journalctl -u vfiod -o verbose --no-pager", quiet=True).out
+    latest = tasks(g)[0]
+    for field in (f"VFIOD_TASK_ID={latest['id']}", f"VFIOD_DEVICE={PF}", "VFIOD_KIND=split"):
+        assert field in journal, f"journalctl -o verbose lacks {field}"
 
     # Back to public; after a reboot the split is re-applied before libvirtd starts.
     set_scenario(g, PUBLIC)
