@@ -1,12 +1,173 @@
 //! Authorization of mutating calls: polkit, with the message sender as the subject. Reads never
 //! ask.
+//!
+//! One action per verb family (as systemd-machined has one per verb), each asked with details
+//! that rules files can read (`action.lookup("device")`): a [`Check`] is the action and its
+//! details, built by the method from what it was asked; [`action_for_task`] says which family
+//! owns an existing task. `docs/polkit.md` is the operator's view of the same.
 
 use super::error::Error;
+use crate::model::pci::PciAddress;
+use crate::model::task::TaskKind;
+use crate::modes::policy::Target;
+use std::collections::HashMap;
+use std::fmt;
 use zbus::message::Header;
 use zbus_polkit::policykit1::{AuthorityProxy, CheckAuthorizationFlags, Subject};
 
-/// polkit action that covers configuration and mode changes.
-pub const ACTION_MANAGE: &str = "org.vfiod.vfiod1.manage";
+/// Change how vfiod runs: `Manager.Reload`, `Manager.Rescan`.
+pub const ACTION_CONFIGURE: &str = "org.vfiod.vfiod1.configure";
+/// Change a device's mode: `Device.SetMode`, `Device.Apply`, and `Device.ResetTask` of a mode task.
+pub const ACTION_MODE: &str = "org.vfiod.vfiod1.mode";
+/// Claim a device for a VM (declared for the claims issue; no method asks it yet).
+pub const ACTION_CLAIM: &str = "org.vfiod.vfiod1.claim";
+/// Program or verify an accelerator, and reset such a task (the FPGA issue adds the methods).
+pub const ACTION_PROGRAM: &str = "org.vfiod.vfiod1.program";
+/// Carry a device through a live migration, and reset such a task (the migration issues).
+pub const ACTION_MIGRATE: &str = "org.vfiod.vfiod1.migrate";
+
+/// Every action the policy file declares, in its order.
+pub const ACTIONS: [&str; 5] = [
+    ACTION_CONFIGURE,
+    ACTION_MODE,
+    ACTION_CLAIM,
+    ACTION_PROGRAM,
+    ACTION_MIGRATE,
+];
+
+/// The keys of the details sent with a check. Operators' rules files name them, so a key is
+/// never renamed; a new one may be added.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Detail {
+    /// The D-Bus method asked for, e.g. `SetMode`: on every check.
+    Verb,
+    /// The PCI address of the device, `DDDD:BB:SS.F`: on every device method.
+    Device,
+    /// The mode asked for, `pf` or `vf` (SetMode).
+    Mode,
+    /// The number of VFs the task will ask for (SetMode to `vf`): a request for 0 ("as many as
+    /// allowed") is sent as the number it resolves to, so a rule that limits the count cannot
+    /// be passed with 0.
+    NumVfs,
+    /// The libvirt domain's name, where the call concerns a VM.
+    Vm,
+}
+
+impl Detail {
+    pub const ALL: [Detail; 5] = [
+        Detail::Verb,
+        Detail::Device,
+        Detail::Mode,
+        Detail::NumVfs,
+        Detail::Vm,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Detail::Verb => "verb",
+            Detail::Device => "device",
+            Detail::Mode => "mode",
+            Detail::NumVfs => "num_vfs",
+            Detail::Vm => "vm",
+        }
+    }
+}
+
+/// One question for polkit: may the caller perform `action`, given these details?
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Check {
+    action: &'static str,
+    details: Vec<(Detail, String)>,
+}
+
+impl Check {
+    /// `verb`, a method on the daemon as a whole, under `action`.
+    pub fn new(action: &'static str, verb: &str) -> Check {
+        Check {
+            action,
+            details: vec![(Detail::Verb, verb.to_string())],
+        }
+    }
+
+    /// `verb`, a method on `device`, under `action`.
+    pub fn on_device(action: &'static str, verb: &str, device: PciAddress) -> Check {
+        Check::new(action, verb).with(Detail::Device, device)
+    }
+
+    /// `Device.SetMode` towards `target`.
+    pub fn set_mode(device: PciAddress, target: &Target) -> Check {
+        let check = Check::on_device(ACTION_MODE, "SetMode", device);
+        match target {
+            Target::Pf { .. } => check.with(Detail::Mode, "pf"),
+            Target::Vf { num_vfs, .. } => {
+                check.with(Detail::Mode, "vf").with(Detail::NumVfs, num_vfs)
+            }
+        }
+    }
+
+    /// `Device.ResetTask` of the device's task of `kind` (`None`: the device has none, and the
+    /// call will say so once authorized).
+    pub fn reset_task(device: PciAddress, kind: Option<TaskKind>) -> Check {
+        let action = kind.map_or(ACTION_MODE, action_for_task);
+        Check::on_device(action, "ResetTask", device)
+    }
+
+    /// With one more detail (a key given twice keeps the last value).
+    pub fn with(mut self, key: Detail, value: impl fmt::Display) -> Check {
+        self.details.retain(|(k, _)| *k != key);
+        self.details.push((key, value.to_string()));
+        self
+    }
+
+    pub fn action(&self) -> &'static str {
+        self.action
+    }
+
+    pub fn detail(&self, key: Detail) -> Option<&str> {
+        self.details
+            .iter()
+            .find(|(k, _)| *k == key)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// The details as polkit's `CheckAuthorization` takes them. polkitd accepts details only
+    /// from a trusted caller (root, as vfiod runs, or an action's declared owner).
+    pub fn details(&self) -> HashMap<&'static str, &str> {
+        self.details
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect()
+    }
+}
+
+/// "org.vfiod.vfiod1.mode (SetMode on 0000:af:00.0)": what a refusal names.
+impl fmt::Display for Check {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.action)?;
+        match (self.detail(Detail::Verb), self.detail(Detail::Device)) {
+            (Some(verb), Some(device)) => write!(f, " ({verb} on {device})"),
+            (Some(verb), None) => write!(f, " ({verb})"),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// The action that owns a task of `kind`: whoever may start such a task may also clear it
+/// when it failed, and nobody else.
+pub fn action_for_task(kind: TaskKind) -> &'static str {
+    match kind {
+        TaskKind::Program | TaskKind::Verify => ACTION_PROGRAM,
+        TaskKind::Migrate => ACTION_MIGRATE,
+        TaskKind::Check
+        | TaskKind::Split
+        | TaskKind::Restore
+        | TaskKind::Resplit
+        | TaskKind::Rebind
+        | TaskKind::Bind
+        | TaskKind::Unbind
+        | TaskKind::Test => ACTION_MODE,
+    }
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Authorizer {
@@ -17,13 +178,13 @@ pub enum Authorizer {
 }
 
 impl Authorizer {
-    /// Succeeds when the sender of `header` may perform `action`; otherwise `NotAuthorized`,
-    /// and nothing has been changed.
+    /// Succeeds when the sender of `header` may do what `check` asks; otherwise `NotAuthorized`
+    /// (naming the action), and nothing has been changed.
     pub async fn check(
         &self,
         conn: &zbus::Connection,
         header: &Header<'_>,
-        action: &str,
+        check: &Check,
     ) -> Result<(), Error> {
         if *self == Authorizer::AllowAll {
             return Ok(());
@@ -38,28 +199,28 @@ impl Authorizer {
         let result = authority
             .check_authorization(
                 &subject,
-                action,
-                &std::collections::HashMap::new(),
+                check.action(),
+                &check.details(),
                 CheckAuthorizationFlags::ALLOW_USER_INTERACTION,
                 "",
             )
             .await
             .map_err(|e| {
                 if polkit_absent(&e) {
-                    Error::NotAuthorized(format!("polkit unreachable, {action} refused: {e}"))
+                    Error::NotAuthorized(format!("polkit unreachable, {check} refused: {e}"))
                 } else {
-                    Error::NotAuthorized(format!("polkit check for {action} failed: {e}"))
+                    Error::NotAuthorized(format!("polkit check for {check} failed: {e}"))
                 }
             })?;
         if result.is_authorized {
             Ok(())
         } else if result.is_challenge {
             Err(Error::NotAuthorized(format!(
-                "{action} needs authentication (run vfioctl through an agent, e.g. pkexec, or as root)"
+                "{check} needs authentication (run vfioctl through an agent, e.g. pkexec, or as root)"
             )))
         } else {
             Err(Error::NotAuthorized(format!(
-                "{action} is not allowed for this caller"
+                "{check} is not allowed for this caller"
             )))
         }
     }
@@ -85,5 +246,98 @@ pub async fn requester(conn: &zbus::Connection, header: &Header<'_>) -> String {
     match uid {
         Some(u) => format!("uid {u} ({sender})"),
         None => sender.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn af() -> PciAddress {
+        "0000:af:00.0".parse().unwrap()
+    }
+
+    fn sorted(c: &Check) -> Vec<(&'static str, String)> {
+        let mut d: Vec<_> = c
+            .details()
+            .into_iter()
+            .map(|(k, v)| (k, v.to_string()))
+            .collect();
+        d.sort();
+        d
+    }
+
+    #[test]
+    fn a_task_is_reset_under_the_action_that_owns_its_kind() {
+        for kind in TaskKind::ALL {
+            let want = match kind.as_str() {
+                "program" | "verify" => "org.vfiod.vfiod1.program",
+                "migrate" => "org.vfiod.vfiod1.migrate",
+                _ => "org.vfiod.vfiod1.mode",
+            };
+            assert_eq!(action_for_task(*kind), want, "{kind}");
+            let c = Check::reset_task(af(), Some(*kind));
+            assert_eq!(c.action(), want, "{kind}");
+            assert_eq!(
+                sorted(&c),
+                [
+                    ("device", "0000:af:00.0".into()),
+                    ("verb", "ResetTask".into())
+                ]
+            );
+        }
+        // No task: the mode family, whose reset it would be.
+        assert_eq!(Check::reset_task(af(), None).action(), ACTION_MODE);
+    }
+
+    #[test]
+    fn set_mode_sends_the_mode_and_the_resolved_vf_count() {
+        let vf = Target::Vf {
+            num_vfs: 4,
+            vf_driver: "vfio-pci".into(),
+        };
+        let c = Check::set_mode(af(), &vf);
+        assert_eq!(c.action(), "org.vfiod.vfiod1.mode");
+        assert_eq!(
+            sorted(&c),
+            [
+                ("device", "0000:af:00.0".into()),
+                ("mode", "vf".into()),
+                ("num_vfs", "4".into()),
+                ("verb", "SetMode".into()),
+            ]
+        );
+        let pf = Check::set_mode(af(), &Target::Pf { driver: None });
+        assert_eq!(
+            sorted(&pf),
+            [
+                ("device", "0000:af:00.0".into()),
+                ("mode", "pf".into()),
+                ("verb", "SetMode".into()),
+            ]
+        );
+    }
+
+    #[test]
+    fn daemon_checks_carry_the_verb_only_and_refusals_name_the_call() {
+        let c = Check::new(ACTION_CONFIGURE, "Reload");
+        assert_eq!(sorted(&c), [("verb", "Reload".into())]);
+        assert_eq!(c.to_string(), "org.vfiod.vfiod1.configure (Reload)");
+        let d = Check::on_device(ACTION_MODE, "Apply", af()).with(Detail::Vm, "vm1");
+        assert_eq!(d.detail(Detail::Vm), Some("vm1"));
+        assert_eq!(
+            d.to_string(),
+            "org.vfiod.vfiod1.mode (Apply on 0000:af:00.0)"
+        );
+        // A key set twice is sent once, with the last value.
+        let twice = d.with(Detail::Vm, "vm2");
+        assert_eq!(twice.details().get("vm"), Some(&"vm2"));
+        assert_eq!(twice.details().len(), 3);
+    }
+
+    #[test]
+    fn detail_keys_are_the_documented_ones() {
+        let keys: Vec<_> = Detail::ALL.iter().map(|d| d.as_str()).collect();
+        assert_eq!(keys, ["verb", "device", "mode", "num_vfs", "vm"]);
     }
 }

@@ -1,6 +1,6 @@
 //! `org.vfiod.Vfiod1.Device`: one object per PCI function, named like libvirt's node devices.
 
-use super::auth::ACTION_MANAGE;
+use super::auth::{Check, ACTION_MODE};
 use super::error::Error;
 use super::view::DeviceEntry;
 use crate::engine::jobs::ModeJob;
@@ -31,16 +31,17 @@ impl DeviceObject {
         self.entry().map(|e| e.device)
     }
 
-    /// Authorizes the caller, starts `job` and replies with its task once the task's object
-    /// exists.
+    /// Authorizes the caller for `check`, starts `job` and replies with its task once the
+    /// task's object exists.
     async fn start(
         &self,
         job: Box<dyn crate::engine::Job>,
+        check: Check,
         header: &zbus::message::Header<'_>,
         conn: &zbus::Connection,
     ) -> Result<zbus::OwnedObjectPath, Error> {
         let o = &self.objects;
-        o.authorizer.check(conn, header, ACTION_MANAGE).await?;
+        o.authorizer.check(conn, header, &check).await?;
         let who = super::auth::requester(conn, header).await;
         let task = o.engine.start_task(job, &who).await?;
         o.engine.flush().await;
@@ -334,8 +335,9 @@ impl DeviceObject {
                 )));
             }
         };
+        let check = Check::set_mode(self.address, &target);
         let job = ModeJob::new(self.address, Some(target));
-        self.start(Box::new(job), &header, conn).await
+        self.start(Box::new(job), check, &header, conn).await
     }
 
     /// Brings the device to the mode its policy says (what vfiod does at start and on reload).
@@ -344,8 +346,9 @@ impl DeviceObject {
         #[zbus(header)] header: zbus::message::Header<'_>,
         #[zbus(connection)] conn: &zbus::Connection,
     ) -> Result<zbus::OwnedObjectPath, Error> {
-        self.start(Box::new(ModeJob::new(self.address, None)), &header, conn)
-            .await
+        let job = ModeJob::new(self.address, None);
+        let check = Check::on_device(ACTION_MODE, "Apply", self.address);
+        self.start(Box::new(job), check, &header, conn).await
     }
 
     /// Clears a task left in error, after the operator has looked at the device; recorded with
@@ -356,7 +359,10 @@ impl DeviceObject {
         #[zbus(connection)] conn: &zbus::Connection,
     ) -> Result<(), Error> {
         let o = &self.objects;
-        o.authorizer.check(conn, &header, ACTION_MANAGE).await?;
+        let kind = self.entry()?.task.map(|t| t.kind);
+        o.authorizer
+            .check(conn, &header, &Check::reset_task(self.address, kind))
+            .await?;
         let who = super::auth::requester(conn, &header).await;
         o.engine.reset_task(self.address, &who).await?;
         o.engine.flush().await;

@@ -4,7 +4,7 @@
 //! List replies are arrays of `a{sv}` dictionaries (see [`super::wire`]): a new field is a new
 //! key, never a new signature. Queries are `a{sv}` too; an unknown key is an error naming it.
 
-use super::auth::ACTION_MANAGE;
+use super::auth::{Check, ACTION_CONFIGURE};
 use super::error::Error;
 use super::wire::{self, Dict, Query};
 use super::{device_path, Objects};
@@ -199,7 +199,9 @@ impl Manager {
         #[zbus(connection)] conn: &Connection,
     ) -> Result<(), Error> {
         let o = &self.objects;
-        o.authorizer.check(conn, &header, ACTION_MANAGE).await?;
+        o.authorizer
+            .check(conn, &header, &Check::new(ACTION_CONFIGURE, "Reload"))
+            .await?;
         o.engine.reload().await?;
         // New settings may select or re-target devices: start their tasks (not awaited; they
         // report through their task objects).
@@ -215,7 +217,9 @@ impl Manager {
         #[zbus(connection)] conn: &Connection,
     ) -> Result<(), Error> {
         let o = &self.objects;
-        o.authorizer.check(conn, &header, ACTION_MANAGE).await?;
+        o.authorizer
+            .check(conn, &header, &Check::new(ACTION_CONFIGURE, "Rescan"))
+            .await?;
         o.engine.refresh().await?;
         o.engine.flush().await;
         Ok(())

@@ -49,19 +49,27 @@ pub const HOST_RULES_DIRS: [&str; 2] = ["/etc/polkit-1/rules.d", "/usr/share/pol
 pub const ROOT: u32 = 0;
 /// `nobody`: no rule grants it anything.
 pub const NOBODY: u32 = 65534;
-/// The operator the test rules grant (Debian's base-passwd always has it, uid 1).
+/// The users the test rules (`tests/data/polkit/50-vfiod-test.rules`) grant something, by name
+/// as the rules see them. Debian's base-passwd always has them, with fixed uids 1 to 4.
+/// The operator: every vfiod action.
 pub const GRANTED_USER: &str = "daemon";
+/// `org.vfiod.vfiod1.configure` only.
+pub const CONFIGURE_USER: &str = "bin";
+/// `org.vfiod.vfiod1.mode` only, on any device.
+pub const MODE_USER: &str = "sys";
+/// `org.vfiod.vfiod1.mode` only, and only on [`ONE_DEVICE`] (the rule reads the `device` detail).
+pub const ONE_DEVICE_USER: &str = "sync";
+pub const ONE_DEVICE: &str = "0000:af:00.0";
 
-/// True (after saying why on stderr) when the test must be skipped: it needs root for polkitd's
-/// mount namespace and to call as other uids. CI runs the tests as root, where they run.
-pub fn skip_unless_root(test: &str) -> bool {
-    if nix::unistd::geteuid().is_root() {
-        return false;
-    }
-    eprintln!(
-        "SKIPPED {test}: needs root (polkitd in a private mount namespace, callers with other uids)"
+/// Fails the test unless it runs as root. The tests that start polkitd need root (its mount
+/// namespace, callers with other uids): they are `#[ignore = "needs root"]` and CI runs them as
+/// root with `--ignored`; run as anyone else they fail loudly instead of passing untested.
+pub fn assert_root() {
+    assert!(
+        nix::unistd::geteuid().is_root(),
+        "this test needs root (polkitd in a private mount namespace, callers with other uids): \
+         run it as root, e.g. `sudo cargo test --features test-hooks --test authz -- --ignored`"
     );
-    true
 }
 
 pub fn uid_of(user: &str) -> u32 {
