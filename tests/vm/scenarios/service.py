@@ -95,7 +95,7 @@ def check_clean_journal(g: Guest) -> None:
 def check_files(g: Guest) -> None:
     verify = g.run("systemd-analyze verify vfiod.service 2>&1 | grep -i vfiod || true").out.strip()
     assert not verify, f"systemd-analyze verify complains about vfiod.service:\n{verify}"
-    for action in ("manage", "claim", "program"):
+    for action in ("configure", "mode", "claim", "program", "migrate"):
         text = g.run(f"pkaction --verbose --action-id org.vfiod.vfiod1.{action}").out
         assert "implicit active:   auth_admin_keep" in text and "implicit any:      no" in text, \
             f"polkit action org.vfiod.vfiod1.{action} has unexpected defaults:\n{text}"
