@@ -3,10 +3,14 @@
 
 mod common;
 
-use common::{addr, prop_str, wait_for, Harness, Props, STEADY_CONFIG};
-use std::collections::HashMap;
-use vfiod::model::device::State;
-use vfiod::sim::kernel::FaultTarget;
+use common::{
+    addr, eventually, eventually_async, prop_str, wait_for, Harness, Props, STEADY_CONFIG,
+};
+use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
+use vfiod::client::DeviceView;
+use vfiod::model::device::{Device, State};
+use vfiod::sim::kernel::{FaultAction, FaultTarget};
 use zbus::{OwnedObjectPath, OwnedVariant};
 
 const OM_RULE: &str = "type='signal',interface='org.freedesktop.DBus.ObjectManager'";
@@ -202,24 +206,18 @@ async fn aer_recovery_events_are_recorded() {
     let nic = addr("0000:3b:00.0");
     h.kernel.aer_error(nic, false, true).unwrap();
     let store = h.store();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-    loop {
+    let ev = eventually(Duration::from_secs(5), "AER recovery recorded", || {
         let ev = store.events(Some(nic), 0, 100).unwrap();
-        if ev
-            .iter()
+        ev.iter()
             .any(|e| e.kind == "aer" && e.message.contains("SUCCESSFUL_RECOVERY"))
-        {
-            assert!(ev
-                .iter()
-                .any(|e| e.kind == "aer" && e.message.contains("BEGIN_RECOVERY")));
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "AER events not recorded: {ev:?}"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
+            .then_some(ev)
+    })
+    .await;
+    assert!(
+        ev.iter()
+            .any(|e| e.kind == "aer" && e.message.contains("BEGIN_RECOVERY")),
+        "{ev:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -317,16 +315,172 @@ async fn a_second_daemon_cannot_take_the_name() {
     );
 }
 
+/// What the store says of a device that its D-Bus object says too, in one comparable shape.
+type Shown = (
+    String,
+    Option<String>,
+    Option<String>,
+    String,
+    u32,
+    Option<String>,
+    String,
+);
+
+fn shown_by_store(d: &Device) -> Shown {
+    (
+        d.address.to_string(),
+        d.driver.clone(),
+        d.driver_override.clone(),
+        d.mode.as_str().to_string(),
+        d.num_vfs,
+        d.parent_pf.map(|p| p.to_string()),
+        d.state.as_str().to_string(),
+    )
+}
+
+fn shown_by_object(v: &DeviceView) -> Shown {
+    (
+        v.address.clone(),
+        v.driver.clone(),
+        v.driver_override.clone(),
+        v.mode.clone(),
+        v.num_vfs,
+        v.parent_pf.clone(),
+        v.state.clone(),
+    )
+}
+
+/// A write fault fires only where a task writes: `drivers_probe` failing with EIO fails the
+/// FPGA's split at the probe of its first VF (whose VFs the inventory has seen appear), the
+/// rollback returns the FPGA to PF mode, the store and the D-Bus objects agree with sysfs again
+/// (the VFs are gone from both), and a rescan with the fault still armed changes nothing (an
+/// inventory pass only reads).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sysfs_write_faults_do_not_disturb_the_inventory() {
-    // A fault armed on writes must not matter to a daemon that only reads.
+async fn a_failing_drivers_probe_fails_the_split_and_the_inventory_follows_the_rollback() {
     let h = Harness::start(STEADY_CONFIG).await;
+    let fpga = addr("0000:af:00.0");
+    let store = h.store();
+    let before = store.devices().unwrap();
     h.kernel.inject(
         FaultTarget::BusAttr("drivers_probe".into()),
-        vfiod::sim::kernel::FaultAction::Errno(libc::EIO),
+        FaultAction::Errno(libc::EIO),
         None,
     );
+    // A slow first VF (the write before the failing probe) holds the split while its VFs exist,
+    // so that the inventory records them and must drop them again after the rollback.
+    let vf_bind_delay = Duration::from_secs(5);
+    h.kernel.inject(
+        FaultTarget::DeviceAttr(addr("0000:af:00.1"), "driver_override".into()),
+        FaultAction::Delay(vf_bind_delay),
+        Some(1),
+    );
+    h.kernel.take_write_log();
+
+    let device = vfiod::client::device(&h.client, "0000:af:00.0")
+        .await
+        .unwrap();
+    let task = vfiod::client::task(&h.client, device.set_mode("vf", 4).await.unwrap())
+        .await
+        .unwrap();
+    let task = &task;
+    let client = &h.client;
+    eventually_async(
+        vf_bind_delay,
+        "the new VFs' objects appear while the split runs",
+        || async move {
+            let listed = vfiod::client::list_devices(client).await.unwrap();
+            let vfs = listed
+                .iter()
+                .filter(|v| v.parent_pf.as_deref() == Some("0000:af:00.0"))
+                .count();
+            (vfs == 4).then_some(())
+        },
+    )
+    .await;
+    let state = eventually_async(Duration::from_secs(120), "the split ends", || async move {
+        let s = task.state().await.unwrap();
+        (s == "success" || s == "error").then_some(s)
+    })
+    .await;
+    let result = task.result().await.unwrap();
+    assert_eq!(state, "error", "{result}");
+    assert!(
+        result.contains("echo '0000:af:00.1' > /sys/bus/pci/drivers_probe")
+            && result.contains("Input/output error"),
+        "the task must fail at the probe of the first VF with the errno: {result}"
+    );
+    assert!(
+        result.contains("rollback restored the previous state"),
+        "{result}"
+    );
+    let writes = h.kernel.take_write_log();
+    assert!(
+        writes
+            .iter()
+            .any(|(p, v)| p.ends_with("0000:af:00.1/driver_override") && v == "vfio-pci"),
+        "the split reached the first VF's bind: {writes:?}"
+    );
+    assert!(
+        !writes.iter().any(|(p, _)| p.ends_with("drivers_probe")),
+        "a failed write is not accepted: {writes:?}"
+    );
+    // sysfs is back where it was: PF mode, host driver, autoprobe on.
+    assert_eq!(h.kernel.num_vfs(fpga), Some(0), "not rolled back");
+    assert_eq!(h.kernel.driver_of(fpga).as_deref(), Some("dfl-pci"));
+    let raw = h.kernel.sysfs().read_function(fpga).unwrap();
+    assert!(
+        raw.sriov.unwrap().drivers_autoprobe,
+        "autoprobe not restored"
+    );
+
+    // The inventory follows the rollback: the store is what a scan of sysfs finds, and each
+    // D-Bus object says what the store says.
+    let settings = h.server.as_ref().unwrap().engine.settings();
+    let sysfs = h.kernel.sysfs();
+    let (store, settings, sysfs) = (&store, &settings, &sysfs);
+    let stored = eventually_async(
+        Duration::from_secs(60),
+        "the store and the D-Bus objects agree with sysfs after the rollback",
+        || async move {
+            let stored = store.devices().unwrap();
+            let previous: BTreeMap<_, _> = stored.iter().map(|d| (d.address, d.clone())).collect();
+            let scanned = vfiod::inventory::scan(sysfs, settings, &previous).unwrap();
+            let listed = vfiod::client::list_devices(client).await.unwrap();
+            (scanned == stored
+                && listed.iter().map(shown_by_object).collect::<Vec<_>>()
+                    == stored.iter().map(shown_by_store).collect::<Vec<_>>())
+            .then_some(stored)
+        },
+    )
+    .await;
+    assert_eq!(stored, before, "the rollback left the inventory as it was");
+    let shown = vfiod::client::show_device(&h.client, "0000:af:00.0")
+        .await
+        .unwrap();
+    assert_eq!(
+        shown.task_state, "error",
+        "held until an operator resets it"
+    );
+    assert!(
+        shown.last_result.contains("Input/output error"),
+        "{}",
+        shown.last_result
+    );
+
+    // A rescan with the fault still armed: no write, no change, no event, nothing broken.
+    let events = store.events(None, 0, 10_000).unwrap().len();
+    let listed = vfiod::client::list_devices(&h.client).await.unwrap();
     h.manager().await.rescan().await.unwrap();
+    assert!(
+        h.kernel.take_write_log().is_empty(),
+        "the inventory must never write to sysfs"
+    );
+    assert_eq!(store.devices().unwrap(), before);
+    assert_eq!(store.events(None, 0, 10_000).unwrap().len(), events);
+    assert_eq!(
+        vfiod::client::list_devices(&h.client).await.unwrap(),
+        listed
+    );
     assert_eq!(h.manager().await.broken_count().await.unwrap(), 0);
 }
 

@@ -7,7 +7,7 @@ mod common;
 use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use vfiod::model::pci::PciAddress;
 use vfiod::sim::bus::PrivateBus;
 
@@ -59,11 +59,9 @@ fn vfioctl(bus: &str, args: &[&str]) -> (bool, String) {
 }
 
 fn wait_ready(bus: &str) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !vfioctl(bus, &["status"]).0 {
-        assert!(Instant::now() < deadline, "vfiod did not come up");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    common::eventually_blocking(Duration::from_secs(60), "vfiod comes up", || {
+        vfioctl(bus, &["status"]).0.then_some(())
+    });
 }
 
 /// What the simulated kernel's files say about the FPGA: (numvfs, VF links, VFs on vfio-pci).
@@ -104,14 +102,11 @@ fn killed_at_every_step_of_a_split_then_restarted() {
 
         // First run: the start-up reconciliation splits the FPGA and dies at step k.
         let mut first = vfiod(dir.path(), &addr, Some(k));
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let status = loop {
-            if let Some(s) = first.0.try_wait().unwrap() {
-                break s;
-            }
-            assert!(Instant::now() < deadline, "k={k}: vfiod was not killed");
-            std::thread::sleep(Duration::from_millis(50));
-        };
+        let status = common::eventually_blocking(
+            Duration::from_secs(60),
+            &format!("k={k}: vfiod is killed"),
+            || first.0.try_wait().unwrap(),
+        );
         assert_eq!(
             status.signal(),
             Some(9),

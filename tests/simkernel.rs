@@ -1243,6 +1243,8 @@ fn released_hang_fails_with_eintr_and_no_effect() {
     std::thread::spawn(move || {
         let _ = tx.send(backend.write(&path, b"4"));
     });
+    // A window in which nothing must happen: the hung write must not return by itself (its
+    // hang lasts 120 s; 300 ms of silence is the evidence, bounded, not a wait for an outcome).
     assert!(
         rx.recv_timeout(Duration::from_millis(300)).is_err(),
         "the write should be hanging"
@@ -1651,6 +1653,26 @@ fn churn_child() {
     }
 }
 
+/// The churning child, killed whatever happens to the test; its log is printed when the test
+/// fails while it is held (the log's directory goes with the test).
+struct Churner {
+    child: std::process::Child,
+    log: PathBuf,
+}
+
+impl Drop for Churner {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if std::thread::panicking() {
+            eprintln!(
+                "the churning child's log:\n{}",
+                fs::read_to_string(&self.log).unwrap_or_default()
+            );
+        }
+    }
+}
+
 /// A random duration in `[lo, hi)` (std's per-map random keys: no dependency for this).
 fn random_between(lo: Duration, hi: Duration) -> Duration {
     use std::hash::{BuildHasher, Hasher};
@@ -1727,37 +1749,41 @@ fn a_persistent_kernel_killed_at_random_reopens_whole() {
     for round in 0..8 {
         let _ = fs::remove_file(&ready);
         let out = fs::File::create(&log).unwrap();
-        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--ignored", "--exact", "churn_child", "--nocapture"])
-            .args(["--test-threads", "1"])
-            .env(CHURN_ROOT_ENV, &root)
-            .stdout(out.try_clone().unwrap())
-            .stderr(out)
-            .spawn()
-            .expect("start the churning child");
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while !exists(&ready) {
-            let status = child.try_wait().unwrap();
-            if status.is_some() || Instant::now() > deadline {
-                let _ = child.kill();
-                panic!(
-                    "round {round}: the child did not start churning ({status:?}): {}",
-                    fs::read_to_string(&log).unwrap_or_default()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(10));
+        let mut child = Churner {
+            child: std::process::Command::new(std::env::current_exe().unwrap())
+                .args(["--ignored", "--exact", "churn_child", "--nocapture"])
+                .args(["--test-threads", "1"])
+                .env(CHURN_ROOT_ENV, &root)
+                .stdout(out.try_clone().unwrap())
+                .stderr(out)
+                .spawn()
+                .expect("start the churning child"),
+            log: log.clone(),
+        };
+        let exited = common::eventually_blocking(
+            Duration::from_secs(60),
+            &format!("round {round}: the child starts churning"),
+            || {
+                if exists(&ready) {
+                    return Some(None);
+                }
+                child.child.try_wait().unwrap().map(Some)
+            },
+        );
+        if let Some(status) = exited {
+            panic!("round {round}: the child ended before churning ({status})");
         }
+        // The scenario, not a wait: the kill lands at a random moment of the churn.
         std::thread::sleep(random_between(
             Duration::from_millis(1),
             Duration::from_millis(300),
         ));
-        let still_running = child.try_wait().unwrap().is_none();
-        let _ = child.kill(); // SIGKILL
-        let _ = child.wait();
+        let still_running = child.child.try_wait().unwrap().is_none();
+        let _ = child.child.kill(); // SIGKILL
+        let _ = child.child.wait();
         assert!(
             still_running,
-            "round {round}: the child stopped churning by itself: {}",
-            fs::read_to_string(&log).unwrap_or_default()
+            "round {round}: the child stopped churning by itself (its log follows)"
         );
         let k = SimKernel::open(&root).expect("reopen after SIGKILL");
         assert_tree_is_the_model(&k, &format!("round {round}, reopened"));

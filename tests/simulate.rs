@@ -139,14 +139,11 @@ fn killed_then_restarted(sig: nix::sys::signal::Signal) {
         Some(sig as i32),
         "{status:?}"
     );
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !bus_daemons_under(&root).is_empty() {
-        assert!(
-            Instant::now() < deadline,
-            "the private dbus-daemon {buses:?} outlived vfiod killed by {sig}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    common::eventually_blocking(
+        Duration::from_secs(5),
+        &format!("the private dbus-daemon {buses:?} ends with vfiod killed by {sig}"),
+        || bus_daemons_under(&root).is_empty().then_some(()),
+    );
 
     let second = Sim::start(&root);
     let bus2 = second.wait_banner();

@@ -2,6 +2,8 @@
 //! inventory passes, persistence, migrations and refusals, durability settings, the claim and task
 //! uniqueness rules, and concurrent writers.
 
+mod common;
+
 use rusqlite::Connection;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
@@ -211,7 +213,19 @@ fn inventory_passes_persist_across_reopen() {
         };
         let (first_seen, last_seen) = seen(&raw(dir.path()));
         assert_eq!(first_seen, last_seen);
-        std::thread::sleep(std::time::Duration::from_millis(5));
+        // The store stamps in milliseconds of the wall clock: the change below must come in a
+        // later millisecond to show that it moves the last-seen time.
+        common::eventually_blocking(
+            std::time::Duration::from_secs(1),
+            "the wall clock passes the last-seen time",
+            || {
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .as_millis() as i64;
+                (now > last_seen).then_some(())
+            },
+        );
 
         second = store
             .apply_changes(

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{addr, Harness, DEMO_CONFIG, STEADY_CONFIG};
+use common::{addr, eventually, eventually_async, Harness, DEMO_CONFIG, STEADY_CONFIG};
 use std::time::Duration;
 use vfiod::sim::kernel::{FaultAction, FaultTarget};
 use zbus::OwnedObjectPath;
@@ -24,6 +24,8 @@ trait Device {
     fn last_result(&self) -> zbus::Result<String>;
     #[zbus(property)]
     fn num_vfs(&self) -> zbus::Result<u32>;
+    #[zbus(property)]
+    fn driver(&self) -> zbus::Result<String>;
 }
 
 #[zbus::proxy(
@@ -35,6 +37,8 @@ trait Task {
     fn state(&self) -> zbus::Result<String>;
     #[zbus(property)]
     fn kind(&self) -> zbus::Result<String>;
+    #[zbus(property)]
+    fn device(&self) -> zbus::Result<String>;
     #[zbus(property)]
     fn result(&self) -> zbus::Result<String>;
     #[zbus(property)]
@@ -53,7 +57,8 @@ async fn device<'a>(h: &'a Harness, a: &str) -> DeviceProxy<'a> {
         .unwrap()
 }
 
-/// Waits for a task to end; returns (state, result).
+/// Waits for a task to end, then for the inventory pass that follows it to be published (its
+/// device's object agrees with sysfs); returns (state, result, kind).
 async fn finish(h: &Harness, path: &OwnedObjectPath) -> (String, String, String) {
     let t = TaskProxy::builder(&h.client)
         .path(path.clone())
@@ -61,20 +66,39 @@ async fn finish(h: &Harness, path: &OwnedObjectPath) -> (String, String, String)
         .build()
         .await
         .unwrap();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
-    loop {
-        let s = t.state().await.unwrap();
-        if s == "success" || s == "error" {
-            // The device refresh follows the final state; give the pass a moment.
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            return (s, t.result().await.unwrap(), t.kind().await.unwrap());
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "task {path} did not end"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let t = &t;
+    let state = eventually_async(
+        Duration::from_secs(120),
+        &format!("task {path} ends"),
+        || async move {
+            let s = t.state().await.unwrap();
+            (s == "success" || s == "error").then_some(s)
+        },
+    )
+    .await;
+    let a = t.device().await.unwrap();
+    let address = addr(&a);
+    let object = device(h, &a).await;
+    let object = &object;
+    eventually_async(
+        Duration::from_secs(60),
+        &format!("{a}'s object shows the end of task {path} and the state sysfs has"),
+        || async move {
+            let shown = (
+                object.task_state().await.unwrap(),
+                object.num_vfs().await.unwrap(),
+                object.driver().await.unwrap(),
+            );
+            let kernel = (
+                h.kernel.num_vfs(address).unwrap_or(0),
+                h.kernel.driver_of(address).unwrap_or_default(),
+            );
+            (shown.0 != "prepare" && shown.0 != "running" && (shown.1, shown.2) == kernel)
+                .then_some(())
+        },
+    )
+    .await;
+    (state, t.result().await.unwrap(), t.kind().await.unwrap())
 }
 
 /// Splits the FPGA (0000:af:00.0) into `vfs` VFs and waits for the task's success.
@@ -394,16 +418,12 @@ async fn reload_to_private_restores_pf_mode() {
     )
     .unwrap();
     h.manager().await.reload().await.unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(120);
-    while h.kernel.num_vfs(addr("0000:3b:00.0")) != Some(0)
-        || h.kernel.num_vfs(addr("0000:af:00.0")) != Some(0)
-    {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "reload did not restore PF mode"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    eventually(Duration::from_secs(120), "reload restores PF mode", || {
+        (h.kernel.num_vfs(addr("0000:3b:00.0")) == Some(0)
+            && h.kernel.num_vfs(addr("0000:af:00.0")) == Some(0))
+        .then_some(())
+    })
+    .await;
     assert_eq!(
         h.kernel.driver_of(addr("0000:3b:00.0")).as_deref(),
         Some("i40e")
@@ -470,18 +490,17 @@ async fn whole_device_passthrough_binds_the_group_and_gives_it_back() {
     )
     .unwrap();
     h.manager().await.reload().await.unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
     // The drivers come back before the task records its end: wait for both.
-    while h.kernel.driver_of(addr("0000:17:00.0")).as_deref() != Some("nouveau")
-        || h.kernel.driver_of(addr("0000:17:00.1")).as_deref() != Some("snd_hda_intel")
-        || h.store()
-            .active_task(addr("0000:17:00.0"))
-            .unwrap()
-            .is_some()
-    {
-        assert!(std::time::Instant::now() < deadline, "group not given back");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    eventually(Duration::from_secs(60), "group given back", || {
+        (h.kernel.driver_of(addr("0000:17:00.0")).as_deref() == Some("nouveau")
+            && h.kernel.driver_of(addr("0000:17:00.1")).as_deref() == Some("snd_hda_intel")
+            && h.store()
+                .active_task(addr("0000:17:00.0"))
+                .unwrap()
+                .is_none())
+        .then_some(())
+    })
+    .await;
     let t = h.store().tasks(None, 10).unwrap();
     assert_eq!(
         (t[0].kind.as_str(), t[0].state.as_str()),
@@ -535,11 +554,13 @@ async fn a_task_on_one_function_makes_its_group_mates_busy() {
     let gpu = device(&h, "0000:17:00.0").await;
     // The audio function shows the group's task as its current one (published right after the
     // task is recorded).
-    let deadline = std::time::Instant::now() + Duration::from_secs(2);
-    while audio.task_state().await.unwrap() == "idle" {
-        assert!(std::time::Instant::now() < deadline, "audio shows no task");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let audio_ref = &audio;
+    eventually_async(
+        Duration::from_secs(2),
+        "audio shows a task",
+        || async move { (audio_ref.task_state().await.unwrap() != "idle").then_some(()) },
+    )
+    .await;
     assert_eq!(
         audio.current_task().await.unwrap().as_str(),
         format!("/org/vfiod/Vfiod1/task/{}", bind.id)
@@ -559,26 +580,23 @@ async fn a_task_on_one_function_makes_its_group_mates_busy() {
     }
     assert_eq!(error_name(g.unwrap_err()).0, "org.vfiod.Vfiod1.Error.Busy");
 
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    while h
-        .store()
-        .active_task(addr("0000:17:00.0"))
-        .unwrap()
-        .is_some()
-    {
-        assert!(std::time::Instant::now() < deadline, "the bind did not end");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    eventually(Duration::from_secs(60), "the bind ends", || {
+        h.store()
+            .active_task(addr("0000:17:00.0"))
+            .unwrap()
+            .is_none()
+            .then_some(())
+    })
+    .await;
     assert_gpu_group_on_vfio(&h);
     let tasks = h.store().tasks(None, 10).unwrap();
     assert_eq!(tasks.len(), 1, "refused requests create no task: {tasks:?}");
     assert_eq!(tasks[0].state.as_str(), "success", "{tasks:?}");
     // Published when the task ended: the audio function is idle again.
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while audio.task_state().await.unwrap() != "idle" {
-        assert!(std::time::Instant::now() < deadline, "audio still busy");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually_async(Duration::from_secs(10), "audio idle again", || async move {
+        (audio_ref.task_state().await.unwrap() == "idle").then_some(())
+    })
+    .await;
     assert_eq!(audio.current_task().await.unwrap().as_str(), "/");
 }
 
@@ -658,11 +676,10 @@ async fn a_vf_a_running_domain_uses_is_not_taken_away() {
     )
     .unwrap();
     h.manager().await.reload().await.unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    while h.kernel.num_vfs(addr("0000:3b:00.0")) != Some(0) {
-        assert!(std::time::Instant::now() < deadline, "not restored");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    eventually(Duration::from_secs(60), "restored", || {
+        (h.kernel.num_vfs(addr("0000:3b:00.0")) == Some(0)).then_some(())
+    })
+    .await;
 }
 
 /// A PF's task covers its VFs: while the FPGA is restored, each VF's object shows that task as
@@ -680,14 +697,13 @@ async fn a_vf_shows_its_pf_task() {
     let vf = device(&h, "0000:af:00.1").await;
     assert_eq!(vf.task_state().await.unwrap(), "idle");
     let restore = fpga.set_mode("pf", 0).await.unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(2);
-    while vf.current_task().await.unwrap() != restore {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the VF does not show its PF's task"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let (vf_ref, restore_ref) = (&vf, &restore);
+    eventually_async(
+        Duration::from_secs(2),
+        "the VF shows its PF's task",
+        || async move { (vf_ref.current_task().await.unwrap() == *restore_ref).then_some(()) },
+    )
+    .await;
     assert_ne!(vf.task_state().await.unwrap(), "idle");
     let (name, msg) = error_name(vf.set_mode("pf", 0).await.unwrap_err());
     assert_eq!(name, "org.vfiod.Vfiod1.Error.InvalidArgument", "{msg}");

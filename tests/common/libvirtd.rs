@@ -15,7 +15,7 @@
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 pub const LIBVIRTD: &str = "/usr/sbin/libvirtd";
 pub const VIRSH: &str = "/usr/bin/virsh";
@@ -168,14 +168,8 @@ fn chown_tree(path: &Path, (uid, gid): (u32, u32)) {
     }
 }
 
-/// Polls `f` until it gives a value, every 20 ms; panics naming `what` after `within`.
-pub fn eventually<T>(within: Duration, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + within;
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "not within {within:?}: {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+/// Polls `f` until it gives a value; panics naming `what` after `within` (the harness's
+/// [`super::eventually_blocking`], under the name these tests know).
+pub fn eventually<T>(within: Duration, what: &str, f: impl FnMut() -> Option<T>) -> T {
+    super::eventually_blocking(within, what, f)
 }

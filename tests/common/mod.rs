@@ -239,3 +239,23 @@ where
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// [`eventually`] for a test without an async runtime (child processes, threads): blocks the
+/// thread between polls.
+pub fn eventually_blocking<T>(
+    within: Duration,
+    what: &str,
+    mut condition: impl FnMut() -> Option<T>,
+) -> T {
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        if let Some(v) = condition() {
+            return v;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what}: not within {within:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
