@@ -15,25 +15,14 @@ use vfiod::host::libvirt::DomainEventKind;
 use vfiod::sim::kernel::{HostModel, SimKernel};
 use vfiod::store::Store;
 
-/// A domain of the test driver with VF 0000:3b:02.0 of the simulated NIC assigned.
-fn domain(name: &str) -> String {
-    format!(
-        "<domain type='test'>
-  <name>{name}</name>
-  <memory>65536</memory>
-  <os><type>hvm</type></os>
-  <devices>
-    <hostdev mode='subsystem' type='pci' managed='no'>
-      <source><address domain='0x0000' bus='0x3b' slot='0x02' function='0x0'/></source>
-    </hostdev>
-  </devices>
-</domain>"
-    )
-}
-
 fn define_and_start(d: &Libvirtd, name: &str) {
     let file = d.dir.path().join(format!("{name}.xml"));
-    std::fs::write(&file, domain(name)).unwrap();
+    // VF 0000:3b:02.0 of the simulated NIC.
+    std::fs::write(
+        &file,
+        common::libvirtd::test_domain_xml(name, "0000:3b:02.0"),
+    )
+    .unwrap();
     d.virsh(&["define", file.to_str().unwrap()]);
     d.virsh(&["start", name]);
 }

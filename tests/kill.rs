@@ -4,6 +4,8 @@
 
 mod common;
 
+use common::vfioctl;
+
 use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -40,22 +42,6 @@ fn vfiod(dir: &Path, bus: &str, kill_at: Option<usize>) -> Daemon {
         None => c.env_remove("VFIOD_TEST_KILL_AT_STEP"),
     };
     Daemon(c.spawn().expect("start vfiod"))
-}
-
-fn vfioctl(bus: &str, args: &[&str]) -> (bool, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_vfioctl"))
-        .args(args)
-        .env("VFIOD_BUS", bus)
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ),
-    )
 }
 
 fn wait_ready(bus: &str) {

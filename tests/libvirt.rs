@@ -19,18 +19,6 @@ use vfiod::host::libvirt::{
 /// have ended before a count.
 static THREADS: RwLock<()> = RwLock::new(());
 
-/// A domain of the test driver with one host PCI function assigned.
-const VM1: &str = "<domain type='test'>
-  <name>vm1</name>
-  <memory>65536</memory>
-  <os><type>hvm</type></os>
-  <devices>
-    <hostdev mode='subsystem' type='pci' managed='no'>
-      <source><address domain='0x0000' bus='0x3b' slot='0x02' function='0x1'/></source>
-    </hostdev>
-  </devices>
-</domain>";
-
 const HOSTDEV: &str = "<hostdev mode='subsystem' type='pci' managed='no'>
   <source><address domain='0x0000' bus='0x5e' slot='0x00' function='0x0'/></source>
 </hostdev>";
@@ -41,7 +29,12 @@ const SOON: Duration = Duration::from_secs(5);
 
 fn define_vm1(d: &Libvirtd) {
     let file = d.dir.path().join("vm1.xml");
-    std::fs::write(&file, VM1).unwrap();
+    // One host PCI function assigned.
+    std::fs::write(
+        &file,
+        common::libvirtd::test_domain_xml("vm1", "0000:3b:02.1"),
+    )
+    .unwrap();
     d.virsh(&["define", file.to_str().unwrap()]);
 }
 

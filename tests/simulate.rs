@@ -4,6 +4,8 @@
 
 mod common;
 
+use common::vfioctl;
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -98,22 +100,6 @@ fn bus_daemons_under(dir: &Path) -> Vec<i32> {
         }
     }
     pids
-}
-
-fn vfioctl(bus: &str, args: &[&str]) -> (bool, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_vfioctl"))
-        .args(args)
-        .env("VFIOD_BUS", bus)
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ),
-    )
 }
 
 fn sim_root() -> (tempfile::TempDir, PathBuf) {

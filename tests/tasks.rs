@@ -603,22 +603,8 @@ async fn a_task_on_one_function_makes_its_group_mates_busy() {
 /// A libvirt test-driver host: one running domain, `web1`, with the NIC's first VF assigned.
 fn libvirt_host(dir: &std::path::Path) -> String {
     let path = dir.join("libvirt-node.xml");
-    std::fs::write(
-        &path,
-        "<node>
-           <domain type='test'>
-             <name>web1</name>
-             <memory>65536</memory>
-             <os><type>hvm</type></os>
-             <devices>
-               <hostdev mode='subsystem' type='pci' managed='no'>
-                 <source><address domain='0x0000' bus='0x3b' slot='0x02' function='0x0'/></source>
-               </hostdev>
-             </devices>
-           </domain>
-         </node>",
-    )
-    .unwrap();
+    let web1 = common::libvirtd::test_domain_xml("web1", "0000:3b:02.0");
+    std::fs::write(&path, format!("<node>{web1}</node>")).unwrap();
     format!("test://{}", path.display())
 }
 

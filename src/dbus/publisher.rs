@@ -135,12 +135,18 @@ async fn publish_task(objects: &Objects, task: crate::store::TaskRecord) -> zbus
     }
 }
 
-async fn counts_changed(objects: &Objects) -> zbus::Result<()> {
-    let iface = objects
+async fn manager(
+    objects: &Objects,
+) -> zbus::Result<zbus::object_server::InterfaceRef<Strict<Manager>>> {
+    objects
         .conn
         .object_server()
         .interface::<_, Strict<Manager>>(ROOT_PATH)
-        .await?;
+        .await
+}
+
+async fn counts_changed(objects: &Objects) -> zbus::Result<()> {
+    let iface = manager(objects).await?;
     let em = iface.signal_emitter();
     let m = &iface.get().await.inner;
     m.device_count_changed(em).await?;
@@ -150,11 +156,7 @@ async fn counts_changed(objects: &Objects) -> zbus::Result<()> {
 }
 
 async fn settings_changed(objects: &Objects) -> zbus::Result<()> {
-    let iface = objects
-        .conn
-        .object_server()
-        .interface::<_, Strict<Manager>>(ROOT_PATH)
-        .await?;
+    let iface = manager(objects).await?;
     let em = iface.signal_emitter();
     let m = &iface.get().await.inner;
     m.scenario_changed(em).await?;

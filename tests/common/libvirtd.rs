@@ -173,3 +173,22 @@ fn chown_tree(path: &Path, (uid, gid): (u32, u32)) {
 pub fn eventually<T>(within: Duration, what: &str, f: impl FnMut() -> Option<T>) -> T {
     super::eventually_blocking(within, what, f)
 }
+
+/// A domain of libvirt's test driver named `name`, with the host PCI function `address`
+/// (`DDDD:BB:SS.F`) assigned as a `<hostdev>`.
+pub fn test_domain_xml(name: &str, address: &str) -> String {
+    let a: vfiod::model::pci::PciAddress = address.parse().expect("a PCI address");
+    let (domain, bus, slot, function) = (a.domain, a.bus, a.slot, a.function);
+    format!(
+        "<domain type='test'>
+  <name>{name}</name>
+  <memory>65536</memory>
+  <os><type>hvm</type></os>
+  <devices>
+    <hostdev mode='subsystem' type='pci' managed='no'>
+      <source><address domain='0x{domain:04x}' bus='0x{bus:02x}' slot='0x{slot:02x}' function='0x{function:x}'/></source>
+    </hostdev>
+  </devices>
+</domain>"
+    )
+}

@@ -259,3 +259,20 @@ pub fn eventually_blocking<T>(
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// Runs the built `vfioctl` against `bus`: (success, stdout and stderr together).
+pub fn vfioctl(bus: &str, args: &[&str]) -> (bool, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_vfioctl"))
+        .args(args)
+        .env("VFIOD_BUS", bus)
+        .output()
+        .expect("run vfioctl");
+    (
+        out.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
+}
