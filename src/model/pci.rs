@@ -18,9 +18,25 @@ pub struct PciAddress {
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
-#[error("invalid PCI address {input:?}: expected DDDD:BB:SS.F (e.g. 0000:3b:00.0)")]
+#[error("invalid PCI address {input}: expected DDDD:BB:SS.F (e.g. 0000:3b:00.0)")]
 pub struct AddressError {
+    /// The text, quoted, and cut to its first 64 characters when longer (an address comes from
+    /// callers: a 1 MB one is not echoed back whole).
     pub input: String,
+}
+
+impl AddressError {
+    fn of(text: &str) -> AddressError {
+        const MAX: usize = 64;
+        let n = text.chars().count();
+        let input = if n <= MAX {
+            format!("{text:?}")
+        } else {
+            let head: String = text.chars().take(MAX).collect();
+            format!("{head:?}... ({n} characters)")
+        };
+        AddressError { input }
+    }
 }
 
 impl PciAddress {
@@ -43,9 +59,7 @@ impl PciAddress {
 
     /// Inverse of [`PciAddress::nodedev_name`].
     pub fn from_nodedev_name(name: &str) -> Result<Self, AddressError> {
-        let err = || AddressError {
-            input: name.to_string(),
-        };
+        let err = || AddressError::of(name);
         let rest = name.strip_prefix("pci_").ok_or_else(err)?;
         let parts: Vec<&str> = rest.split('_').collect();
         if parts.len() != 4 {
@@ -72,9 +86,7 @@ impl FromStr for PciAddress {
 
     /// Accepts `DDDD:BB:SS.F` and the short `BB:SS.F` (domain 0), as lspci prints them.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let err = || AddressError {
-            input: s.to_string(),
-        };
+        let err = || AddressError::of(s);
         let (head, func) = s.rsplit_once('.').ok_or_else(err)?;
         let parts: Vec<&str> = head.split(':').collect();
         let (dom, bus, slot) = match parts.as_slice() {
