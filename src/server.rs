@@ -50,6 +50,11 @@ pub struct Server {
 
 impl Server {
     pub async fn start(opts: Options) -> Result<Server, ServerError> {
+        // SIGHUP is systemd's reload (`kill -HUP $MAINPID`), which may come as soon as the bus
+        // name appears: listen before anything else, so that it is never the default action
+        // (which ends the process) and a reload asked for while starting is done once the loop
+        // runs.
+        let hangups = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
         let s = &opts.settings;
         tracing::info!(
             "vfiod {} starting: config from [{}], scenario {}, sysfs root {}, state in {}",
@@ -132,7 +137,7 @@ impl Server {
         let e = Arc::clone(&engine);
         let events = opts.events;
         let task = tokio::spawn(async move {
-            e.run(events, async {
+            e.run(events, hangups, async {
                 let _ = stopped.await;
             })
             .await;

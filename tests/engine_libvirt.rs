@@ -63,7 +63,7 @@ async fn domain_lifecycle_events_reach_the_engine_channel() {
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let e = Arc::clone(&engine);
     let run = tokio::spawn(async move {
-        e.run(None, async {
+        e.run(None, None, async {
             let _ = stopped.await;
         })
         .await

@@ -118,6 +118,11 @@ fn shutdown_signal() -> impl std::future::Future<Output = ()> {
 }
 
 async fn run(args: Args) -> Result<ExitCode, String> {
+    // SIGHUP's default action ends the process: from the first moment, a SIGHUP (a reload by
+    // systemd or an operator while vfiod starts) is caught instead. The server listens for it
+    // from its own start on; one that comes before that is dropped (the configuration is being
+    // read then anyway).
+    let _early_hangups = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup());
     if args.simulate {
         return simulate(args).await;
     }

@@ -62,15 +62,17 @@ impl Engine {
         }
     }
 
-    /// The main loop, until `shutdown` resolves.
+    /// The main loop, until `shutdown` resolves. `hangups` (SIGHUP: reload) is subscribed by
+    /// the caller as early as it can: a SIGHUP before anyone listens would kill the daemon, and one
+    /// received while starting is served as soon as the loop runs.
     pub async fn run(
         self: &Arc<Self>,
         mut uevents: Option<EventReceiver>,
+        mut hup: Option<tokio::signal::unix::Signal>,
         shutdown: impl std::future::Future<Output = ()>,
     ) {
         tokio::pin!(shutdown);
         let mut libvirt = self.core.take_libvirt_events();
-        let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
         let mut interval = self.settings().poll_interval;
         let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
