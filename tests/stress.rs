@@ -466,36 +466,37 @@ async fn check_agreement(h: &Harness, round: usize, after_id: i64) {
     // Drivers: the kernel's files, the simulated kernel's model, the store and the bus agree.
     for (a, _) in NATIVE {
         let path = device_path(a);
-        let last = store.last_result(addr(a)).unwrap();
-        eventually_async(
-            within,
-            &format!("round {round}: {a} agrees everywhere"),
-            || {
-                let path = path.clone();
-                let last = last.clone();
-                let store = &store;
-                async move {
-                    let files = h.kernel.sysfs().read_function(addr(a)).unwrap().driver;
-                    let model = h.kernel.driver_of(addr(a));
-                    let stored = store.device(addr(a)).unwrap().unwrap().driver;
-                    let p = get_all(h, &path, DEVICE).await;
-                    let shown = prop_str(&p, "Driver").filter(|d| !d.is_empty());
-                    let task_state = prop_str(&p, "TaskState");
-                    let last_shown = prop_str(&p, "LastResult").unwrap_or_default();
-                    let last_ok = match &last {
-                        Some(t) => last_shown.starts_with(&format!("task {} ", t.id)),
-                        None => last_shown.is_empty(),
-                    };
-                    (files == model
-                        && stored == model
-                        && shown == model
-                        && task_state.as_deref() == Some("idle")
-                        && last_ok)
-                        .then_some(())
-                }
-            },
-        )
-        .await;
+        let last = store.last_result(addr(a)).unwrap().map(|t| t.id);
+        let deadline = Instant::now() + within;
+        loop {
+            let files = h.kernel.sysfs().read_function(addr(a)).unwrap().driver;
+            let model = h.kernel.driver_of(addr(a));
+            let stored = store.device(addr(a)).unwrap().unwrap().driver;
+            let p = get_all(h, &path, DEVICE).await;
+            let shown = prop_str(&p, "Driver").filter(|d| !d.is_empty());
+            let task_state = prop_str(&p, "TaskState").unwrap_or_default();
+            let last_shown = prop_str(&p, "LastResult").unwrap_or_default();
+            let last_ok = match last {
+                Some(id) => last_shown.starts_with(&format!("task {id} ")),
+                None => last_shown.is_empty(),
+            };
+            if files == model
+                && stored == model
+                && shown == model
+                && task_state == "idle"
+                && last_ok
+            {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "round {round}: {a} disagrees for {within:?}: driver in the files {files:?}, \
+                 in the kernel {model:?}, in the store {stored:?}, on D-Bus {shown:?}; D-Bus \
+                 TaskState {task_state:?}, LastResult {last_shown:?} (the store's last task: \
+                 {last:?})"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 }
 
