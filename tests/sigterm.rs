@@ -493,3 +493,65 @@ async fn sigterm_while_an_inventory_read_blocks() {
     drop(writer);
     rescan.abort();
 }
+
+/// systemd starts vfiod as `Type=dbus` (started once it owns its name) and reloads it with
+/// `kill -HUP $MAINPID`: a SIGHUP as soon as the name appears must reload, not kill.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "bug: vfiod takes its bus name before it handles SIGHUP (the engine's loop installs \
+            the handler after dbus::take_name), so a reload right after start kills it \
+            (src/server.rs, src/engine/run_loop.rs)"]
+async fn a_sighup_as_soon_as_the_name_appears_reloads_rather_than_kills() {
+    let mut killed = Vec::new();
+    for attempt in 0..5 {
+        let mut host = Host::new(CONFIG);
+        host.starts += 1;
+        let log = host.dir.path().join("vfiod.log");
+        let child = Command::new(env!("CARGO_BIN_EXE_vfiod"))
+            .args(["--simulate", "--sim-root"])
+            .arg(host.dir.path().join("sim"))
+            .arg("--config")
+            .arg(host.config_path())
+            .args(["--bus", host.bus.address()])
+            .env("VFIOD_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("start vfiod");
+        let daemon = Daemon {
+            child: Some(child),
+            log,
+        };
+        let conn = zbus::connection::Builder::address(host.bus.address())
+            .build()
+            .await
+            .unwrap();
+        let bus = zbus::fdo::DBusProxy::new(&conn).await.unwrap();
+        let name = zbus::names::BusName::try_from(BUS_NAME).unwrap();
+        let deadline = Instant::now() + START_BOUND;
+        // As systemd sees it: started the moment the name has an owner.
+        while !bus.name_has_owner(name.clone()).await.unwrap() {
+            assert!(
+                !daemon.ended(),
+                "vfiod ended while starting:\n{}",
+                daemon.log()
+            );
+            assert!(Instant::now() < deadline, "vfiod did not start");
+        }
+        daemon.signal(Signal::SIGHUP);
+        // Answered after the reload, or refused because the process is gone.
+        let m = vfiod::client::manager(&conn).await;
+        let alive = match m {
+            Ok(m) => m.get_tasks(vfiod::client::query(vec![])).await.is_ok(),
+            Err(_) => false,
+        };
+        if !alive || daemon.ended() {
+            killed.push(attempt);
+            continue;
+        }
+        terminate(daemon, "after a SIGHUP at start", || {}).await;
+    }
+    assert!(
+        killed.is_empty(),
+        "a SIGHUP right after the name appeared killed vfiod in attempts {killed:?} of 5"
+    );
+}
