@@ -5,7 +5,9 @@
 //!
 //! [`Strict`] wraps a generated interface and forwards everything else to it. It learns each
 //! method's argument signature and each property's access from the interface's own
-//! introspection, so it cannot drift from the code. zbus calls the `Interface` trait "unstable":
+//! introspection, so it cannot drift from the code. Signatures are compared parsed, not as
+//! text: on the wire several arguments are written without parentheses, zbus shows them as one
+//! structure, and a lone structure argument shows the same. zbus calls the `Interface` trait "unstable":
 //! this file is the one place to adapt when zbus changes it (Cargo.lock pins the version).
 
 use std::collections::{HashMap, HashSet};
@@ -13,14 +15,22 @@ use std::fmt::Write;
 use zbus::message::{Header, Message};
 use zbus::names::{InterfaceName, MemberName};
 use zbus::object_server::{DispatchResult, Interface, SignalEmitter};
-use zbus::{fdo, BoxDBusError, Connection, ObjectServer, OwnedVariant, Variant};
+use zbus::{fdo, BoxDBusError, Connection, ObjectServer, OwnedVariant, Signature, Variant};
 
 /// A generated interface with strict arguments and read-only errors.
 pub struct Strict<I> {
     pub inner: I,
-    /// Method name -> the signature of its in-arguments ("" for none).
-    methods: HashMap<String, String>,
+    /// Method name -> the signature of its in-arguments.
+    methods: HashMap<String, InArgs>,
     read_only: HashSet<String>,
+}
+
+/// A method's in-arguments: as introspection writes them (for messages) and parsed (to compare
+/// with a call's body, whose signature zbus gives parsed).
+#[derive(Clone, Debug, PartialEq)]
+struct InArgs {
+    text: String,
+    parsed: Signature,
 }
 
 impl<I: Interface> Strict<I> {
@@ -43,22 +53,29 @@ impl<I> std::ops::Deref for Strict<I> {
     }
 }
 
-/// Methods with their in-signatures, and read-only properties, from introspection XML.
-fn shape(xml: &str) -> (HashMap<String, String>, HashSet<String>) {
-    let mut methods = HashMap::new();
-    let mut read_only = HashSet::new();
-    // zbus writes doc comments as XML comments without escaping "--": drop the comments.
-    let mut text = String::with_capacity(xml.len());
+/// Introspection XML without its comments. zbus writes each doc comment as an XML comment, and
+/// a doc comment may hold "--" (`vfiod --simulate`), which XML forbids there: the parser would
+/// refuse the whole interface, and the wrapper would check nothing on it.
+fn without_comments(xml: &str) -> String {
+    let mut out = String::with_capacity(xml.len());
     let mut rest = xml;
     while let Some(start) = rest.find("<!--") {
-        text.push_str(&rest[..start]);
-        rest = match rest[start + 4..].find("-->") {
-            Some(end) => &rest[start + 4 + end + 3..],
-            None => "",
-        };
+        out.push_str(&rest[..start]);
+        let body = &rest[start + "<!--".len()..];
+        rest = body
+            .find("-->")
+            .map_or("", |end| &body[end + "-->".len()..]);
     }
-    text.push_str(rest);
-    let doc = match roxmltree::Document::parse(&text) {
+    out.push_str(rest);
+    out
+}
+
+/// Methods with their in-signatures, and read-only properties, from introspection XML.
+fn shape(xml: &str) -> (HashMap<String, InArgs>, HashSet<String>) {
+    let mut methods = HashMap::new();
+    let mut read_only = HashSet::new();
+    let xml = without_comments(xml);
+    let doc = match roxmltree::Document::parse(&xml) {
         Ok(doc) => doc,
         Err(e) => {
             tracing::error!("cannot parse an interface's own introspection: {e}");
@@ -73,8 +90,22 @@ fn shape(xml: &str) -> (HashMap<String, String>, HashSet<String>) {
                     .filter(|a| a.has_tag_name("arg") && a.attribute("direction") != Some("out"))
                     .filter_map(|a| a.attribute("type"))
                     .collect();
-                if let Some(name) = node.attribute("name") {
-                    methods.insert(name.to_string(), signature);
+                let Some(name) = node.attribute("name") else {
+                    continue;
+                };
+                match Signature::try_from(signature.as_str()) {
+                    Ok(parsed) => {
+                        methods.insert(
+                            name.to_string(),
+                            InArgs {
+                                text: signature,
+                                parsed,
+                            },
+                        );
+                    }
+                    Err(e) => {
+                        tracing::error!("method {name} has an invalid signature {signature:?}: {e}")
+                    }
                 }
             }
             "property" if node.attribute("access") == Some("read") => {
@@ -168,21 +199,20 @@ impl<I: Interface> Interface for Strict<I> {
         name: MemberName<'call>,
     ) -> DispatchResult<'call> {
         if let Some(expected) = self.methods.get(name.as_str()) {
-            let got = msg.body().signature().to_string();
-            let got = got
-                .strip_prefix('(')
-                .and_then(|g| g.strip_suffix(')'))
-                .filter(|_| expected.len() + 2 != got.len() || !expected.starts_with('('))
-                .map(str::to_string)
-                .unwrap_or(got);
-            if got != *expected {
-                let wants = if expected.is_empty() {
+            let body = msg.body();
+            let got = body.signature();
+            if *got != expected.parsed {
+                let wants = if expected.text.is_empty() {
                     "no arguments".to_string()
                 } else {
-                    format!("arguments of signature \"{expected}\"")
+                    format!("arguments of signature \"{}\"", expected.text)
+                };
+                let sent = match got.to_string_no_parens() {
+                    none if none.is_empty() => "none".to_string(),
+                    some => format!("\"{some}\""),
                 };
                 return refuse(fdo::Error::InvalidArgs(format!(
-                    "{}.{name} takes {wants}, not \"{got}\"",
+                    "{}.{name} takes {wants}, not {sent}",
                     I::name()
                 )));
             }
@@ -224,10 +254,50 @@ mod tests {
           <property name="Knob" type="u" access="readwrite"/>
         </interface>"#;
         let (methods, read_only) = shape(xml);
-        assert_eq!(methods["GetPlans"], "");
-        assert_eq!(methods["GetEvents"], "sx");
-        assert_eq!(methods["Implicit"], "u");
+        assert_eq!(methods["GetPlans"].text, "");
+        assert_eq!(methods["GetPlans"].parsed, Signature::Unit);
+        assert_eq!(methods["GetEvents"].text, "sx");
+        assert_eq!(methods["Implicit"].text, "u");
         assert!(read_only.contains("Address"));
         assert!(!read_only.contains("Knob"));
+    }
+
+    #[test]
+    fn doc_comments_with_double_dashes_do_not_hide_the_interface() {
+        // What zbus writes for a doc comment that names a command-line option.
+        let xml = r#"<interface name="org.x.Y">
+          <!--
+           True when running on the simulated kernel (`vfiod --simulate`).
+           -->
+          <property name="Simulated" type="b" access="read"/>
+          <!-- -- <method name="Hidden"/> -->
+          <method name="Reload"></method>
+        </interface>"#;
+        let (methods, read_only) = shape(xml);
+        assert!(read_only.contains("Simulated"));
+        assert_eq!(methods.keys().collect::<Vec<_>>(), vec!["Reload"]);
+        assert_eq!(without_comments("a<!-- b -->c<!-- d"), "ac");
+    }
+
+    #[test]
+    fn signatures_compare_parsed_not_as_text() {
+        let (methods, _) = shape(
+            r#"<interface name="org.x.Y">
+              <method name="Pair"><arg name="p" type="(ss)" direction="in"/></method>
+              <method name="PairThen">
+                <arg name="p" type="(ss)" direction="in"/><arg name="n" type="u" direction="in"/>
+              </method>
+              <method name="Two">
+                <arg name="a" type="s" direction="in"/><arg name="b" type="s" direction="in"/>
+              </method>
+            </interface>"#,
+        );
+        // A call's body signature as zbus parses it from the wire.
+        let body = |wire: &str| Signature::try_from(wire).unwrap();
+        assert_eq!(methods["Pair"].parsed, body("(ss)"));
+        assert_eq!(methods["PairThen"].parsed, body("(ss)u"));
+        assert_ne!(methods["PairThen"].parsed, body("ssu"));
+        assert_eq!(methods["Two"].parsed, body("ss"));
+        assert_ne!(methods["Two"].parsed, body("s"));
     }
 }

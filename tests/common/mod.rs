@@ -17,6 +17,7 @@ use zbus::{MessageStream, OwnedVariant};
 
 pub mod libvirtd;
 pub mod polkit;
+pub mod test_job;
 
 pub const DEMO_CONFIG: &str = include_str!("../../conf/simulate.toml");
 
