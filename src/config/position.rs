@@ -25,11 +25,43 @@ impl fmt::Display for Origin {
 pub(crate) struct Source {
     pub file: PathBuf,
     pub text: String,
+    /// Byte offset of the start of each line, found once: every rule records where it was
+    /// written, and counting newlines from the top for each made a large file quadratic.
+    line_starts: std::sync::OnceLock<Vec<usize>>,
 }
 
 impl Source {
+    pub fn new(file: PathBuf, text: String) -> Source {
+        Source {
+            file,
+            text,
+            line_starts: std::sync::OnceLock::new(),
+        }
+    }
+
     pub fn origin_at(&self, offset: usize) -> Origin {
-        let (line, column) = line_column(self.text.as_bytes(), offset);
+        let bytes = self.text.as_bytes();
+        let offset = offset.min(bytes.len());
+        let starts = self.line_starts.get_or_init(|| {
+            std::iter::once(0)
+                .chain(
+                    bytes
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, &b)| b == b'\n')
+                        .map(|(i, _)| i + 1),
+                )
+                .collect()
+        });
+        // The last line start at or before the offset.
+        let index = starts.partition_point(|&start| start <= offset) - 1;
+        let line = index + 1;
+        // Count characters, not bytes: UTF-8 continuation bytes (0b10xx_xxxx) do not start one.
+        let column = bytes[starts[index]..offset]
+            .iter()
+            .filter(|&&b| b & 0xc0 != 0x80)
+            .count()
+            + 1;
         Origin {
             file: self.file.clone(),
             line,
@@ -159,5 +191,24 @@ mod tests {
             })
             .collect();
         assert_eq!(names, ["s", "1", "y"]);
+    }
+}
+
+#[cfg(test)]
+mod origin_tests {
+    use super::*;
+
+    #[test]
+    fn origin_at_agrees_with_counting_from_the_top() {
+        let text = "a = 1\n\nb = \"\u{e9}t\u{e9}\"\n  [[select]]\nx\n";
+        let source = Source::new(PathBuf::from("f.toml"), text.to_string());
+        for offset in 0..=text.len() + 3 {
+            let o = source.origin_at(offset);
+            assert_eq!(
+                (o.line, o.column),
+                line_column(text.as_bytes(), offset),
+                "offset {offset}"
+            );
+        }
     }
 }

@@ -59,7 +59,7 @@ impl Fragment {
     }
 
     pub fn parse_text(text: String, origin: PathBuf) -> Result<Fragment, ConfigError> {
-        let source = Source { file: origin, text };
+        let source = Source::new(origin, text);
         let table =
             toml::de::DeTable::parse(&source.text).map_err(|e| syntax_error(&source, &e))?;
         let raw = RawFile::deserialize(toml::de::Deserializer::from(table))
