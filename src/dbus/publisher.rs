@@ -11,6 +11,10 @@ use crate::engine::{DeviceView, EngineEvent, EventStream};
 use crate::store::DeviceChange;
 use zbus::object_server::SignalEmitter;
 
+/// Finished tasks that no device shows keep their objects up to this many (the newest): the
+/// bus stays small however long vfiod runs; `Manager.GetTasks` has the whole history.
+pub const FINISHED_TASK_OBJECTS: usize = 200;
+
 pub(super) async fn run(objects: Objects, mut events: EventStream) {
     while let Some(event) = events.recv().await {
         match event {
@@ -35,6 +39,7 @@ pub(super) async fn run(objects: Objects, mut events: EventStream) {
                 if let Err(e) = publish_task(&objects, task).await {
                     tracing::error!(task_id = id, "cannot publish a task on D-Bus: {e}");
                 }
+                let state_changed = !devices.is_empty();
                 for t in devices {
                     let address = t.address;
                     let Some((old, new)) = objects.view.set_device_tasks(t) else {
@@ -46,6 +51,9 @@ pub(super) async fn run(objects: Objects, mut events: EventStream) {
                     {
                         tracing::error!(device = %address, "cannot signal a device's task state: {e}");
                     }
+                }
+                if state_changed {
+                    prune_tasks(&objects).await;
                 }
             }
             EngineEvent::Settings => {
@@ -132,6 +140,19 @@ async fn publish_task(objects: &Objects, task: crate::store::TaskRecord) -> zbus
             .at(task::task_path(id), objects.task_object(id))
             .await
             .map(drop),
+    }
+}
+
+/// Removes the objects of the finished tasks the view no longer keeps.
+async fn prune_tasks(objects: &Objects) {
+    let server = objects.conn.object_server();
+    for id in objects.view.prune_tasks(FINISHED_TASK_OBJECTS) {
+        if let Err(e) = server
+            .remove::<Strict<task::TaskObject>, _>(task::task_path(id))
+            .await
+        {
+            tracing::error!(task_id = id, "cannot remove a finished task's object: {e}");
+        }
     }
 }
 

@@ -106,4 +106,104 @@ impl View {
     pub fn put_task(&self, task: TaskRecord) -> Option<TaskRecord> {
         self.write().tasks.insert(task.id, task)
     }
+
+    /// Forgets the oldest finished tasks beyond `keep` that no device shows (as the task that
+    /// holds it or as its last result), and returns their ids: their objects can go.
+    pub fn prune_tasks(&self, keep: usize) -> Vec<i64> {
+        let mut inner = self.write();
+        let shown: std::collections::HashSet<i64> = inner
+            .devices
+            .values()
+            .flat_map(|e| e.task.iter().chain(e.last.iter()).map(|t| t.id))
+            .collect();
+        let mut finished: Vec<i64> = inner
+            .tasks
+            .values()
+            .filter(|t| t.state.is_final() && !t.is_active() && !shown.contains(&t.id))
+            .map(|t| t.id)
+            .collect();
+        if finished.len() <= keep {
+            return Vec::new();
+        }
+        finished.sort_unstable();
+        let gone: Vec<i64> = finished[..finished.len() - keep].to_vec();
+        for id in &gone {
+            inner.tasks.remove(id);
+        }
+        gone
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::task::TaskKind;
+    use crate::store::TaskState;
+
+    fn task(id: i64, state: TaskState) -> TaskRecord {
+        TaskRecord {
+            id,
+            address: "0000:3b:00.0".parse().unwrap(),
+            kind: TaskKind::Split,
+            state,
+            step: String::new(),
+            percent: 0,
+            message: String::new(),
+            params: "{}".into(),
+            requested_by: "test".into(),
+            created_ms: id,
+            started_ms: None,
+            finished_ms: None,
+            reset_ms: None,
+            reset_by: None,
+        }
+    }
+
+    #[test]
+    fn pruning_keeps_what_devices_show_the_unfinished_and_the_newest() {
+        let view = View::default();
+        for id in 1..=10 {
+            view.put_task(task(id, TaskState::Success));
+        }
+        view.put_task(task(11, TaskState::Running));
+        view.put_task(task(12, TaskState::Error)); // not reset: holds its device
+        use crate::model::device::{Kind, Mode, Role};
+        let device = Device {
+            address: "0000:3b:00.0".parse().unwrap(),
+            vendor_id: 0x8086,
+            device_id: 0x1572,
+            subsystem_vendor_id: 0,
+            subsystem_device_id: 0,
+            revision: 0,
+            class: crate::model::pci::ClassCode(0x020000),
+            vendor_name: String::new(),
+            device_name: String::new(),
+            kind: Kind::Nic,
+            driver: None,
+            driver_override: None,
+            numa_node: None,
+            iommu_group: None,
+            role: Role::Pf,
+            separable: true,
+            mode: Mode::Pf,
+            total_vfs: 64,
+            num_vfs: 0,
+            parent_pf: None,
+            managed: true,
+            state: State::Usable,
+            state_reason: String::new(),
+        };
+        view.put_device(DeviceView {
+            device,
+            active: Some(task(12, TaskState::Error)),
+            last: Some(task(2, TaskState::Success)),
+        });
+        let gone = view.prune_tasks(3);
+        // Finished and shown by nobody: 1, 3..=10 (2 is a last result); the 3 newest stay.
+        assert_eq!(gone, vec![1, 3, 4, 5, 6, 7]);
+        for id in [2, 8, 9, 10, 11, 12] {
+            assert!(view.task(id).is_some(), "task {id} kept");
+        }
+        assert!(view.prune_tasks(3).is_empty(), "nothing more to prune");
+    }
 }
