@@ -55,7 +55,10 @@ async fn task_object(h: &Harness, id: i64) -> vfiod::client::TaskProxy<'static> 
 
 async fn start(h: &Harness, job: TestJob) -> Result<TaskRecord, JobError> {
     let engine = &h.server.as_ref().expect("server running").engine;
-    engine.start_task(Box::new(job), "the jobs test").await
+    let task = engine.start_task(Box::new(job), "the jobs test").await;
+    // As a D-Bus method does before it replies: the task's object exists once this returns.
+    engine.flush().await;
+    task
 }
 
 /// The task's record once it has ended.
