@@ -695,3 +695,62 @@ async fn a_vf_shows_its_pf_task() {
     assert_eq!(name, "org.vfiod.Vfiod1.Error.InvalidArgument", "{msg}");
     assert_eq!(finish(&h, &restore).await.0, "success");
 }
+
+/// A driver typo in the configuration (`vf_driver = "vfio-pcii"`): the reload's task is refused
+/// before any write, the device is not held (its TaskState stays idle, the task is `error` reset
+/// by vfiod), and once the configuration is fixed the next reload converts it without any
+/// operator reset.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_driver_typo_leaves_no_device_blocked() {
+    let config = |driver: &str| {
+        format!(
+            "scenario = \"private\"\n[[select]]\nclass = \"0x12\"\nkind = \"fpga\"\nmode = \"vf\"\nnum_vfs = 2\nvf_driver = \"{driver}\"\n"
+        )
+    };
+    let h = Harness::start(&config("vfio-pcii")).await;
+    let pf = addr("0000:af:00.0");
+    let store = h.store();
+    let refused = eventually(
+        Duration::from_secs(30),
+        "the start-up task is refused",
+        || {
+            store
+                .tasks(Some(pf), 10)
+                .unwrap()
+                .into_iter()
+                .find(|t| t.state.is_final())
+        },
+    )
+    .await;
+    assert_eq!(refused.state.as_str(), "error", "{refused:?}");
+    assert!(
+        refused.message.contains("vfio-pcii") && refused.message.contains("nothing was changed"),
+        "{}",
+        refused.message
+    );
+    assert_eq!(refused.reset_by.as_deref(), Some(vfiod::store::REFUSED_BY));
+    assert_eq!(h.kernel.num_vfs(pf), Some(0), "nothing was written");
+    let fpga = device(&h, "0000:af:00.0").await;
+    assert_eq!(fpga.task_state().await.unwrap(), "idle", "not held");
+
+    h.kernel.take_write_log();
+    std::fs::write(&h.config_path, config("vfio-pci")).unwrap();
+    h.manager().await.reload().await.unwrap();
+    eventually(Duration::from_secs(60), "split after the fix", || {
+        (h.kernel.num_vfs(pf) == Some(2)).then_some(())
+    })
+    .await;
+    let last = eventually(Duration::from_secs(30), "the split task ends", || {
+        store
+            .tasks(Some(pf), 1)
+            .unwrap()
+            .into_iter()
+            .find(|t| t.state.is_final())
+    })
+    .await;
+    assert_eq!(
+        (last.kind.as_str(), last.state.as_str()),
+        ("split", "success"),
+        "{last:?}"
+    );
+}

@@ -364,13 +364,22 @@ async fn run(args: Args) -> Result<(), String> {
                     t.result().await?,
                 ))
             };
-            let (kind, dev, state, step, pct, result) = get.await.map_err(|e| match &e {
-                zbus::Error::MethodError(name, _, _)
-                    if name.as_str() == "org.freedesktop.DBus.Error.UnknownObject" =>
-                {
-                    format!("no task {id} (vfioctl task list shows the tasks)")
+            let unknown = |e: &zbus::Error| match e {
+                zbus::Error::MethodError(name, _, _) => {
+                    name.as_str() == "org.freedesktop.DBus.Error.UnknownObject"
                 }
-                _ => describe(e.into()),
+                zbus::Error::FDO(f) => matches!(**f, zbus::fdo::Error::UnknownObject(_)),
+                _ => false,
+            };
+            let (kind, dev, state, step, pct, result) = get.await.map_err(|e| {
+                if unknown(&e) {
+                    format!(
+                        "no task {id} on the bus (vfioctl task list shows the history; a task's \
+                         object stays while a device shows it, and for the newest others)"
+                    )
+                } else {
+                    describe(e.into())
+                }
             })?;
             println!("task {id}: {kind} on {dev}: {state} ({pct}%)");
             if !step.is_empty() {
