@@ -7,13 +7,13 @@
 
 mod common;
 
+use common::proxies::device;
 use common::test_job::{Record, TestJob};
 use common::{addr, eventually, eventually_async, Harness, STEADY_CONFIG};
 use std::sync::Arc;
 use std::time::Duration;
 use vfiod::engine::JobError;
 use vfiod::store::{TaskRecord, TaskState, REFUSED_BY};
-use zbus::OwnedObjectPath;
 
 const FPGA: &str = "0000:af:00.0";
 const GPU: &str = "0000:17:00.0";
@@ -21,31 +21,6 @@ const AUDIO: &str = "0000:17:00.1";
 
 /// How long a short test job may take on a loaded machine.
 const WITHIN: Duration = Duration::from_secs(30);
-
-#[zbus::proxy(
-    interface = "org.vfiod.Vfiod1.Device",
-    default_service = "org.vfiod.Vfiod1"
-)]
-trait Device {
-    fn set_mode(&self, mode: &str, num_vfs: u32) -> zbus::Result<OwnedObjectPath>;
-    fn apply(&self) -> zbus::Result<OwnedObjectPath>;
-    fn reset_task(&self) -> zbus::Result<()>;
-    #[zbus(property)]
-    fn task_state(&self) -> zbus::Result<String>;
-    #[zbus(property)]
-    fn current_task(&self) -> zbus::Result<OwnedObjectPath>;
-    #[zbus(property)]
-    fn last_result(&self) -> zbus::Result<String>;
-}
-
-async fn device<'a>(h: &'a Harness, a: &str) -> DeviceProxy<'a> {
-    DeviceProxy::builder(&h.client)
-        .path(vfiod::dbus::device_path(addr(a)))
-        .cache_properties(zbus::proxy::CacheProperties::No)
-        .build()
-        .await
-        .unwrap()
-}
 
 async fn task_object(h: &Harness, id: i64) -> vfiod::client::TaskProxy<'static> {
     vfiod::client::task(&h.client, vfiod::dbus::task::task_path(id))

@@ -33,31 +33,6 @@ fn rounds() -> usize {
         .unwrap_or(ROUNDS)
 }
 
-/// The steady configuration with the GPU's group selected onto vfio-pci, or not.
-fn config(vfio: bool) -> String {
-    if !vfio {
-        return STEADY_CONFIG.to_string();
-    }
-    let c = STEADY_CONFIG
-        .replace(
-            "class = \"0x03\"\n",
-            "class = \"0x03\"\npf_driver = \"vfio-pci\"\n",
-        )
-        .replace(
-            "id = \"10de:1aef\"\n",
-            "id = \"10de:1aef\"\npf_driver = \"vfio-pci\"\n",
-        );
-    assert_ne!(c, STEADY_CONFIG);
-    c
-}
-
-/// Replaces the configuration in one step (a reload never reads half a file).
-fn write_config(h: &Harness, text: &str) {
-    let tmp = h.config_path.with_extension("toml.new");
-    std::fs::write(&tmp, text).unwrap();
-    std::fs::rename(&tmp, &h.config_path).unwrap();
-}
-
 /// The drivers of the GPU's group as the simulated kernel has them.
 fn group_drivers(h: &Harness) -> Vec<Option<String>> {
     [GPU, AUDIO]
@@ -134,7 +109,7 @@ async fn an_apply_right_after_a_group_move_plans_from_the_state_it_left() {
     let mut raced = 0;
     for round in 0..rounds() {
         let vfio = round % 2 == 0;
-        write_config(&h, &config(vfio));
+        h.replace_config(&common::gpu_group_config(vfio));
         // A slow probe keeps A running a little while B is asked for: B meets A, and A's end
         // falls while B's requests are being admitted.
         h.kernel.inject(

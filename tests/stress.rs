@@ -51,31 +51,6 @@ fn rounds() -> usize {
         .unwrap_or(ROUNDS)
 }
 
-/// The steady configuration with the GPU's group selected onto vfio-pci, or not.
-fn config(vfio: bool) -> String {
-    if !vfio {
-        return STEADY_CONFIG.to_string();
-    }
-    let c = STEADY_CONFIG
-        .replace(
-            "class = \"0x03\"\n",
-            "class = \"0x03\"\npf_driver = \"vfio-pci\"\n",
-        )
-        .replace(
-            "id = \"10de:1aef\"\n",
-            "id = \"10de:1aef\"\npf_driver = \"vfio-pci\"\n",
-        );
-    assert_ne!(c, STEADY_CONFIG);
-    c
-}
-
-/// Replaces the configuration in one step (a reload never reads half a file).
-fn write_config(h: &Harness, text: &str) {
-    let tmp = h.config_path.with_extension("toml.new");
-    std::fs::write(&tmp, text).unwrap();
-    std::fs::rename(&tmp, &h.config_path).unwrap();
-}
-
 fn device_path(a: &str) -> String {
     vfiod::dbus::device_path(addr(a)).to_string()
 }
@@ -555,7 +530,7 @@ async fn bursts_of_calls_on_the_gpu_group_never_hang_the_daemon() {
     for round in 0..rounds {
         watchdog.beat(round);
         let vfio = round % 2 == 0;
-        write_config(&h, &config(vfio));
+        h.replace_config(&common::gpu_group_config(vfio));
         let after = h
             .store()
             .tasks(None, 1)

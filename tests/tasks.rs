@@ -3,59 +3,11 @@
 
 mod common;
 
+use common::proxies::{device, DeviceProxy, TaskProxy};
 use common::{addr, eventually, eventually_async, Harness, DEMO_CONFIG, STEADY_CONFIG};
 use std::time::Duration;
 use vfiod::sim::kernel::{FaultAction, FaultTarget};
 use zbus::OwnedObjectPath;
-
-#[zbus::proxy(
-    interface = "org.vfiod.Vfiod1.Device",
-    default_service = "org.vfiod.Vfiod1"
-)]
-trait Device {
-    fn set_mode(&self, mode: &str, num_vfs: u32) -> zbus::Result<OwnedObjectPath>;
-    fn apply(&self) -> zbus::Result<OwnedObjectPath>;
-    fn reset_task(&self) -> zbus::Result<()>;
-    #[zbus(property)]
-    fn task_state(&self) -> zbus::Result<String>;
-    #[zbus(property)]
-    fn current_task(&self) -> zbus::Result<OwnedObjectPath>;
-    #[zbus(property)]
-    fn last_result(&self) -> zbus::Result<String>;
-    #[zbus(property)]
-    fn num_vfs(&self) -> zbus::Result<u32>;
-    #[zbus(property)]
-    fn driver(&self) -> zbus::Result<String>;
-}
-
-#[zbus::proxy(
-    interface = "org.vfiod.Vfiod1.Task",
-    default_service = "org.vfiod.Vfiod1"
-)]
-trait Task {
-    #[zbus(property)]
-    fn state(&self) -> zbus::Result<String>;
-    #[zbus(property)]
-    fn kind(&self) -> zbus::Result<String>;
-    #[zbus(property)]
-    fn device(&self) -> zbus::Result<String>;
-    #[zbus(property)]
-    fn result(&self) -> zbus::Result<String>;
-    #[zbus(property)]
-    fn percent(&self) -> zbus::Result<u8>;
-}
-
-async fn device<'a>(h: &'a Harness, a: &str) -> DeviceProxy<'a> {
-    DeviceProxy::builder(&h.client)
-        .path(format!(
-            "/org/vfiod/Vfiod1/device/{}",
-            addr(a).nodedev_name()
-        ))
-        .cache_properties(zbus::proxy::CacheProperties::No)
-        .build()
-        .await
-        .unwrap()
-}
 
 /// Waits for a task to end, then for the inventory pass that follows it to be published (its
 /// device's object agrees with sysfs); returns (state, result, kind).

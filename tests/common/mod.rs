@@ -17,6 +17,7 @@ use zbus::{MessageStream, OwnedVariant};
 
 pub mod libvirtd;
 pub mod polkit;
+pub mod proxies;
 pub mod test_job;
 
 pub const DEMO_CONFIG: &str = include_str!("../../conf/simulate.toml");
@@ -276,4 +277,32 @@ pub fn vfioctl(bus: &str, args: &[&str]) -> (bool, String) {
             String::from_utf8_lossy(&out.stderr)
         ),
     )
+}
+
+/// [`STEADY_CONFIG`] with the GPU's IOMMU group (GPU and audio function) selected onto vfio-pci,
+/// or not: toggling it moves the group back and forth.
+pub fn gpu_group_config(vfio: bool) -> String {
+    if !vfio {
+        return STEADY_CONFIG.to_string();
+    }
+    let c = STEADY_CONFIG
+        .replace(
+            "class = \"0x03\"\n",
+            "class = \"0x03\"\npf_driver = \"vfio-pci\"\n",
+        )
+        .replace(
+            "id = \"10de:1aef\"\n",
+            "id = \"10de:1aef\"\npf_driver = \"vfio-pci\"\n",
+        );
+    assert_ne!(c, STEADY_CONFIG);
+    c
+}
+
+impl Harness {
+    /// Replaces the configuration file in one step (a reload never reads half a file).
+    pub fn replace_config(&self, text: &str) {
+        let tmp = self.config_path.with_extension("toml.new");
+        std::fs::write(&tmp, text).unwrap();
+        std::fs::rename(&tmp, &self.config_path).unwrap();
+    }
 }
