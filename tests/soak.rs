@@ -155,7 +155,11 @@ async fn random_call(conn: &zbus::Connection, rng: &Rng, config_path: &Path) {
                 let _ = d.apply().await;
             }
             5 => {
-                std::fs::write(config_path, config(rng)).ok()?;
+                // As an operator's tools do: write aside, rename into place (a reload never
+                // reads half a file; callers race here, so each has its own temporary name).
+                let tmp = config_path.with_extension(format!("toml.{}", rng.next()));
+                std::fs::write(&tmp, config(rng)).ok()?;
+                std::fs::rename(&tmp, config_path).ok()?;
                 let _ = m.reload().await;
             }
             6 => {

@@ -140,7 +140,9 @@ pub fn plan_device(
     })
 }
 
-/// Plans for every device the configuration selects (VFs follow their PF and are skipped).
+/// Plans for every device the configuration selects (VFs follow their PF and are skipped). A
+/// device that goes away while the plans are made (a VF removed by a restore running beside it)
+/// has no plan; it never spoils the others'.
 pub fn plan_all(
     sysfs: &Sysfs,
     store: &Store,
@@ -155,7 +157,14 @@ pub fn plan_all(
         {
             continue;
         }
-        out.push(plan_device(sysfs, store, settings, d.address)?);
+        match plan_device(sysfs, store, settings, d.address) {
+            Ok(p) => out.push(p),
+            Err(ModeError::NoSuchDevice(_)) => {}
+            Err(ModeError::Snapshot(e)) if e.errno() == Some(libc::ENOENT) => {
+                tracing::debug!(device = %d.address, "gone while planning: {}", crate::error_chain(&e));
+            }
+            Err(e) => return Err(e),
+        }
     }
     Ok(out)
 }
