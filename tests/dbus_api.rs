@@ -367,8 +367,10 @@ async fn a_failing_drivers_probe_fails_the_split_and_the_inventory_follows_the_r
         None,
     );
     // A slow first VF (the write before the failing probe) holds the split while its VFs exist,
-    // so that the inventory records them and must drop them again after the rollback.
-    let vf_bind_delay = Duration::from_secs(5);
+    // so that the inventory records them and must drop them again after the rollback. Long
+    // enough for a pass on a loaded machine (5 s was not, once, with three test binaries
+    // running); far below vfiod's 30 s write timeout.
+    let vf_bind_delay = Duration::from_secs(12);
     h.kernel.inject(
         FaultTarget::DeviceAttr(addr("0000:af:00.1"), "driver_override".into()),
         FaultAction::Delay(vf_bind_delay),

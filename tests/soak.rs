@@ -233,12 +233,31 @@ async fn settle_and_check(conn: &zbus::Connection, state: &Path, sysfs: &Sysfs, 
         .await
         .expect("rescan within its bound")
         .expect("rescan");
-    let on_bus: BTreeMap<String, client::DeviceView> = client::list_devices(conn)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|d| (d.address.clone(), d))
-        .collect();
+    // A task's last event may still be on its way when the store already says it ended: give
+    // the bus a few seconds to show every device idle (a stale state never converges).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let on_bus: BTreeMap<String, client::DeviceView> = loop {
+        let listed = client::list_devices(conn).await.unwrap();
+        let busy: Vec<_> = listed
+            .iter()
+            .filter(|d| d.task_state != "idle")
+            .map(|d| {
+                (
+                    d.address.clone(),
+                    d.task_state.clone(),
+                    d.current_task.clone(),
+                )
+            })
+            .collect();
+        if busy.is_empty() {
+            break listed.into_iter().map(|d| (d.address.clone(), d)).collect();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "round {round}: the store has no task in flight, but D-Bus still shows {busy:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
     let stored = store.devices().unwrap();
     let in_kernel: Vec<PciAddress> = sysfs.list_functions().unwrap();
     assert_eq!(

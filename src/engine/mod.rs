@@ -37,6 +37,11 @@ pub struct Engine {
     pass_lock: tokio::sync::Mutex<()>,
     /// The latest record of each unfinished task this engine runs, for [`Engine::wait_tasks`].
     watches: Mutex<HashMap<i64, watch::Sender<TaskRecord>>>,
+    /// Held from reading a device's task state to sending the event that carries it, by a pass
+    /// and by a task change alike: the events then leave in the order their reads were made, and
+    /// a pass's view of a new VF ("its PF's task runs") can never arrive after the task's own
+    /// "finished" and stay stale on the bus.
+    publishing: Arc<Mutex<()>>,
 }
 
 impl Engine {
@@ -48,6 +53,7 @@ impl Engine {
             events,
             pass_lock: tokio::sync::Mutex::new(()),
             watches: Mutex::new(HashMap::new()),
+            publishing: Arc::new(Mutex::new(())),
         };
         (Arc::new(engine), stream)
     }
@@ -92,25 +98,26 @@ impl Engine {
     /// One inventory pass, committed, then published.
     pub async fn refresh(&self) -> Result<Pass, EngineError> {
         let _guard = self.pass_lock.lock().await;
-        let (pass, tasks) = self
-            .read(|core| {
-                let pass = core.refresh()?;
-                let mut tasks = Vec::new();
-                for c in &pass.changes {
-                    if let DeviceChange::Added(d) = c {
-                        tasks.push(core.device_tasks(d.address)?);
-                    }
+        let (publishing, events) = (Arc::clone(&self.publishing), self.events.clone());
+        self.read(move |core| {
+            let pass = core.refresh()?;
+            if pass.changes.is_empty() {
+                return Ok(pass);
+            }
+            let _publishing = publishing.lock().unwrap_or_else(|p| p.into_inner());
+            let mut tasks = Vec::new();
+            for c in &pass.changes {
+                if let DeviceChange::Added(d) = c {
+                    tasks.push(core.device_tasks(d.address)?);
                 }
-                Ok::<_, EngineError>((pass, tasks))
-            })
-            .await??;
-        if !pass.changes.is_empty() {
-            self.send(EngineEvent::Inventory {
+            }
+            let _ = events.send(EngineEvent::Inventory {
                 changes: pass.changes.clone(),
                 tasks,
             });
-        }
-        Ok(pass)
+            Ok::<_, EngineError>(pass)
+        })
+        .await?
     }
 
     /// Re-reads the configuration, then a pass under the new settings (selection and protection
@@ -123,6 +130,7 @@ impl Engine {
 
     /// Records a task change: the store has committed it; tell the consumer and the waiters.
     fn task_changed(&self, task: &TaskRecord, change: tasks::Change) {
+        let publishing = self.publishing.lock().unwrap_or_else(|p| p.into_inner());
         let devices = match change {
             tasks::Change::State => self.core.covered_by(task).unwrap_or_else(|e| {
                 tracing::error!(
@@ -138,6 +146,7 @@ impl Engine {
             task: task.clone(),
             devices,
         });
+        drop(publishing);
         let mut watches = self.watches.lock().unwrap_or_else(|p| p.into_inner());
         if task.state.is_final() {
             if let Some(w) = watches.remove(&task.id) {
