@@ -388,3 +388,72 @@ async fn structure_arguments_pass_the_strict_wrapper() {
     }
     drop(service);
 }
+
+/// An object whose state can vanish between two property reads, as a device's does when it is
+/// removed while a caller reads it.
+struct Vanishing {
+    gone: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Vanishing {
+    fn check(&self) -> zbus::fdo::Result<()> {
+        if self.gone.load(std::sync::atomic::Ordering::SeqCst) {
+            Err(zbus::fdo::Error::UnknownObject("the probe is gone".into()))
+        } else {
+            Ok(())
+        }
+    }
+}
+
+#[zbus::interface(name = "org.vfiod.Test.Vanishing")]
+impl Vanishing {
+    #[zbus(property)]
+    fn name(&self) -> String {
+        "probe".into()
+    }
+    #[zbus(property)]
+    fn size(&self) -> zbus::fdo::Result<u32> {
+        self.check().map(|()| 7)
+    }
+}
+
+/// zbus's GetAll leaves out a property whose getter fails; behind `Strict` the caller gets the
+/// getter's named error instead of half an object (a client would read a device with no
+/// NumaNode and take it for a daemon bug).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn get_all_answers_every_property_or_the_getters_error() {
+    let dir = common::fast_tempdir();
+    let bus = vfiod::sim::bus::PrivateBus::start(&dir.path().join("bus"), "").unwrap();
+    let gone = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let service = zbus::connection::Builder::address(bus.address())
+        .name("org.vfiod.Test.Vanishing")
+        .serve_at("/vanishing", Strict::new(Vanishing { gone: gone.clone() }))
+        .build()
+        .await
+        .unwrap();
+    let client = zbus::connection::Builder::address(bus.address())
+        .build()
+        .await
+        .unwrap();
+    let props = zbus::fdo::PropertiesProxy::builder(&client)
+        .destination("org.vfiod.Test.Vanishing")
+        .path("/vanishing")
+        .build()
+        .await
+        .unwrap();
+    let iface = zbus::names::InterfaceName::try_from("org.vfiod.Test.Vanishing").unwrap();
+    let all = props.get_all(iface.clone()).await.unwrap();
+    let mut names: Vec<_> = all.keys().cloned().collect();
+    names.sort();
+    assert_eq!(names, ["Name", "Size"]);
+
+    gone.store(true, std::sync::atomic::Ordering::SeqCst);
+    let r = props.get_all(iface).await;
+    let (name, message) = refusal(r.map_err(zbus::Error::from), "GetAll of a vanished object");
+    assert_eq!(
+        name, "org.freedesktop.DBus.Error.UnknownObject",
+        "{message}"
+    );
+    assert!(message.contains("gone"), "{message}");
+    drop(service);
+}

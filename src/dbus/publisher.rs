@@ -104,10 +104,13 @@ async fn apply(
         }
         DeviceChange::Removed(d) => {
             // Gone already when the objects were first exported after this pass committed.
-            if objects.view.remove_device(d.address).is_some() {
+            // The object goes before its view entry: GetManagedObjects holds the object tree
+            // while it reads every object, so it sees each device whole or not at all.
+            if objects.view.device(d.address).is_some() {
                 server
                     .remove::<Strict<DeviceObject>, _>(device_path(d.address))
                     .await?;
+                objects.view.remove_device(d.address);
             }
         }
         DeviceChange::Changed { new, .. } => {
@@ -146,7 +149,8 @@ async fn publish_task(objects: &Objects, task: crate::store::TaskRecord) -> zbus
 /// Removes the objects of the finished tasks the view no longer keeps.
 async fn prune_tasks(objects: &Objects) {
     let server = objects.conn.object_server();
-    for id in objects.view.prune_tasks(FINISHED_TASK_OBJECTS) {
+    let gone = objects.view.prunable_tasks(FINISHED_TASK_OBJECTS);
+    for &id in &gone {
         if let Err(e) = server
             .remove::<Strict<task::TaskObject>, _>(task::task_path(id))
             .await
@@ -154,6 +158,7 @@ async fn prune_tasks(objects: &Objects) {
             tracing::error!(task_id = id, "cannot remove a finished task's object: {e}");
         }
     }
+    objects.view.forget_tasks(&gone);
 }
 
 async fn manager(

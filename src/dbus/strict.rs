@@ -23,6 +23,8 @@ pub struct Strict<I> {
     /// Method name -> the signature of its in-arguments.
     methods: HashMap<String, InArgs>,
     read_only: HashSet<String>,
+    /// Every property, for a GetAll that answers all of them or fails.
+    properties: Vec<String>,
 }
 
 /// A method's in-arguments: as introspection writes them (for messages) and parsed (to compare
@@ -37,11 +39,16 @@ impl<I: Interface> Strict<I> {
     pub fn new(inner: I) -> Strict<I> {
         let mut xml = String::new();
         inner.introspect_to_writer(&mut xml, 0);
-        let (methods, read_only) = shape(&xml);
+        let Shape {
+            methods,
+            read_only,
+            properties,
+        } = shape(&xml);
         Strict {
             inner,
             methods,
             read_only,
+            properties,
         }
     }
 }
@@ -70,16 +77,23 @@ fn without_comments(xml: &str) -> String {
     out
 }
 
-/// Methods with their in-signatures, and read-only properties, from introspection XML.
-fn shape(xml: &str) -> (HashMap<String, InArgs>, HashSet<String>) {
-    let mut methods = HashMap::new();
-    let mut read_only = HashSet::new();
+/// What an interface declares, from its introspection XML.
+#[derive(Default)]
+struct Shape {
+    /// Methods with their in-signatures.
+    methods: HashMap<String, InArgs>,
+    read_only: HashSet<String>,
+    properties: Vec<String>,
+}
+
+fn shape(xml: &str) -> Shape {
+    let mut out = Shape::default();
     let xml = without_comments(xml);
     let doc = match roxmltree::Document::parse(&xml) {
         Ok(doc) => doc,
         Err(e) => {
             tracing::error!("cannot parse an interface's own introspection: {e}");
-            return (methods, read_only);
+            return out;
         }
     };
     for node in doc.descendants().filter(|n| n.is_element()) {
@@ -95,7 +109,7 @@ fn shape(xml: &str) -> (HashMap<String, InArgs>, HashSet<String>) {
                 };
                 match Signature::try_from(signature.as_str()) {
                     Ok(parsed) => {
-                        methods.insert(
+                        out.methods.insert(
                             name.to_string(),
                             InArgs {
                                 text: signature,
@@ -108,15 +122,18 @@ fn shape(xml: &str) -> (HashMap<String, InArgs>, HashSet<String>) {
                     }
                 }
             }
-            "property" if node.attribute("access") == Some("read") => {
+            "property" => {
                 if let Some(name) = node.attribute("name") {
-                    read_only.insert(name.to_string());
+                    if node.attribute("access") == Some("read") {
+                        out.read_only.insert(name.to_string());
+                    }
+                    out.properties.push(name.to_string());
                 }
             }
             _ => {}
         }
     }
-    (methods, read_only)
+    out
 }
 
 fn refuse<'a>(e: fdo::Error) -> DispatchResult<'a> {
@@ -153,9 +170,32 @@ impl<I: Interface> Interface for Strict<I> {
         header: Option<&Header<'_>>,
         emitter: &SignalEmitter<'_>,
     ) -> fdo::Result<HashMap<String, OwnedVariant>> {
-        self.inner
+        let all = self
+            .inner
             .get_all(server, connection, header, emitter)
-            .await
+            .await?;
+        // zbus leaves out a property whose getter fails, so an object whose device went away
+        // during the read would answer with half its properties. The caller gets the getter's
+        // error instead (UnknownObject for a gone device).
+        if let Some(missing) = self.properties.iter().find(|p| !all.contains_key(*p)) {
+            let error = match self
+                .inner
+                .get(missing, server, connection, header, emitter)
+                .await
+            {
+                Some(Err(e)) => {
+                    let text = e.description().unwrap_or_default().to_string();
+                    if e.name().as_str() == "org.freedesktop.DBus.Error.UnknownObject" {
+                        fdo::Error::UnknownObject(text)
+                    } else {
+                        fdo::Error::Failed(text)
+                    }
+                }
+                _ => fdo::Error::Failed(format!("property {missing} could not be read")),
+            };
+            return Err(error);
+        }
+        Ok(all)
     }
 
     fn set<'call>(
@@ -253,7 +293,9 @@ mod tests {
           <property name="Address" type="s" access="read"/>
           <property name="Knob" type="u" access="readwrite"/>
         </interface>"#;
-        let (methods, read_only) = shape(xml);
+        let Shape {
+            methods, read_only, ..
+        } = shape(xml);
         assert_eq!(methods["GetPlans"].text, "");
         assert_eq!(methods["GetPlans"].parsed, Signature::Unit);
         assert_eq!(methods["GetEvents"].text, "sx");
@@ -273,7 +315,9 @@ mod tests {
           <!-- -- <method name="Hidden"/> -->
           <method name="Reload"></method>
         </interface>"#;
-        let (methods, read_only) = shape(xml);
+        let Shape {
+            methods, read_only, ..
+        } = shape(xml);
         assert!(read_only.contains("Simulated"));
         assert_eq!(methods.keys().collect::<Vec<_>>(), vec!["Reload"]);
         assert_eq!(without_comments("a<!-- b -->c<!-- d"), "ac");
@@ -281,7 +325,7 @@ mod tests {
 
     #[test]
     fn signatures_compare_parsed_not_as_text() {
-        let (methods, _) = shape(
+        let Shape { methods, .. } = shape(
             r#"<interface name="org.x.Y">
               <method name="Pair"><arg name="p" type="(ss)" direction="in"/></method>
               <method name="PairThen">

@@ -107,10 +107,12 @@ impl View {
         self.write().tasks.insert(task.id, task)
     }
 
-    /// Forgets the oldest finished tasks beyond `keep` that no device shows (as the task that
-    /// holds it or as its last result), and returns their ids: their objects can go.
-    pub fn prune_tasks(&self, keep: usize) -> Vec<i64> {
-        let mut inner = self.write();
+    /// The oldest finished tasks beyond `keep` that no device shows (as the task that holds it
+    /// or as its last result): their objects can go. The view keeps them until
+    /// [`View::forget_tasks`], so that a caller reading an object that is still exported never
+    /// finds its entry gone.
+    pub fn prunable_tasks(&self, keep: usize) -> Vec<i64> {
+        let inner = self.read();
         let shown: std::collections::HashSet<i64> = inner
             .devices
             .values()
@@ -126,11 +128,15 @@ impl View {
             return Vec::new();
         }
         finished.sort_unstable();
-        let gone: Vec<i64> = finished[..finished.len() - keep].to_vec();
-        for id in &gone {
+        finished[..finished.len() - keep].to_vec()
+    }
+
+    /// Drops tasks whose objects are no longer exported.
+    pub fn forget_tasks(&self, ids: &[i64]) {
+        let mut inner = self.write();
+        for id in ids {
             inner.tasks.remove(id);
         }
-        gone
     }
 }
 
@@ -198,12 +204,15 @@ mod tests {
             active: Some(task(12, TaskState::Error)),
             last: Some(task(2, TaskState::Success)),
         });
-        let gone = view.prune_tasks(3);
+        let gone = view.prunable_tasks(3);
         // Finished and shown by nobody: 1, 3..=10 (2 is a last result); the 3 newest stay.
         assert_eq!(gone, vec![1, 3, 4, 5, 6, 7]);
+        assert!(view.task(1).is_some(), "kept until its object is gone");
+        view.forget_tasks(&gone);
         for id in [2, 8, 9, 10, 11, 12] {
             assert!(view.task(id).is_some(), "task {id} kept");
         }
-        assert!(view.prune_tasks(3).is_empty(), "nothing more to prune");
+        assert!(view.task(1).is_none());
+        assert!(view.prunable_tasks(3).is_empty(), "nothing more to prune");
     }
 }
