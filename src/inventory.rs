@@ -58,6 +58,61 @@ pub struct Protection {
     pub reasons: BTreeMap<PciAddress, String>,
 }
 
+/// What the configuration's selectors match a function on (its address is the key it is
+/// found under).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Identity {
+    pub vendor_id: u16,
+    pub device_id: u16,
+    pub class: ClassCode,
+}
+
+impl From<&RawFunction> for Identity {
+    fn from(r: &RawFunction) -> Identity {
+        Identity {
+            vendor_id: r.vendor_id,
+            device_id: r.device_id,
+            class: r.class,
+        }
+    }
+}
+
+impl From<&Device> for Identity {
+    fn from(d: &Device) -> Identity {
+        Identity {
+            vendor_id: d.vendor_id,
+            device_id: d.device_id,
+            class: d.class,
+        }
+    }
+}
+
+/// Whether vfiod manages a function: the configuration selects it and it is not protected.
+///
+/// A function is selected when a `[[select]]` rule matches it; a VF (`physfn` is its PF) also
+/// when a rule matches its PF, found with the PF's own address and ids. A selected PF's VFs
+/// are what vfiod splits it into and hands out, and their ids usually match no rule (an X710 PF
+/// is 8086:1572, its VFs 8086:154c), so every VF of a selected PF is managed, whatever its own
+/// ids.
+/// `identities` holds what this pass read (a PF it could not read: what the last pass knew); a
+/// VF whose PF is in neither is selected only by its own ids.
+pub fn is_managed(
+    settings: &Settings,
+    address: PciAddress,
+    function: Identity,
+    physfn: Option<PciAddress>,
+    identities: &BTreeMap<PciAddress, Identity>,
+    protected: bool,
+) -> bool {
+    let rule = |a: PciAddress, i: Identity| {
+        settings
+            .rule_for(a, i.vendor_id, i.device_id, i.class)
+            .is_some()
+    };
+    let by_pf = physfn.is_some_and(|pf| identities.get(&pf).is_some_and(|i| rule(pf, *i)));
+    !protected && (by_pf || rule(address, function))
+}
+
 /// Builds the record for a function that was read completely.
 pub fn classify(
     raw: &RawFunction,
@@ -194,12 +249,28 @@ pub fn scan(
         }
     }
 
+    // A VF is selected through its PF: every identity, a broken function's from the last pass.
+    let identities: BTreeMap<PciAddress, Identity> = raws
+        .iter()
+        .filter_map(|(a, raw)| match raw {
+            Ok(r) => Some((*a, Identity::from(r))),
+            Err(_) => previous.get(a).map(|p| (*a, Identity::from(p))),
+        })
+        .collect();
+
     let mut out = Vec::with_capacity(addresses.len());
     for (a, raw) in raws {
         match raw {
             Ok(raw) => {
                 let rule = settings.rule_for(a, raw.vendor_id, raw.device_id, raw.class);
-                let managed = rule.is_some() && !protected.contains_key(&a);
+                let managed = is_managed(
+                    settings,
+                    a,
+                    Identity::from(&raw),
+                    raw.physfn,
+                    &identities,
+                    protected.contains_key(&a),
+                );
                 let kind = rule.and_then(|r| r.kind);
                 out.push(classify(
                     &raw,
@@ -380,4 +451,88 @@ fn changed_fields(o: &Device, n: &Device) -> Vec<String> {
         out.push(format!("kind {} -> {}", o.kind, n.kind));
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    fn a(s: &str) -> PciAddress {
+        s.parse().unwrap()
+    }
+
+    fn id(vendor_id: u16, device_id: u16, class: u32) -> Identity {
+        Identity {
+            vendor_id,
+            device_id,
+            class: ClassCode(class),
+        }
+    }
+
+    /// Who is managed, as a table: PFs and plain functions by their own rule, VFs by their
+    /// PF's (found with the PF's address and ids) or their own, never when protected.
+    #[test]
+    fn a_vf_is_managed_when_its_pf_is_selected() {
+        let settings = Settings::from_toml_str(
+            r#"
+[[select]]
+id = "8086:1572"
+[[select]]
+address = "0000:af:00.0"
+[[select]]
+id = "15b3:101e"
+"#,
+            Path::new("t.toml"),
+        )
+        .unwrap();
+        let nic_pf = a("0000:3b:00.0");
+        let fpga_pf = a("0000:af:00.0");
+        let other_pf = a("0000:86:00.0");
+        let gone_pf = a("0000:99:00.0");
+        let identities: BTreeMap<PciAddress, Identity> = [
+            (nic_pf, id(0x8086, 0x1572, 0x020000)),
+            (fpga_pf, id(0x8086, 0x0b2b, 0x120000)),
+            // Not selected; its VFs' ids are.
+            (other_pf, id(0x15b3, 0x1017, 0x020000)),
+        ]
+        .into();
+        let nic_vf = id(0x8086, 0x154c, 0x020000);
+        let fpga_vf = id(0x8086, 0x0b2c, 0x120000);
+        let other_vf = id(0x15b3, 0x1018, 0x020000);
+        let selected_vf = id(0x15b3, 0x101e, 0x020000);
+        #[rustfmt::skip]
+        let table: &[(&str, Identity, Option<PciAddress>, bool, bool)] = &[
+            // address, ids, physfn, protected, managed
+            ("0000:3b:00.0", identities[&nic_pf], None, false, true),
+            ("0000:3b:00.0", identities[&nic_pf], None, true, false),
+            // VFs of a PF selected by id (theirs match no rule) and by address.
+            ("0000:3b:02.0", nic_vf, Some(nic_pf), false, true),
+            ("0000:af:00.1", fpga_vf, Some(fpga_pf), false, true),
+            // A protected VF of a selected PF.
+            ("0000:3b:02.1", nic_vf, Some(nic_pf), true, false),
+            // A VF of an unselected PF: not managed, unless its own ids are selected.
+            ("0000:86:00.2", other_vf, Some(other_pf), false, false),
+            ("0000:86:00.3", selected_vf, Some(other_pf), false, true),
+            ("0000:86:00.3", selected_vf, Some(other_pf), true, false),
+            // A PF known to no pass: only the VF's own ids count.
+            ("0000:99:00.1", nic_vf, Some(gone_pf), false, false),
+            // The VF's ids alone, without a PF, select nothing.
+            ("0000:3b:02.2", nic_vf, None, false, false),
+        ];
+        for (address, ids, physfn, protected, want) in table {
+            assert_eq!(
+                is_managed(
+                    &settings,
+                    a(address),
+                    *ids,
+                    *physfn,
+                    &identities,
+                    *protected
+                ),
+                *want,
+                "{address} {ids:?} physfn {physfn:?} protected {protected}"
+            );
+        }
+    }
 }

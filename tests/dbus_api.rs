@@ -559,6 +559,154 @@ async fn vfioctl_list_and_show() {
     assert!(err.contains("bus must be"), "{err}");
 }
 
+/// Every VF of a selected PF is managed on the bus and in `vfioctl list`/`show`, also when
+/// its own ids match no rule (the NIC's VFs are 8086:154c, the rule names the PF's 8086:1572);
+/// a protected VF and the VFs of an unselected PF (the QAT here) are not. Managed VFs still get
+/// no mode of their own: no plan in GetPlans, a "leave" in GetPlan, no task from a reconcile,
+/// Apply refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_vf_of_a_selected_pf_is_managed_on_the_bus() {
+    let nic = "0000:3b:00.0";
+    let protected_vf = "0000:3b:02.1";
+    // The NIC split at start-up, one of its VFs protected; the QAT (booted split) unselected.
+    let qat_rule = "[[select]]\nid = \"8086:37c8\"\nkind = \"crypto\"\nmode = \"vf\"\nnum_vfs = 16\nvf_driver = \"c6xxvf\"\n";
+    let config = STEADY_CONFIG.replace(qat_rule, "").replace(
+        "id = \"8086:1572\"\n",
+        "id = \"8086:1572\"\nmode = \"vf\"\nnum_vfs = 4\n",
+    );
+    assert_eq!(config.matches("mode = \"vf\"").count(), 1, "{config}");
+    let config = format!("{config}[[protect]]\naddress = \"{protected_vf}\"\n");
+    let h = Harness::start(&config).await;
+    let tasks_before = h.store().tasks(None, 100).unwrap();
+    assert_eq!(
+        tasks_before.len(),
+        1,
+        "the start-up split: {tasks_before:?}"
+    );
+    assert_eq!(tasks_before[0].address.to_string(), nic);
+
+    let client = &h.client;
+    let listed = eventually_async(
+        Duration::from_secs(60),
+        "the NIC's 4 VFs are listed, one of them protected",
+        || async move {
+            let listed = vfiod::client::list_devices(client).await.unwrap();
+            let vfs: Vec<DeviceView> = listed
+                .iter()
+                .filter(|v| v.parent_pf.as_deref() == Some(nic))
+                .cloned()
+                .collect();
+            let settled = vfs.len() == 4
+                && vfs
+                    .iter()
+                    .any(|v| v.address == protected_vf && v.state == "protected");
+            settled.then_some(listed)
+        },
+    )
+    .await;
+    let managed: BTreeMap<&str, bool> = listed
+        .iter()
+        .filter(|v| v.role == "vf")
+        .map(|v| (v.address.as_str(), v.managed))
+        .collect();
+    for vf in ["0000:3b:02.0", "0000:3b:02.2", "0000:3b:02.3"] {
+        assert_eq!(
+            managed.get(vf),
+            Some(&true),
+            "{vf}: a VF of the selected NIC"
+        );
+    }
+    assert_eq!(managed.get(protected_vf), Some(&false), "a protected VF");
+    let qat_vfs: Vec<&DeviceView> = listed
+        .iter()
+        .filter(|v| v.parent_pf.as_deref() == Some("0000:5e:00.0"))
+        .collect();
+    assert_eq!(qat_vfs.len(), 16);
+    assert!(
+        qat_vfs.iter().all(|v| !v.managed),
+        "VFs of an unselected PF: {qat_vfs:?}"
+    );
+    // The property itself, as busctl would read it.
+    let props = h
+        .client
+        .call_method(
+            Some("org.vfiod.Vfiod1"),
+            device_path("0000:3b:02.0").as_str(),
+            Some("org.freedesktop.DBus.Properties"),
+            "Get",
+            &("org.vfiod.Vfiod1.Device", "Managed"),
+        )
+        .await
+        .unwrap();
+    let managed: OwnedVariant = props.body().deserialize().unwrap();
+    assert!(bool::try_from(managed).unwrap(), "Managed of 0000:3b:02.0");
+
+    // vfioctl says the same.
+    let bus = h.bus.address().to_string();
+    let (ok, table) = tokio::task::block_in_place(|| common::vfioctl(&bus, &["list"]));
+    assert!(ok, "{table}");
+    let line = |a: &str| {
+        table
+            .lines()
+            .find(|l| l.starts_with(a))
+            .unwrap_or_else(|| panic!("{a} not listed: {table}"))
+            .to_string()
+    };
+    assert!(
+        line("0000:3b:02.0").ends_with("usable (managed)"),
+        "{table}"
+    );
+    assert!(line(protected_vf).ends_with("protected"), "{table}");
+    assert!(line("0000:5e:00.1").ends_with("usable"), "{table}");
+    let (ok, show) =
+        tokio::task::block_in_place(|| common::vfioctl(&bus, &["show", "0000:3b:02.3"]));
+    assert!(ok, "{show}");
+    assert!(
+        show.lines()
+            .any(|l| l.starts_with("managed:") && l.ends_with("yes")),
+        "{show}"
+    );
+
+    // No mode of their own: GetPlans has no VF, GetPlan leaves one alone and says why.
+    let m = h.manager().await;
+    let plans: Vec<_> = m
+        .get_plans()
+        .await
+        .unwrap()
+        .iter()
+        .map(vfiod::client::PlanEntry::from_dict)
+        .collect();
+    assert!(plans.iter().any(|p| p.address == nic), "{plans:?}");
+    assert!(
+        plans.iter().all(|p| !p.address.starts_with("0000:3b:02.")),
+        "{plans:?}"
+    );
+    let plan = vfiod::client::PlanEntry::from_dict(&m.get_plan("0000:3b:02.0").await.unwrap());
+    assert_eq!(
+        (plan.decision.as_str(), plan.program.as_str()),
+        ("leave", "nothing"),
+        "{plan:?}"
+    );
+    assert!(plan.reason.contains("follows its PF"), "{plan:?}");
+    assert!(plan.steps.is_empty(), "{plan:?}");
+    // A reconcile starts no task for them, and neither does Apply.
+    m.reload().await.unwrap();
+    let vf = vfiod::client::device(&h.client, "0000:3b:02.0")
+        .await
+        .unwrap();
+    match vf.apply().await.unwrap_err() {
+        zbus::Error::MethodError(name, _, _) => {
+            assert_eq!(name.as_str(), "org.vfiod.Vfiod1.Error.InvalidArgument")
+        }
+        other => panic!("not a D-Bus error reply: {other}"),
+    }
+    assert_eq!(
+        h.store().tasks(None, 100).unwrap().len(),
+        tasks_before.len(),
+        "no task after the reload and the refused Apply"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vfioctl_says_when_vfiod_is_not_running() {
     let dir = tempfile::tempdir().unwrap();

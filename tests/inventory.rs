@@ -101,6 +101,7 @@ fn every_modelled_device_is_classified() {
         );
         assert_eq!((v.vendor_id, v.device_id), (0x8086, 0x37c9));
         assert_eq!(v.driver.as_deref(), Some("c6xxvf"));
+        assert!(v.managed, "{}: a VF of a selected PF", v.address);
         assert!(
             groups.insert(v.iommu_group.unwrap()),
             "VF groups must be distinct"
@@ -111,6 +112,99 @@ fn every_modelled_device_is_classified() {
     assert!(got["0000:17:00.0"].device_name.contains("RTX 3090"));
     assert_eq!(got["0000:af:00.0"].numa_node, Some(1));
     assert_eq!(got.len(), 32);
+}
+
+/// "Managed" means the same for every VF of a selected PF, whatever the VF's own ids: the
+/// NIC's VFs (8086:154c, which no rule names) are managed as the FPGA's are (whose class the
+/// FPGA's rule happens to match); a protected VF is not, nor a VF of a PF no rule selects.
+#[test]
+fn every_vf_of_a_selected_pf_is_managed() {
+    let dir = tempfile::tempdir().unwrap();
+    let kernel = SimKernel::build(dir.path(), &HostModel::reference()).unwrap();
+    let sysfs = kernel.sysfs();
+    let nic = common::addr("0000:3b:00.0");
+    let fpga = common::addr("0000:af:00.0");
+    sysfs.write_device_attr(nic, "sriov_numvfs", "4").unwrap();
+    sysfs.write_device_attr(fpga, "sriov_numvfs", "2").unwrap();
+    let protected_vf = "0000:3b:02.1";
+    let config = format!(
+        "{}\n[[protect]]\naddress = \"{protected_vf}\"\n",
+        common::DEMO_CONFIG
+    );
+    let got = scan(
+        &kernel,
+        &Settings::from_toml_str(&config, std::path::Path::new("t.toml")).unwrap(),
+    );
+    let vfs_of = |got: &BTreeMap<String, Device>, pf| -> Vec<Device> {
+        got.values()
+            .filter(|d| d.parent_pf == Some(pf))
+            .cloned()
+            .collect()
+    };
+
+    let nic_vfs = vfs_of(&got, nic);
+    assert_eq!(nic_vfs.len(), 4);
+    for v in &nic_vfs {
+        assert_eq!(
+            (v.role, v.vendor_id, v.device_id),
+            (Role::Vf, 0x8086, 0x154c)
+        );
+        let a = v.address.to_string();
+        if a == protected_vf {
+            assert_eq!(v.state, State::Protected, "{a}");
+            assert!(
+                !v.managed,
+                "{a}: a protected VF of a selected PF is not managed"
+            );
+        } else {
+            assert_eq!(v.state, State::Usable, "{a}");
+            assert!(v.managed, "{a}: a VF of the selected NIC is managed");
+        }
+    }
+    let fpga_vfs = vfs_of(&got, fpga);
+    assert_eq!(fpga_vfs.len(), 2);
+    assert!(fpga_vfs.iter().all(|v| v.managed), "{fpga_vfs:?}");
+    assert!(got["0000:3b:00.0"].managed && got["0000:af:00.0"].managed);
+
+    // A PF that cannot be read is still known by what the last pass read: its VFs stay
+    // managed. Never read at all, it selects nothing.
+    let settings = demo_settings();
+    let first: BTreeMap<_, _> = inventory::scan(&sysfs, &settings, &BTreeMap::new())
+        .unwrap()
+        .into_iter()
+        .map(|d| (d.address, d))
+        .collect();
+    kernel.make_unreadable(nic, "numa_node", libc::EIO);
+    let second = inventory::scan(&sysfs, &settings, &first).unwrap();
+    assert!(second
+        .iter()
+        .any(|d| d.address == nic && d.state == State::Broken));
+    let vfs: Vec<&Device> = second.iter().filter(|d| d.parent_pf == Some(nic)).collect();
+    assert_eq!(vfs.len(), 4);
+    assert!(vfs.iter().all(|v| v.managed), "{vfs:?}");
+    let unknown = inventory::scan(&sysfs, &settings, &BTreeMap::new()).unwrap();
+    let vfs: Vec<&Device> = unknown
+        .iter()
+        .filter(|d| d.parent_pf == Some(nic))
+        .collect();
+    assert_eq!(vfs.len(), 4);
+    assert!(vfs.iter().all(|v| !v.managed), "{vfs:?}");
+    kernel.make_readable(nic, "numa_node");
+
+    // The NIC selected by its address instead of its ids: the same for its VFs.
+    let by_address = "[[select]]\naddress = \"0000:3b:00.0\"\n";
+    let got = scan(
+        &kernel,
+        &Settings::from_toml_str(by_address, std::path::Path::new("t.toml")).unwrap(),
+    );
+    assert!(vfs_of(&got, nic).iter().all(|v| v.managed));
+    // ... and the PFs no rule selects: neither they nor their VFs are managed.
+    for pf in [fpga, common::addr("0000:5e:00.0")] {
+        let vfs = vfs_of(&got, pf);
+        assert!(!vfs.is_empty());
+        assert!(!got[&pf.to_string()].managed, "{pf}");
+        assert!(vfs.iter().all(|v| !v.managed), "{pf}: {vfs:?}");
+    }
 }
 
 #[test]

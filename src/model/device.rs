@@ -88,7 +88,8 @@ pub struct Device {
     pub num_vfs: u32,
     /// For a VF, its PF.
     pub parent_pf: Option<PciAddress>,
-    /// Selected by the config's `[[select]]` rules and not protected: vfiod may change it.
+    /// Selected by the config's `[[select]]` rules (a VF also when its PF is) and not
+    /// protected: vfiod may change it. See [`crate::inventory::is_managed`].
     pub managed: bool,
     pub state: State,
     /// Why the state is not `usable` (empty when usable).

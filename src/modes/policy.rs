@@ -46,7 +46,8 @@ impl Decision {
     }
 }
 
-/// The policy table. `rule` is the first `[[select]]` entry matching the device, if any.
+/// The policy table. `rule` is the first `[[select]]` entry matching the device, if any. A VF
+/// is always left alone (its PF's mode decides), whatever `rule` is.
 pub fn decide(device: &Device, rule: Option<&DeviceRule>, scenario: Scenario) -> Decision {
     let leave = |r: String| Decision::Leave { reason: r };
     match device.state {
@@ -54,12 +55,15 @@ pub fn decide(device: &Device, rule: Option<&DeviceRule>, scenario: Scenario) ->
         State::Protected => return leave(format!("protected: {}", device.state_reason)),
         State::Usable => {}
     }
-    let Some(rule) = rule else {
-        return leave("not selected by the configuration".into());
-    };
+    // Before the rule: a VF has no mode of its own, and whether it is selected is its PF's
+    // rule, not `rule` (its own ids' match), so "not selected" would be wrong for the VFs of a
+    // selected PF.
     if device.role == Role::Vf {
         return leave("a VF follows its PF's mode".into());
     }
+    let Some(rule) = rule else {
+        return leave("not selected by the configuration".into());
+    };
     let vf_driver = rule
         .vf_driver
         .clone()
@@ -309,6 +313,8 @@ mod tests {
                 Some(rule(None, None)),
                 "VF",
             ),
+            // A VF whose own ids match no rule: managed through its PF or not, it has no mode.
+            (dev(false, State::Usable, Role::Vf), None, "follows its PF"),
         ] {
             let got = decide(&d, r.as_ref(), Scenario::Public);
             assert!(matches!(got, Decision::Leave { .. }), "{got:?}");
