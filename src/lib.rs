@@ -6,6 +6,7 @@
 
 pub mod model; // PciAddress, class codes, the device record, task and event kinds: plain values
 pub mod config; // settings from vfiod.toml and conf.d drop-ins, validated once at load
+pub mod claims; // which device a claim gets: requirements, what is claimable, the choice
 pub mod store; // SQLite state store (WAL), schema migrations: the single source of truth
 pub mod host; // the machine's edges: sysfs (one root, bounded writes), uevents, libvirt
 pub mod sim; // the simulated kernel and a private dbus-daemon, for --simulate and tests

@@ -287,14 +287,19 @@ async fn a_device_a_vm_holds_open_is_never_taken_down() {
 async fn a_claimed_device_is_not_converted() {
     let h = Harness::start(STEADY_CONFIG).await;
     let fpga = split_fpga(&h, 2).await;
-    {
-        let db = rusqlite::Connection::open(h.store().path()).unwrap();
-        db.execute(
-            "INSERT INTO claims (address, vm_name, state, created_ms, updated_ms) VALUES ('0000:af:00.2', 'web-7', 'attached', 0, 0)",
-            [],
-        )
+    // Claimed as a client would (the claims feature replaced a hand-written row here).
+    let one = |k: &str, v: &str| {
+        std::collections::HashMap::from([(
+            k.to_string(),
+            zbus::OwnedVariant::try_from(zbus::Variant::from(v.to_string())).unwrap(),
+        )])
+    };
+    vfiod::client::claims::claims_proxy(&h.client)
+        .await
+        .unwrap()
+        .claim(one("address", "0000:af:00.2"), one("vm_name", "web-7"))
+        .await
         .unwrap();
-    }
     h.kernel.take_write_log();
     let (name, msg) = error_name(fpga.set_mode("pf", 0).await.unwrap_err());
     assert_eq!(name, "org.vfiod.Vfiod1.Error.InUse");

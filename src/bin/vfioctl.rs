@@ -2,7 +2,7 @@
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
-use vfiod::client::{self, ClientError};
+use vfiod::client::{self, claims, ClientError};
 use vfiod::dbus::BusTarget;
 
 /// Inspect and control vfiod, the PCI accelerator manager.
@@ -79,10 +79,89 @@ enum Command {
     /// Tasks: start one, show one, reset a device's failed task, list history.
     #[command(subcommand)]
     Task(TaskCommand),
+    /// Claim the best device that matches for a VM (needs authorization): recorded durably,
+    /// with the device's whole IOMMU group. Prints the claim.
+    Claim {
+        #[command(flatten)]
+        want: Requirements,
+        /// The VM's libvirt domain name.
+        #[arg(long, required_unless_present = "uuid")]
+        vm: Option<String>,
+        /// The VM's UUID.
+        #[arg(long)]
+        uuid: Option<String>,
+        /// Release the claim if it is not attached within this many seconds (0: no lease).
+        #[arg(long, default_value_t = 0)]
+        lease: u32,
+        /// Keep the claim when the domain is undefined.
+        #[arg(long)]
+        persistent: bool,
+    },
+    /// The devices a claim with these requirements could get now, best first.
+    Find {
+        #[command(flatten)]
+        want: Requirements,
+    },
+    /// Active claims.
+    Claims {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Give a claim up: its devices return to the pool (needs authorization).
+    Release {
+        /// The claim's number (as `vfioctl claims` shows) or object path.
+        claim: String,
+    },
     /// Re-read the configuration (needs authorization).
     Reload,
     /// Rescan the PCI devices now (needs authorization).
     Rescan,
+}
+
+/// What a claim asks for; every option is optional and all must match.
+#[derive(clap::Args, Debug)]
+struct Requirements {
+    /// Device kind: gpu, fpga, crypto, nvme, nic, other.
+    #[arg(long)]
+    kind: Option<vfiod::model::device::Kind>,
+    /// Vendor:device id, as lspci -n prints it ("8086:154c", or "8086:*").
+    #[arg(long)]
+    id: Option<String>,
+    /// Only VFs.
+    #[arg(long, conflicts_with = "pf")]
+    vf: bool,
+    /// Only SR-IOV PFs (whole).
+    #[arg(long)]
+    pf: bool,
+    /// Only devices on this NUMA node.
+    #[arg(long)]
+    numa: Option<i32>,
+    /// Exactly this device (DDDD:BB:SS.F).
+    #[arg(long)]
+    address: Option<String>,
+    /// Only VFs of this PF.
+    #[arg(long)]
+    parent: Option<String>,
+}
+
+impl Requirements {
+    fn dict(&self) -> vfiod::dbus::wire::Dict {
+        let role = if self.vf {
+            Some("vf")
+        } else if self.pf {
+            Some("pf")
+        } else {
+            None
+        };
+        client::query(vec![
+            ("kind", self.kind.map(|k| k.as_str().into())),
+            ("id", self.id.clone().map(zbus::Variant::from)),
+            ("role", role.map(zbus::Variant::from)),
+            ("numa_node", self.numa.map(zbus::Variant::from)),
+            ("address", self.address.clone().map(zbus::Variant::from)),
+            ("parent", self.parent.clone().map(zbus::Variant::from)),
+        ])
+    }
 }
 
 #[derive(Subcommand, Debug)]
@@ -427,6 +506,67 @@ async fn run(args: Args) -> Result<(), String> {
                     );
                 }
             }
+        }
+        Command::Claim {
+            want,
+            vm,
+            uuid,
+            lease,
+            persistent,
+        } => {
+            let owner = client::query(vec![
+                ("vm_name", vm.map(zbus::Variant::from)),
+                ("vm_uuid", uuid.map(zbus::Variant::from)),
+                ("lease_seconds", Some(lease.into())),
+                ("persistent", Some(persistent.into())),
+            ]);
+            let m = claims::claims_proxy(&conn).await.map_err(describe)?;
+            let path = m
+                .claim(want.dict(), owner)
+                .await
+                .map_err(|e| describe(e.into()))?;
+            let c = claims::claim_view(&conn, path.as_str())
+                .await
+                .map_err(describe)?;
+            println!(
+                "claim {}: {} for {} ({})",
+                c.id,
+                c.functions.join(" + "),
+                c.vm,
+                c.path
+            );
+        }
+        Command::Find { want } => {
+            let m = claims::claims_proxy(&conn).await.map_err(describe)?;
+            let found = m
+                .find_devices(want.dict())
+                .await
+                .map_err(|e| describe(e.into()))?;
+            if found.is_empty() {
+                println!("no device available that matches");
+            }
+            for path in found {
+                let name = path.as_str().rsplit('/').next().unwrap_or_default();
+                match vfiod::model::pci::PciAddress::from_nodedev_name(name) {
+                    Ok(a) => println!("{a}"),
+                    Err(_) => println!("{}", path.as_str()),
+                }
+            }
+        }
+        Command::Claims { json } => {
+            let list = claims::list_claims(&conn).await.map_err(describe)?;
+            if json {
+                print_json(&list)?;
+            } else if list.is_empty() {
+                println!("no claims");
+            } else {
+                print!("{}", claims::render_claims(&list, format_time));
+            }
+        }
+        Command::Release { claim } => {
+            let path = claims::claim_path(&claim)?;
+            claims::release(&conn, path).await.map_err(describe)?;
+            println!("claim {claim} released");
         }
         Command::Reload => {
             let m = client::manager(&conn).await.map_err(describe)?;

@@ -1,6 +1,8 @@
 //! Client side of the D-Bus API, used by `vfioctl` and the tests: proxies, the JSON view of a
 //! device, and the table `vfioctl list` prints.
 
+pub mod claims;
+
 use crate::dbus::wire::{Dict, Entry};
 use crate::dbus::{BusTarget, BUS_NAME, ROOT_PATH};
 use serde::{Deserialize, Serialize};
@@ -238,6 +240,12 @@ pub struct DeviceView {
     pub current_task: Option<String>,
     /// The last finished task and its result; "" when none.
     pub last_result: String,
+    /// The object of the claim that holds the device; null when none does.
+    #[serde(default)]
+    pub claim: Option<String>,
+    /// The VM that claim is for (its name, else its UUID).
+    #[serde(default)]
+    pub vm: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -350,6 +358,11 @@ pub fn view_from_properties(
             (p.as_str() != "/").then(|| p.as_str().to_string())
         },
         last_result: s("LastResult")?,
+        claim: {
+            let p: zbus::OwnedObjectPath = prop(p, path, "Claim")?;
+            (p.as_str() != "/").then(|| p.as_str().to_string())
+        },
+        vm: None,
     })
 }
 
@@ -361,14 +374,25 @@ pub async fn list_devices(conn: &Connection) -> Result<Vec<DeviceView>, ClientEr
         .build()
         .await?;
     let objects = om.get_managed_objects().await?;
-    let mut out = Vec::new();
-    for (path, ifaces) in objects {
-        if let Some(props) = ifaces
+    let of = |ifaces: &HashMap<zbus::names::OwnedInterfaceName, HashMap<String, OwnedVariant>>,
+              interface: &str| {
+        ifaces
             .iter()
-            .find(|(name, _)| name.as_str() == crate::dbus::device::INTERFACE)
-            .map(|(_, p)| p)
-        {
-            out.push(view_from_properties(path.as_str(), props)?);
+            .find(|(name, _)| name.as_str() == interface)
+            .map(|(_, p)| p.clone())
+    };
+    let mut vms = HashMap::new();
+    for (path, ifaces) in &objects {
+        if let Some(props) = of(ifaces, claims::INTERFACE) {
+            vms.insert(path.as_str().to_string(), claims::vm_of(&props));
+        }
+    }
+    let mut out = Vec::new();
+    for (path, ifaces) in &objects {
+        if let Some(props) = of(ifaces, crate::dbus::device::INTERFACE) {
+            let mut d = view_from_properties(path.as_str(), &props)?;
+            d.vm = d.claim.as_ref().and_then(|c| vms.get(c).cloned());
+            out.push(d);
         }
     }
     out.sort_by_key(|d| d.address.parse::<crate::model::pci::PciAddress>().ok());
@@ -387,7 +411,12 @@ pub async fn show_device(conn: &Connection, address: &str) -> Result<DeviceView,
     let all = props
         .get_all(crate::dbus::device::INTERFACE.try_into()?)
         .await?;
-    view_from_properties(path.as_str(), &all.into_iter().collect())
+    let mut d = view_from_properties(path.as_str(), &all.into_iter().collect())?;
+    if let Some(c) = &d.claim {
+        // Released between the two reads: no VM to show.
+        d.vm = claims::claim_view(conn, c).await.ok().map(|c| c.vm);
+    }
+    Ok(d)
 }
 
 fn truncate(s: &str, max: usize) -> String {
@@ -425,6 +454,9 @@ pub fn render_table(devices: &[DeviceView]) -> String {
             let mut state = d.state.clone();
             if d.managed {
                 state.push_str(" (managed)");
+            }
+            if let Some(vm) = &d.vm {
+                state.push_str(&format!(", claimed by {vm}"));
             }
             [
                 d.address.clone(),
@@ -522,5 +554,13 @@ pub fn render_details(d: &DeviceView) -> String {
     if !d.last_result.is_empty() {
         kv("last task:", d.last_result.clone());
     }
+    kv(
+        "claim:",
+        match (&d.claim, &d.vm) {
+            (Some(path), Some(vm)) => format!("{path} for {vm}"),
+            (Some(path), None) => path.clone(),
+            (None, _) => "none".into(),
+        },
+    );
     s
 }

@@ -89,10 +89,12 @@ mod selector;
 
 pub use bounded::{MAX_DRIVER_BYTES, MAX_KEYWORD_BYTES, MAX_PATH_BYTES};
 pub use daemon::{Scenario, DEFAULT_LIBVIRT_URI};
+pub(crate) use error::Quoted;
 pub use error::{ConfigError, FileRefusal};
 pub use files::{MAX_DROPINS, MAX_FILE_BYTES, MAX_TOTAL_BYTES};
 pub use position::Origin;
 pub use select::{DeviceRule, RuleOrigin};
+pub(crate) use selector::parse_id;
 pub use selector::{ClassPrefix, Selector};
 
 use crate::model::pci::{ClassCode, PciAddress};

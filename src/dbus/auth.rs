@@ -19,7 +19,7 @@ use zbus_polkit::policykit1::{AuthorityProxy, CheckAuthorizationFlags, Subject};
 pub const ACTION_CONFIGURE: &str = "org.vfiod.vfiod1.configure";
 /// Change a device's mode: `Device.SetMode`, `Device.Apply`, and `Device.ResetTask` of a mode task.
 pub const ACTION_MODE: &str = "org.vfiod.vfiod1.mode";
-/// Claim a device for a VM (declared for the claims issue; no method asks it yet).
+/// Claim a device for a VM, and release (later attach and detach) a claim.
 pub const ACTION_CLAIM: &str = "org.vfiod.vfiod1.claim";
 /// Program or verify an accelerator, and reset such a task (the FPGA issue adds the methods).
 pub const ACTION_PROGRAM: &str = "org.vfiod.vfiod1.program";
@@ -49,17 +49,22 @@ pub enum Detail {
     /// allowed") is sent as the number it resolves to, so a rule that limits the count cannot
     /// be passed with 0.
     NumVfs,
-    /// The libvirt domain's name, where the call concerns a VM.
+    /// The libvirt domain's name, where the call concerns a VM (the UUID when only that is
+    /// known).
     Vm,
+    /// The device kind (gpu, fpga, crypto, nvme, nic, other): of the device for a claim's
+    /// Release, of the requirement for Claim ("" when the request names no kind).
+    Kind,
 }
 
 impl Detail {
-    pub const ALL: [Detail; 5] = [
+    pub const ALL: [Detail; 6] = [
         Detail::Verb,
         Detail::Device,
         Detail::Mode,
         Detail::NumVfs,
         Detail::Vm,
+        Detail::Kind,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -69,6 +74,7 @@ impl Detail {
             Detail::Mode => "mode",
             Detail::NumVfs => "num_vfs",
             Detail::Vm => "vm",
+            Detail::Kind => "kind",
         }
     }
 }
@@ -338,6 +344,6 @@ mod tests {
     #[test]
     fn detail_keys_are_the_documented_ones() {
         let keys: Vec<_> = Detail::ALL.iter().map(|d| d.as_str()).collect();
-        assert_eq!(keys, ["verb", "device", "mode", "num_vfs", "vm"]);
+        assert_eq!(keys, ["verb", "device", "mode", "num_vfs", "vm", "kind"]);
     }
 }

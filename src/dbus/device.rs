@@ -64,6 +64,14 @@ fn current_task_of(e: &DeviceEntry) -> zbus::OwnedObjectPath {
     )
 }
 
+/// `/org/vfiod/Vfiod1/claim/N` of the claim that holds a device, "/" when none does.
+pub fn claim_path_of(claim: Option<i64>) -> zbus::OwnedObjectPath {
+    claim.map_or_else(
+        || zbus::OwnedObjectPath::try_from("/").expect("root path"),
+        super::claim::claim_path,
+    )
+}
+
 fn last_result_of(e: &DeviceEntry) -> String {
     e.last.as_ref().map_or(String::new(), |t| {
         format!(
@@ -98,9 +106,7 @@ pub fn changed_task_properties(
 /// Property values as sent on the bus. Absent values use sentinels D-Bus can carry: "" for
 /// no driver, -1 for no NUMA node or IOMMU group.
 pub fn properties(d: &Device) -> Vec<(&'static str, OwnedVariant)> {
-    fn v<'a, T: Into<Variant<'a>>>(x: T) -> OwnedVariant {
-        OwnedVariant::try_from(x.into()).expect("plain values convert")
-    }
+    use super::variant as v;
     vec![
         ("Address", v(d.address.to_string())),
         ("VendorId", v(d.vendor_id)),
@@ -136,11 +142,7 @@ pub fn properties(d: &Device) -> Vec<(&'static str, OwnedVariant)> {
 
 /// The properties that differ between two snapshots, for one PropertiesChanged signal.
 pub fn changed_properties(old: &Device, new: &Device) -> HashMap<&'static str, OwnedVariant> {
-    let before: HashMap<_, _> = properties(old).into_iter().collect();
-    properties(new)
-        .into_iter()
-        .filter(|(k, v)| before.get(k) != Some(v))
-        .collect()
+    super::changed(properties(old), properties(new))
 }
 
 #[interface(name = "org.vfiod.Vfiod1.Device")]
@@ -290,6 +292,13 @@ impl DeviceObject {
     #[zbus(property)]
     fn last_result(&self) -> zbus::fdo::Result<String> {
         Ok(last_result_of(&self.entry()?))
+    }
+
+    /// The claim that holds the device (its own, or its IOMMU group's), "/" when none does.
+    #[zbus(property)]
+    fn claim(&self) -> zbus::fdo::Result<zbus::OwnedObjectPath> {
+        self.entry()?;
+        Ok(claim_path_of(self.objects.view.holder(self.address)))
     }
 
     /// Puts the device in `mode` ("pf" or "vf"; `num_vfs` 0 = as many as the configuration or

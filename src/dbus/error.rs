@@ -21,6 +21,7 @@ pub enum Error {
     /// The configuration does not select the device: vfiod does not change it.
     NotManaged(String),
     NoDeviceAvailable(String),
+    NoSuchClaim(String),
     HardwareFailed(String),
     InvalidConfig(String),
     Failed(String),
@@ -51,6 +52,14 @@ impl From<StoreError> for Error {
             busy @ StoreError::Busy { .. } => Error::Busy(busy.to_string()),
             // A reset of a device that has nothing to reset: the request is wrong for the state.
             not @ StoreError::NotInError { .. } => Error::InvalidArgument(not.to_string()),
+            // A claim for a named device that only a task holds: Busy, naming the task.
+            StoreError::Unclaimable(u) if u.busy_task().is_some() => Error::Busy(u.to_string()),
+            StoreError::Unclaimable(u) => Error::NoDeviceAvailable(u.to_string()),
+            // The database's own refusal of a double booking: another claim got there first.
+            c @ StoreError::ClaimConflict(_) => Error::NoDeviceAvailable(c.to_string()),
+            e @ (StoreError::NoSuchClaim(_) | StoreError::ClaimReleased(_)) => {
+                Error::NoSuchClaim(e.to_string())
+            }
             other => Error::Failed(format!("state store: {}", crate::error_chain(&other))),
         }
     }
@@ -71,6 +80,15 @@ impl From<JobError> for Error {
             | JobError::Plan { .. }
             | JobError::Internal(_) => Error::Failed(chain),
             JobError::Store(s) => s.into(),
+        }
+    }
+}
+
+impl From<crate::engine::ClaimError> for Error {
+    fn from(e: crate::engine::ClaimError) -> Self {
+        match e {
+            crate::engine::ClaimError::Store(s) => s.into(),
+            crate::engine::ClaimError::Engine(e) => e.into(),
         }
     }
 }

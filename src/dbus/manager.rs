@@ -1,10 +1,10 @@
 //! `org.vfiod.Vfiod1.Manager` on the root object: what the daemon is and counts, lookups, the
-//! event and task history, plans, and the (authorized) reload and rescan calls.
+//! event and task history, plans, claims, and the (authorized) reload and rescan calls.
 //!
 //! List replies are arrays of `a{sv}` dictionaries (see [`super::wire`]): a new field is a new
 //! key, never a new signature. Queries are `a{sv}` too; an unknown key is an error naming it.
 
-use super::auth::{Check, ACTION_CONFIGURE};
+use super::auth::{Check, Detail, ACTION_CLAIM, ACTION_CONFIGURE};
 use super::error::Error;
 use super::wire::{self, Dict, Query};
 use super::{device_path, Objects};
@@ -188,6 +188,56 @@ impl Manager {
             .read(move |core| core.store().tasks(address, limit))
             .await??;
         Ok(tasks.iter().map(wire::task).collect())
+    }
+
+    /// The devices a `Claim` with these requirements could get now, best first: usable,
+    /// selected, unclaimed, under no task. Requirement keys, all optional, all must match:
+    /// `address` s, `kind` s (gpu, fpga, crypto, nvme, nic, other), `id` s ("8086:154c" or
+    /// "8086:*"), `role` s (pf, vf, function), `numa_node` i, `parent` s (the PF's address).
+    async fn find_devices(&self, requirements: Dict) -> Result<Vec<OwnedObjectPath>, Error> {
+        let req = wire::requirements(requirements)?;
+        let found = self.objects.engine.find_devices(req).await?;
+        Ok(found.into_iter().map(device_path).collect())
+    }
+
+    /// Claims the best device matching `requirements` (as `FindDevices` takes them) for a VM,
+    /// records the claim durably and returns its object. The claim holds the device's whole
+    /// IOMMU group. Ties go to the NUMA node with the fewest claims, then the PF with the
+    /// fewest claimed VFs, then the lowest address. Owner keys: `vm_name` s and/or `vm_uuid` s
+    /// (one is needed), `lease_seconds` u (an unattached claim is released after it; 0 = none),
+    /// `persistent` b (kept when the domain is undefined; default false). Nothing claimable:
+    /// NoDeviceAvailable saying why; a named device that a task holds: Busy naming the task.
+    async fn claim(
+        &self,
+        requirements: Dict,
+        owner: Dict,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] conn: &Connection,
+    ) -> Result<OwnedObjectPath, Error> {
+        let req = wire::requirements(requirements)?;
+        let owner = wire::owner(owner, 0)?;
+        let mut check = Check::new(ACTION_CLAIM, "Claim")
+            .with(Detail::Vm, owner.vm())
+            .with(Detail::Kind, req.kind.map_or("", |k| k.as_str()));
+        if let Some(a) = req.address {
+            check = check.with(Detail::Device, a);
+        }
+        let o = &self.objects;
+        o.authorizer.check(conn, &header, &check).await?;
+        let who = super::auth::requester(conn, &header).await;
+        let claim = o.engine.claim(req, owner, &who).await?;
+        o.engine.flush().await;
+        Ok(super::claim::claim_path(claim.id))
+    }
+
+    /// The objects of the claims that hold their devices, oldest first.
+    fn get_claims(&self) -> Vec<OwnedObjectPath> {
+        self.objects
+            .view
+            .active_claims()
+            .into_iter()
+            .map(super::claim::claim_path)
+            .collect()
     }
 
     /// Re-reads the configuration (as SIGHUP does), runs an inventory pass and starts the tasks

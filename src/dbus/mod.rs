@@ -1,10 +1,11 @@
 //! The D-Bus face of the daemon: thin adapters over the engine, one module per object kind
-//! (manager, device, task; a new kind of object is a new file). Objects read what they show from
+//! (manager, device, task, claim; a new kind of object is a new file). Objects read what they show from
 //! the [`view`], which the [`publisher`] keeps in step with the engine's events; errors are
 //! mapped in [`error`]; mutating calls are authorized in [`auth`]; [`strict`] checks arguments
 //! and read-only properties for every object.
 
 pub mod auth;
+pub mod claim;
 pub mod device;
 pub mod error;
 pub mod manager;
@@ -81,6 +82,13 @@ impl Objects {
         })
     }
 
+    pub(crate) fn claim_object(&self, id: i64) -> Strict<claim::ClaimObject> {
+        Strict::new(claim::ClaimObject {
+            id,
+            objects: self.clone(),
+        })
+    }
+
     pub(crate) fn task_object(&self, id: i64) -> Strict<task::TaskObject> {
         Strict::new(task::TaskObject {
             id,
@@ -89,10 +97,10 @@ impl Objects {
     }
 }
 
-/// Exports the API on `bus`: the root (Manager + ObjectManager), one object per stored device
-/// and the tasks they show, then publishes `events` as they come. The caller takes the name
-/// with [`take_name`] once the daemon is ready, so that a client that sees the name sees a
-/// settled inventory.
+/// Exports the API on `bus`: the root (Manager + ObjectManager), one object per stored device,
+/// the tasks they show and the active claims, then publishes `events` as they come. The caller
+/// takes the name with [`take_name`] once the daemon is ready, so that a client that sees the
+/// name sees a settled inventory.
 pub async fn serve(
     bus: &BusTarget,
     engine: Arc<Engine>,
@@ -145,8 +153,38 @@ pub async fn serve(
             .await
             .map_err(ServeError::Export)?;
     }
+    let claims = engine
+        .read(|core| core.store().active_claim_records())
+        .await
+        .map_err(|e| ServeError::Store(crate::error_chain(&e)))?
+        .map_err(|e| ServeError::Store(crate::error_chain(&e)))?;
+    for c in claims {
+        let id = c.id;
+        objects.view.put_claim(c);
+        server
+            .at(claim::claim_path(id), objects.claim_object(id))
+            .await
+            .map_err(ServeError::Export)?;
+    }
     tokio::spawn(publisher::run(objects, events));
     Ok(conn)
+}
+
+/// A plain value as a D-Bus variant (strings, integers, booleans, arrays of them).
+pub(crate) fn variant<'a>(x: impl Into<zbus::Variant<'a>>) -> zbus::OwnedVariant {
+    zbus::OwnedVariant::try_from(x.into()).expect("plain values convert")
+}
+
+/// The properties of `after` that differ from `before`, for one PropertiesChanged signal.
+pub(crate) fn changed(
+    before: Vec<(&'static str, zbus::OwnedVariant)>,
+    after: Vec<(&'static str, zbus::OwnedVariant)>,
+) -> HashMap<&'static str, zbus::OwnedVariant> {
+    let before: HashMap<_, _> = before.into_iter().collect();
+    after
+        .into_iter()
+        .filter(|(k, v)| before.get(k) != Some(v))
+        .collect()
 }
 
 /// One PropertiesChanged signal carrying every changed property of `interface` (none: no signal).

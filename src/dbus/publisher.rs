@@ -3,6 +3,7 @@
 //! them. One task does it, so signals never overtake each other, and it takes no interface lock:
 //! it updates the [`View`] and emits the signals itself.
 
+use super::claim::{self, ClaimObject};
 use super::device::{self, DeviceObject};
 use super::manager::Manager;
 use super::task;
@@ -56,12 +57,18 @@ pub(super) async fn run(objects: Objects, mut events: EventStream) {
                     prune_tasks(&objects).await;
                 }
             }
+            EngineEvent::Claim(c) => {
+                let id = c.id;
+                if let Err(e) = publish_claim(&objects, c).await {
+                    tracing::error!(claim_id = id, "cannot publish a claim on D-Bus: {e}");
+                }
+            }
             EngineEvent::Settings => {
                 if let Err(e) = settings_changed(&objects).await {
                     tracing::error!("cannot signal the manager's settings: {e}");
                 }
             }
-            // Nothing on the bus shows domains yet (claims will).
+            // Nothing on the bus shows domains yet (attach and detach will).
             EngineEvent::Domain(_) => {}
             EngineEvent::Flush(done) => {
                 let _ = done.send(());
@@ -144,6 +151,48 @@ async fn publish_task(objects: &Objects, task: crate::store::TaskRecord) -> zbus
             .await
             .map(drop),
     }
+}
+
+/// Creates, updates or (once released) removes `/org/vfiod/Vfiod1/claim/<id>`, and signals the
+/// `Claim` property of every device it holds or held.
+async fn publish_claim(objects: &Objects, c: crate::store::ClaimRecord) -> zbus::Result<()> {
+    let server = objects.conn.object_server();
+    let (id, functions) = (c.id, c.functions.clone());
+    let holds = c.state.holds();
+    let before: Vec<_> = functions.iter().map(|a| objects.view.holder(*a)).collect();
+    match objects.view.put_claim(c.clone()) {
+        Some(old) => {
+            let changed = claim::changed_properties(&old, &c);
+            emit(objects, claim::claim_path(id), claim::INTERFACE, changed).await?;
+        }
+        None if holds => {
+            server
+                .at(claim::claim_path(id), objects.claim_object(id))
+                .await?;
+        }
+        // Released before its object was ever shown (a claim made and released between two
+        // starts): nothing to show or remove.
+        None => {}
+    }
+    for (a, was) in functions.iter().zip(before) {
+        let now = objects.view.holder(*a);
+        if now != was {
+            let changed = std::collections::HashMap::from([(
+                "Claim",
+                super::variant(device::claim_path_of(now)),
+            )]);
+            emit(objects, device_path(*a), device::INTERFACE, changed).await?;
+        }
+    }
+    if !holds {
+        // The object goes before its view entry, as a device's does.
+        server
+            .remove::<Strict<ClaimObject>, _>(claim::claim_path(id))
+            .await
+            .ok();
+        objects.view.forget_claim(id);
+    }
+    Ok(())
 }
 
 /// Removes the objects of the finished tasks the view no longer keeps.

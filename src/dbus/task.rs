@@ -3,7 +3,7 @@
 
 use crate::store::TaskRecord;
 use std::collections::HashMap;
-use zbus::{interface, OwnedVariant, Variant};
+use zbus::{interface, OwnedVariant};
 
 pub const INTERFACE: &str = "org.vfiod.Vfiod1.Task";
 
@@ -28,9 +28,7 @@ impl TaskObject {
 }
 
 pub fn properties(t: &TaskRecord) -> Vec<(&'static str, OwnedVariant)> {
-    fn v<'a, T: Into<Variant<'a>>>(x: T) -> OwnedVariant {
-        OwnedVariant::try_from(x.into()).expect("plain values convert")
-    }
+    use super::variant as v;
     vec![
         ("Kind", v(t.kind.as_str())),
         ("State", v(t.state.as_str())),
@@ -47,11 +45,7 @@ pub fn changed_properties(
     old: &TaskRecord,
     new: &TaskRecord,
 ) -> HashMap<&'static str, OwnedVariant> {
-    let before: HashMap<_, _> = properties(old).into_iter().collect();
-    properties(new)
-        .into_iter()
-        .filter(|(k, v)| before.get(k) != Some(v))
-        .collect()
+    super::changed(properties(old), properties(new))
 }
 
 #[interface(name = "org.vfiod.Vfiod1.Task")]

@@ -12,7 +12,7 @@
 use crate::engine::{DeviceTasks, DeviceView};
 use crate::model::device::{Device, State};
 use crate::model::pci::PciAddress;
-use crate::store::{Counts, TaskRecord};
+use crate::store::{ClaimRecord, Counts, TaskRecord};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::RwLock;
 
@@ -31,6 +31,10 @@ pub struct DeviceEntry {
 struct Inner {
     devices: BTreeMap<PciAddress, DeviceEntry>,
     tasks: HashMap<i64, TaskRecord>,
+    /// Claims with objects: the active ones, and a released one until its object is gone.
+    claims: BTreeMap<i64, ClaimRecord>,
+    /// Function -> the active claim that holds it.
+    holders: HashMap<PciAddress, i64>,
 }
 
 #[derive(Default)]
@@ -53,6 +57,51 @@ impl View {
 
     pub fn task(&self, id: i64) -> Option<TaskRecord> {
         self.read().tasks.get(&id).cloned()
+    }
+
+    pub fn claim(&self, id: i64) -> Option<ClaimRecord> {
+        self.read().claims.get(&id).cloned()
+    }
+
+    /// The ids of the claims that hold their functions, oldest first.
+    pub fn active_claims(&self) -> Vec<i64> {
+        self.read()
+            .claims
+            .values()
+            .filter(|c| c.state.holds())
+            .map(|c| c.id)
+            .collect()
+    }
+
+    /// The active claim that holds `address`.
+    pub fn holder(&self, address: PciAddress) -> Option<i64> {
+        self.read().holders.get(&address).copied()
+    }
+
+    /// Replaces (or adds) a claim, and who holds its functions; returns what it was. A released
+    /// claim stays until [`View::forget_claim`], so that its object still reads while it goes.
+    pub fn put_claim(&self, claim: ClaimRecord) -> Option<ClaimRecord> {
+        let mut inner = self.write();
+        for a in &claim.functions {
+            if claim.state.holds() {
+                inner.holders.insert(*a, claim.id);
+            } else if inner.holders.get(a) == Some(&claim.id) {
+                inner.holders.remove(a);
+            }
+        }
+        inner.claims.insert(claim.id, claim)
+    }
+
+    /// Drops a claim whose object is no longer exported.
+    pub fn forget_claim(&self, id: i64) {
+        let mut inner = self.write();
+        if let Some(c) = inner.claims.remove(&id) {
+            for a in &c.functions {
+                if inner.holders.get(a) == Some(&id) {
+                    inner.holders.remove(a);
+                }
+            }
+        }
     }
 
     pub fn counts(&self) -> Counts {

@@ -7,14 +7,12 @@ use crate::model::pci::PciAddress;
 use crate::modes::planner::DevicePlan;
 use crate::store::{Event, TaskRecord};
 use std::collections::HashMap;
-use zbus::{OwnedVariant, Variant};
+use zbus::OwnedVariant;
 
 /// One `a{sv}` dictionary.
 pub type Dict = HashMap<String, OwnedVariant>;
 
-fn v<'a>(x: impl Into<Variant<'a>>) -> OwnedVariant {
-    OwnedVariant::try_from(x.into()).expect("plain values convert")
-}
+use super::variant as v;
 
 /// `Manager.GetEvents` entry.
 pub fn event(e: &Event) -> Dict {
@@ -123,6 +121,66 @@ impl Query {
     pub fn u32(&self, key: &str) -> Result<Option<u32>, Error> {
         self.get::<u32>(key, "an unsigned 32-bit integer (u)")
     }
+
+    pub fn i32(&self, key: &str) -> Result<Option<i32>, Error> {
+        self.get::<i32>(key, "a 32-bit integer (i)")
+    }
+
+    pub fn bool(&self, key: &str) -> Result<Option<bool>, Error> {
+        self.get::<bool>(key, "a boolean (b)")
+    }
+
+    /// A short string key (an address, a word, an id) parsed with `parse`; an error names the
+    /// key, and a value too long to be any of these is refused without being echoed.
+    pub fn parsed<T>(
+        &self,
+        key: &str,
+        parse: impl FnOnce(&str) -> Result<T, String>,
+    ) -> Result<Option<T>, Error> {
+        const LONGEST: usize = 64;
+        match self.str(key)? {
+            None => Ok(None),
+            Some(text) if text.len() > LONGEST => Err(Error::InvalidArgument(format!(
+                "key {key}: {} is not a valid value",
+                quote(&text)
+            ))),
+            Some(text) => parse(&text)
+                .map(Some)
+                .map_err(|e| Error::InvalidArgument(format!("key {key}: {e}"))),
+        }
+    }
+}
+
+/// The keys `Manager.FindDevices` and `Manager.Claim` take as requirements.
+pub const REQUIREMENT_KEYS: &[&str] = &["address", "kind", "id", "role", "numa_node", "parent"];
+/// The keys `Manager.Claim` takes as its owner.
+pub const OWNER_KEYS: &[&str] = &["vm_name", "vm_uuid", "lease_seconds", "persistent"];
+
+/// Claim requirements from their `a{sv}` dictionary (all keys optional).
+pub fn requirements(dict: Dict) -> Result<crate::claims::Requirements, Error> {
+    use crate::claims::Requirements;
+    let q = Query::new(dict, REQUIREMENT_KEYS)?;
+    let address = |t: &str| t.parse::<PciAddress>().map_err(|e| e.to_string());
+    Ok(Requirements {
+        address: q.parsed("address", address)?,
+        kind: q.parsed("kind", |t| t.parse())?,
+        id: q.parsed("id", Requirements::parse_id)?,
+        role: q.parsed("role", |t| t.parse())?,
+        numa_node: q.i32("numa_node")?,
+        parent: q.parsed("parent", address)?,
+    })
+}
+
+/// A claim's owner from its `a{sv}` dictionary; `default_lease` when it gives no lease_seconds.
+pub fn owner(dict: Dict, default_lease: u32) -> Result<crate::claims::Owner, Error> {
+    let q = Query::new(dict, OWNER_KEYS)?;
+    crate::claims::Owner::new(
+        q.str("vm_name")?.as_deref(),
+        q.str("vm_uuid")?.as_deref(),
+        q.u32("lease_seconds")?.unwrap_or(default_lease),
+        q.bool("persistent")?.unwrap_or(false),
+    )
+    .map_err(|e| Error::InvalidArgument(format!("owner: {e}")))
 }
 
 /// Reads back what [`event`], [`task`] and [`plan`] write (the client side).

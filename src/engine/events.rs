@@ -38,6 +38,8 @@ pub enum EngineEvent {
         task: TaskRecord,
         devices: Vec<DeviceTasks>,
     },
+    /// A claim was made or changed (released: `claim.state` says so).
+    Claim(crate::store::ClaimRecord),
     /// The settings were replaced by a reload.
     Settings,
     /// A libvirt domain was defined, started, stopped, ... (from libvirt's own events).

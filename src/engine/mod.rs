@@ -8,6 +8,7 @@
 //! Each pass and each task change commits to the store before its event is sent, so a consumer
 //! never shows a state the store does not hold.
 
+mod claims;
 pub mod context;
 mod core;
 pub mod events;
@@ -17,6 +18,7 @@ mod run_loop;
 pub mod tasks;
 
 pub use self::core::{warn_about_drivers, ConfigSource, Core, EngineError, Pass};
+pub use claims::ClaimError;
 pub use context::{JobContext, Modprobe, ModuleLoader};
 pub use events::{DeviceTasks, DeviceView, EngineEvent, EventStream};
 pub use job::{Admission, Job, JobError, JobFailure, Phase, Progress};

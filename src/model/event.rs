@@ -26,9 +26,11 @@ pub enum EventKind {
     Aer,
     /// A task was created, changed state, or was reset.
     Task,
+    /// A claim was made, attached, detached, released or expired.
+    Claim,
 }
 
 text_enum!(EventKind as "event kind",
     Added => "added", Removed => "removed", Changed => "changed", Broken => "broken",
     Recovered => "recovered", Protected => "protected", Unprotected => "unprotected",
-    Config => "config", Aer => "aer", Task => "task");
+    Config => "config", Aer => "aer", Task => "task", Claim => "claim");

@@ -1,32 +1,377 @@
-//! Claims as far as the mode engine needs them today: which functions are claimed by or
-//! attached to a VM. (Creating and releasing claims comes with the claims feature.)
+//! The durable side of claims: a claim row per VM's hold on a device, the functions it holds
+//! (`claim_functions`), and the events that record each change.
+//!
+//! A claim is decided and recorded in one `BEGIN IMMEDIATE` transaction: the snapshot the choice
+//! is made from (devices, held functions, busy functions) is read under the write lock, so no
+//! other claim or task can slip in between the choice and its insert. The database refuses a
+//! double booking on its own (a unique index on active functions, a trigger that keeps a PF apart
+//! from its VFs), should any writer ever get that wrong.
 
-use super::{Store, StoreError};
+use super::device_row::{DecodeError, Fields};
+use super::tasks::active_sql;
+use super::{insert_event, now_ms, NewEvent, Store, StoreError};
+use crate::claims::{self, ClaimFunction, Held, Owner, Requirements, Snapshot};
+use crate::model::claim::ClaimState;
+use crate::model::event::EventKind;
 use crate::model::pci::PciAddress;
+use rusqlite::{named_params, params, Connection, ErrorCode, OptionalExtension, Row};
+use serde::Serialize;
+
+/// One claim as stored.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ClaimRecord {
+    /// Increasing, never reused: the claim's D-Bus object is `/org/vfiod/Vfiod1/claim/<id>`.
+    pub id: i64,
+    /// The device the claim was made for.
+    pub address: PciAddress,
+    /// Every function it holds: the device first, then its IOMMU group-mates.
+    pub functions: Vec<PciAddress>,
+    pub vm_name: Option<String>,
+    pub vm_uuid: Option<String>,
+    pub state: ClaimState,
+    /// The device's address inside the guest, once attached.
+    pub guest_address: Option<String>,
+    pub requested_by: String,
+    /// Unix milliseconds.
+    pub created_ms: i64,
+    pub updated_ms: i64,
+    /// When an unattached claim lapses; `None` for no lease.
+    pub lease_expires_ms: Option<i64>,
+    pub persistent: bool,
+    pub released_ms: Option<i64>,
+}
+
+impl ClaimRecord {
+    /// The name, else the UUID: how messages name the VM.
+    pub fn vm(&self) -> &str {
+        self.vm_name
+            .as_deref()
+            .or(self.vm_uuid.as_deref())
+            .unwrap_or("?")
+    }
+
+    /// "claim 7 on 0000:3b:02.1 for vm1", the subject of its events.
+    fn subject(&self) -> String {
+        format!("claim {} on {} for {}", self.id, self.address, self.vm())
+    }
+}
+
+const SELECT: &str = "SELECT id, address, vm_name, vm_uuid, state, guest_address, requested_by, \
+     created_ms, updated_ms, lease_expires_ms, persistent, released_ms FROM claims";
+
+fn decode(row: &Row<'_>) -> Result<ClaimRecord, DecodeError> {
+    let id: i64 = row.get("id").unwrap_or_default();
+    let f = Fields {
+        row,
+        table: "claims",
+        key: id.to_string(),
+    };
+    Ok(ClaimRecord {
+        id,
+        address: f.parse("address")?,
+        functions: Vec::new(),
+        vm_name: f.get("vm_name")?,
+        vm_uuid: f.get("vm_uuid")?,
+        state: f.parse("state")?,
+        guest_address: f.get("guest_address")?,
+        requested_by: f.get("requested_by")?,
+        created_ms: f.get("created_ms")?,
+        updated_ms: f.get("updated_ms")?,
+        lease_expires_ms: f.get("lease_expires_ms")?,
+        persistent: f.flag("persistent")?,
+        released_ms: f.get("released_ms")?,
+    })
+}
 
 impl Store {
-    /// Active claims (`claimed` or `attached`) on any of `addresses`: (address, VM name).
+    /// Chooses the best claimable device for `req` (see [`claims::choice`]) and records a claim
+    /// on it and its IOMMU group-mates for `owner`, atomically and durably. Nothing claimable:
+    /// `Unclaimable` with the reasons.
+    pub fn claim(
+        &self,
+        req: &Requirements,
+        owner: &Owner,
+        requested_by: &str,
+    ) -> Result<ClaimRecord, StoreError> {
+        if requested_by.trim().is_empty() {
+            return Err(StoreError::InvalidArgument {
+                reason: "requested_by must not be empty".into(),
+            });
+        }
+        let action = "record a claim";
+        self.write(action, |conn| {
+            let snapshot = self.snapshot_in(conn, action)?;
+            let choice = claims::choose(&snapshot, req).map_err(StoreError::Unclaimable)?;
+            let now = now_ms();
+            let lease = owner
+                .lease_seconds
+                .map(|s| now.saturating_add(i64::from(s) * 1000));
+            let inserted = conn
+                .prepare_cached(
+                    "INSERT INTO claims (address, vm_name, vm_uuid, state, requested_by, \
+                     created_ms, updated_ms, lease_expires_ms, persistent) \
+                     VALUES (:address, :vm_name, :vm_uuid, :state, :requested_by, :now, :now, \
+                     :lease, :persistent)",
+                )
+                .and_then(|mut stmt| {
+                    stmt.execute(named_params! {
+                        ":address": choice.device.to_string(),
+                        ":vm_name": owner.vm_name,
+                        ":vm_uuid": owner.vm_uuid,
+                        ":state": ClaimState::Claimed.as_str(),
+                        ":requested_by": requested_by,
+                        ":now": now,
+                        ":lease": lease,
+                        ":persistent": owner.persistent,
+                    })
+                });
+            self.constraint_is_conflict(action, inserted)?;
+            let id = conn.last_insert_rowid();
+            for f in &choice.functions {
+                self.hold(conn, action, id, f)?;
+            }
+            let claim = self.must_read_claim(conn, action, id)?;
+            let mates: Vec<String> = claim.functions[1..].iter().map(|a| a.to_string()).collect();
+            let with = if mates.is_empty() {
+                String::new()
+            } else {
+                format!(" with {}", mates.join(", "))
+            };
+            let lease = match owner.lease_seconds {
+                Some(s) => format!(", lease {s} s"),
+                None => String::new(),
+            };
+            self.claim_event(
+                conn,
+                action,
+                &claim,
+                format!(
+                    "{}{with}: claimed by {requested_by}{lease}{}",
+                    claim.subject(),
+                    if claim.persistent { ", persistent" } else { "" }
+                ),
+                now,
+            )?;
+            Ok(claim)
+        })
+    }
+
+    /// Releases claim `id`: its functions are free again; the row stays as history. Releasing a
+    /// released claim is `ClaimReleased`.
+    pub fn release_claim(&self, id: i64, by: &str, why: &str) -> Result<ClaimRecord, StoreError> {
+        let action = "release a claim";
+        self.write(action, |conn| {
+            let claim = self.must_read_claim(conn, action, id)?;
+            if !claim.state.holds() {
+                return Err(StoreError::ClaimReleased(id));
+            }
+            let now = now_ms();
+            conn.prepare_cached(
+                "UPDATE claims SET state = 'released', released_ms = ?2, updated_ms = ?2 \
+                 WHERE id = ?1",
+            )
+            .and_then(|mut stmt| stmt.execute(params![id, now]))
+            .and_then(|_| {
+                conn.prepare_cached("UPDATE claim_functions SET active = 0 WHERE claim_id = ?1")
+            })
+            .and_then(|mut stmt| stmt.execute(params![id]))
+            .map_err(|e| self.sqlite(action, e))?;
+            let released = self.must_read_claim(conn, action, id)?;
+            self.claim_event(
+                conn,
+                action,
+                &released,
+                format!("{}: released by {by} ({why})", released.subject()),
+                now,
+            )?;
+            Ok(released)
+        })
+    }
+
+    /// The claim with this id, in any state.
+    pub fn claim_record(&self, id: i64) -> Result<Option<ClaimRecord>, StoreError> {
+        let conn = self.lock();
+        self.read_claim(&conn, "read a claim", id)
+    }
+
+    /// Every claim that holds its functions, oldest first.
+    pub fn active_claim_records(&self) -> Result<Vec<ClaimRecord>, StoreError> {
+        let action = "read the active claims";
+        let conn = self.lock();
+        let ids: Vec<i64> = conn
+            .prepare_cached("SELECT id FROM claims WHERE state <> 'released' ORDER BY id")
+            .and_then(|mut stmt| {
+                stmt.query_map([], |r| r.get(0))?
+                    .collect::<rusqlite::Result<_>>()
+            })
+            .map_err(|e| self.sqlite(action, e))?;
+        ids.into_iter()
+            .map(|id| self.must_read_claim(&conn, action, id))
+            .collect()
+    }
+
+    /// What a claim is decided from, read at one moment.
+    pub fn claim_snapshot(&self) -> Result<Snapshot, StoreError> {
+        let conn = self.lock();
+        self.snapshot_in(&conn, "read what can be claimed")
+    }
+
+    /// Active claims (any state but released) holding any of `addresses`: (address, VM).
     pub fn active_claims(
         &self,
         addresses: &[PciAddress],
     ) -> Result<Vec<(PciAddress, String)>, StoreError> {
         let action = "read claims";
         let conn = self.lock();
-        let mut stmt = conn
-            .prepare("SELECT address, coalesce(vm_name, vm_uuid, '?') FROM claims WHERE state IN ('claimed', 'attached') ORDER BY id")
-            .map_err(|e| self.sqlite(action, e))?;
-        let rows = stmt
-            .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))
-            .map_err(|e| self.sqlite(action, e))?;
         let mut out = Vec::new();
-        for row in rows {
-            let (a, vm) = row.map_err(|e| self.sqlite(action, e))?;
-            if let Ok(a) = a.parse::<PciAddress>() {
-                if addresses.contains(&a) {
-                    out.push((a, vm));
-                }
+        for held in self.held_in(&conn, action)? {
+            if addresses.contains(&held.address) {
+                let claim = self.must_read_claim(&conn, action, held.claim_id)?;
+                out.push((held.address, claim.vm().to_string()));
             }
         }
         Ok(out)
+    }
+
+    fn snapshot_in(&self, conn: &Connection, action: &'static str) -> Result<Snapshot, StoreError> {
+        Ok(Snapshot {
+            devices: self.devices_in(conn)?,
+            held: self.held_in(conn, action)?,
+            busy: self.busy_in(conn, action)?,
+        })
+    }
+
+    fn held_in(&self, conn: &Connection, action: &'static str) -> Result<Vec<Held>, StoreError> {
+        let rows: Vec<(String, i64)> = conn
+            .prepare_cached(
+                "SELECT address, claim_id FROM claim_functions WHERE active = 1 ORDER BY claim_id",
+            )
+            .and_then(|mut stmt| {
+                stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?
+                    .collect::<rusqlite::Result<_>>()
+            })
+            .map_err(|e| self.sqlite(action, e))?;
+        Ok(rows
+            .into_iter()
+            .filter_map(|(a, claim_id)| a.parse().ok().map(|address| Held { address, claim_id }))
+            .collect())
+    }
+
+    /// Every function an active task holds: its device and its scope.
+    fn busy_in(
+        &self,
+        conn: &Connection,
+        action: &'static str,
+    ) -> Result<Vec<(PciAddress, i64)>, StoreError> {
+        let active = active_sql();
+        let rows: Vec<(String, i64)> = conn
+            .prepare_cached(&format!(
+                "SELECT address, id FROM tasks WHERE {active} \
+                 UNION ALL \
+                 SELECT address, task_id FROM task_scope \
+                 WHERE task_id IN (SELECT id FROM tasks WHERE {active})"
+            ))
+            .and_then(|mut stmt| {
+                stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?
+                    .collect::<rusqlite::Result<_>>()
+            })
+            .map_err(|e| self.sqlite(action, e))?;
+        Ok(rows
+            .into_iter()
+            .filter_map(|(a, id)| a.parse().ok().map(|a| (a, id)))
+            .collect())
+    }
+
+    fn hold(
+        &self,
+        conn: &Connection,
+        action: &'static str,
+        claim_id: i64,
+        f: &ClaimFunction,
+    ) -> Result<(), StoreError> {
+        let inserted = conn
+            .prepare_cached(
+                "INSERT INTO claim_functions (claim_id, address, family, is_pf) \
+                 VALUES (?1, ?2, ?3, ?4)",
+            )
+            .and_then(|mut stmt| {
+                stmt.execute(params![
+                    claim_id,
+                    f.address.to_string(),
+                    f.family.map(|a| a.to_string()),
+                    f.is_pf
+                ])
+            });
+        self.constraint_is_conflict(action, inserted)
+    }
+
+    /// A constraint the database refused: reachable only should a writer skip the snapshot's
+    /// checks, and then a conflict rather than an I/O failure.
+    fn constraint_is_conflict(
+        &self,
+        action: &'static str,
+        result: rusqlite::Result<usize>,
+    ) -> Result<(), StoreError> {
+        match result {
+            Ok(_) => Ok(()),
+            Err(e) if e.sqlite_error_code() == Some(ErrorCode::ConstraintViolation) => {
+                Err(StoreError::ClaimConflict(e.to_string()))
+            }
+            Err(e) => Err(self.sqlite(action, e)),
+        }
+    }
+
+    fn read_claim(
+        &self,
+        conn: &Connection,
+        action: &'static str,
+        id: i64,
+    ) -> Result<Option<ClaimRecord>, StoreError> {
+        let claim = conn
+            .prepare_cached(&format!("{SELECT} WHERE id = ?1"))
+            .and_then(|mut stmt| stmt.query_row([id], |row| Ok(decode(row))).optional())
+            .map_err(|e| self.sqlite(action, e))?;
+        let Some(claim) = claim else {
+            return Ok(None);
+        };
+        let mut claim = claim.map_err(|e| self.decode(e))?;
+        let functions: Vec<String> = conn
+            .prepare_cached(
+                "SELECT address FROM claim_functions WHERE claim_id = ?1 ORDER BY rowid",
+            )
+            .and_then(|mut stmt| {
+                stmt.query_map([id], |r| r.get(0))?
+                    .collect::<rusqlite::Result<_>>()
+            })
+            .map_err(|e| self.sqlite(action, e))?;
+        claim.functions = functions.iter().filter_map(|a| a.parse().ok()).collect();
+        Ok(Some(claim))
+    }
+
+    fn must_read_claim(
+        &self,
+        conn: &Connection,
+        action: &'static str,
+        id: i64,
+    ) -> Result<ClaimRecord, StoreError> {
+        self.read_claim(conn, action, id)?
+            .ok_or(StoreError::NoSuchClaim(id))
+    }
+
+    fn claim_event(
+        &self,
+        conn: &Connection,
+        action: &'static str,
+        claim: &ClaimRecord,
+        message: String,
+        now: i64,
+    ) -> Result<(), StoreError> {
+        insert_event(
+            conn,
+            &NewEvent::new(Some(claim.address), EventKind::Claim, message),
+            now,
+        )
+        .map(drop)
+        .map_err(|e| self.sqlite(action, e))
     }
 }

@@ -17,7 +17,7 @@ use rusqlite::{Connection, TransactionBehavior};
 pub(super) const APPLICATION_ID: i32 = 0x7666_696f;
 
 /// Every migration step, oldest first. [`super::SCHEMA_VERSION`] is its length.
-pub(super) const MIGRATIONS: &[&str] = &[V1_INITIAL, V2_TASKS, V3_TASK_SCOPE];
+pub(super) const MIGRATIONS: &[&str] = &[V1_INITIAL, V2_TASKS, V3_TASK_SCOPE, V4_CLAIMS];
 
 /// Version 1: the inventory, its history, and the tables claims, tasks and driver restore will
 /// fill.
@@ -152,6 +152,60 @@ CREATE TABLE task_scope (
 CREATE INDEX task_scope_by_address ON task_scope (address);
 ";
 
+/// Version 4: claims as the claims feature makes them. A claim holds every function of its
+/// IOMMU group (`claim_functions`); the database, not a check before the insert, keeps one active
+/// claim per function and a PF apart from its VFs. A claim row stays after release as history.
+const V4_CLAIMS: &str = "
+-- Who asked (a uid or a D-Bus sender); when an unattached claim lapses (NULL: no lease); whether
+-- it outlives the VM's run; when it was released.
+ALTER TABLE claims ADD COLUMN requested_by TEXT NOT NULL DEFAULT '';
+ALTER TABLE claims ADD COLUMN lease_expires_ms INTEGER;
+ALTER TABLE claims ADD COLUMN persistent INTEGER NOT NULL DEFAULT 0 CHECK (persistent IN (0, 1));
+ALTER TABLE claims ADD COLUMN released_ms INTEGER;
+
+-- Every state but 'released' holds the claim (attaching and detaching too).
+DROP INDEX claims_one_active_per_address;
+CREATE UNIQUE INDEX claims_one_active_per_address
+    ON claims (address) WHERE state <> 'released';
+
+-- The functions a claim holds: its device and the rest of its IOMMU group. family is the PF's
+-- address for a PF and for each of its VFs (NULL for a function without SR-IOV); is_pf marks
+-- the PF. active goes to 0 when the claim is released, never back.
+CREATE TABLE claim_functions (
+    claim_id INTEGER NOT NULL REFERENCES claims (id) ON DELETE CASCADE,
+    address  TEXT NOT NULL,
+    family   TEXT,
+    is_pf    INTEGER NOT NULL CHECK (is_pf IN (0, 1)),
+    active   INTEGER NOT NULL DEFAULT 1 CHECK (active IN (0, 1)),
+    PRIMARY KEY (claim_id, address)
+);
+CREATE UNIQUE INDEX claim_functions_one_active_per_address
+    ON claim_functions (address) WHERE active = 1;
+CREATE INDEX claim_functions_by_family ON claim_functions (family) WHERE active = 1;
+
+-- A PF held whole and one of its VFs held by another claim would give two VMs one device.
+CREATE TRIGGER claim_functions_pf_apart_from_vfs
+BEFORE INSERT ON claim_functions
+WHEN NEW.active = 1 AND NEW.family IS NOT NULL AND EXISTS (
+    SELECT 1 FROM claim_functions c
+    WHERE c.active = 1 AND c.family = NEW.family AND c.claim_id <> NEW.claim_id
+      AND (c.is_pf = 1 OR NEW.is_pf = 1))
+BEGIN
+    SELECT RAISE(ABORT, 'a PF and its VFs cannot be held by different claims');
+END;
+
+CREATE TRIGGER claim_functions_never_held_again
+BEFORE UPDATE OF active ON claim_functions
+WHEN NEW.active = 1 AND OLD.active = 0
+BEGIN
+    SELECT RAISE(ABORT, 'a released claim cannot hold its functions again');
+END;
+
+-- Claims of version 1 (none were made) would hold their one address.
+INSERT INTO claim_functions (claim_id, address, family, is_pf, active)
+    SELECT id, address, NULL, 0, 1 FROM claims WHERE state IN ('claimed', 'attached');
+";
+
 /// Why [`migrate`] stopped: the step that failed (1-based target version) and SQLite's error.
 #[derive(Debug)]
 pub(super) struct MigrationError {
@@ -243,7 +297,7 @@ mod tests {
     fn version_3_scopes_go_with_their_task() {
         let mut conn = Connection::open_in_memory().unwrap();
         conn.pragma_update(None, "foreign_keys", true).unwrap();
-        assert_eq!(migrate(&mut conn, MIGRATIONS).unwrap(), (0, 3));
+        assert_eq!(migrate(&mut conn, MIGRATIONS).unwrap(), (0, 4));
         conn.execute_batch(
             "INSERT INTO tasks (id, address, kind, state, created_ms) \
                  VALUES (1, '0000:17:00.0', 'bind', 'success', 1); \
@@ -297,6 +351,58 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn version_4_holds_a_function_once_and_a_pf_apart_from_its_vfs() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        conn.pragma_update(None, "foreign_keys", true).unwrap();
+        assert_eq!(migrate(&mut conn, MIGRATIONS).unwrap(), (0, 4));
+        let claim = |id: i64, address: &str| {
+            conn.execute(
+                "INSERT INTO claims (id, address, vm_name, state, created_ms, updated_ms) \
+                 VALUES (?1, ?2, 'vm', 'claimed', 1, 1)",
+                rusqlite::params![id, address],
+            )
+        };
+        let hold = |id: i64, address: &str, family: Option<&str>, is_pf: bool| {
+            conn.execute(
+                "INSERT INTO claim_functions (claim_id, address, family, is_pf) \
+                 VALUES (?1, ?2, ?3, ?4)",
+                rusqlite::params![id, address, family, is_pf],
+            )
+        };
+        let pf = "0000:3b:00.0";
+        claim(1, "0000:3b:02.0").unwrap();
+        hold(1, "0000:3b:02.0", Some(pf), false).unwrap();
+        claim(2, "0000:3b:02.1").unwrap();
+        hold(2, "0000:3b:02.1", Some(pf), false).unwrap();
+        // The same function in a second claim, and its active claim row twice.
+        claim(3, "0000:17:00.0").unwrap();
+        assert!(hold(3, "0000:3b:02.0", Some(pf), false).is_err());
+        assert!(claim(4, "0000:3b:02.0").is_err());
+        // The PF beside its VFs.
+        claim(5, pf).unwrap();
+        let e = hold(5, pf, Some(pf), true).unwrap_err();
+        assert!(e.to_string().contains("a PF and its VFs"), "{e}");
+        // Released, a function is free for a new claim, and never held again by the old one.
+        conn.execute_batch(
+            "UPDATE claims SET state = 'released' WHERE id IN (1, 2); \
+             UPDATE claim_functions SET active = 0 WHERE claim_id IN (1, 2);",
+        )
+        .unwrap();
+        hold(5, pf, Some(pf), true).unwrap();
+        // A VF beside its claimed PF.
+        claim(6, "0000:3b:02.2").unwrap();
+        assert!(hold(6, "0000:3b:02.2", Some(pf), false).is_err());
+        assert!(conn
+            .execute(
+                "UPDATE claim_functions SET active = 1 WHERE claim_id = 1",
+                []
+            )
+            .is_err());
+        // A new claim of a released function's address.
+        claim(7, "0000:3b:02.0").unwrap();
     }
 
     #[test]

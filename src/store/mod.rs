@@ -19,6 +19,7 @@ mod original_drivers;
 mod task_state;
 mod tasks;
 
+pub use claims::ClaimRecord;
 pub use task_state::TaskState;
 pub use tasks::{TaskRecord, REFUSED_BY};
 
@@ -150,6 +151,16 @@ pub enum StoreError {
     /// A request the store refuses before touching the database (empty name, bad JSON, ...).
     #[error("invalid request: {reason}")]
     InvalidArgument { reason: String },
+    /// Nothing matching a claim's requirements can be claimed now; says why.
+    #[error("{0}")]
+    Unclaimable(crate::claims::Unavailable),
+    #[error("no claim {0}")]
+    NoSuchClaim(i64),
+    #[error("claim {0} is already released")]
+    ClaimReleased(i64),
+    /// The database refused a claim that would hold a function twice (or a PF beside its VFs).
+    #[error("the claim conflicts with another claim: {0}")]
+    ClaimConflict(String),
 }
 
 /// One entry of the history, as stored.
@@ -300,6 +311,10 @@ impl Store {
     /// Every device present, ordered by address.
     pub fn devices(&self) -> Result<Vec<Device>, StoreError> {
         let conn = self.lock();
+        self.devices_in(&conn)
+    }
+
+    fn devices_in(&self, conn: &Connection) -> Result<Vec<Device>, StoreError> {
         let action = "read devices";
         let mut stmt = conn
             .prepare_cached(&format!("{} ORDER BY address", device_row::SELECT))

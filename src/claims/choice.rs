@@ -1,0 +1,732 @@
+//! What is claimable, and which candidate a claim gets.
+//!
+//! A function is claimable when it is usable (not broken, not protected), selected by the
+//! configuration (`managed`), held by no claim, not a PF whose VFs are claimed nor a VF whose PF
+//! is, and under no task (its own, its IOMMU group's or its PF's). A claim takes the function's
+//! whole IOMMU group (libvirt refuses to give a VM part of a group: a GPU goes with its audio
+//! function), so every group-mate must be claimable too.
+//!
+//! Among the claimable candidates the winner is, in this order:
+//! 1. on the NUMA node with the fewest claimed functions (claims spread over the nodes; a request
+//!    that needs one node says `numa_node`),
+//! 2. a VF of the PF with the fewest claimed VFs (a PF's failure or reset then hits fewer VMs),
+//! 3. the lowest address (the same request on the same state gets the same device).
+
+use super::requirements::Requirements;
+use crate::model::device::{Device, Role, State};
+use crate::model::pci::PciAddress;
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+
+/// What the store holds when a claim is decided, read inside the claim's transaction.
+#[derive(Clone, Debug, Default)]
+pub struct Snapshot {
+    /// Every function present.
+    pub devices: Vec<Device>,
+    /// Every function an active claim holds.
+    pub held: Vec<Held>,
+    /// Every function an active task holds (its device and its scope), with the task's id.
+    pub busy: Vec<(PciAddress, i64)>,
+}
+
+/// One function of an active claim.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Held {
+    pub address: PciAddress,
+    pub claim_id: i64,
+}
+
+/// One function a new claim takes, with what the database needs to keep a PF and its VFs apart:
+/// its SR-IOV family (the PF's address, for the PF and each of its VFs) and whether it is the PF.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ClaimFunction {
+    pub address: PciAddress,
+    pub family: Option<PciAddress>,
+    pub is_pf: bool,
+}
+
+impl ClaimFunction {
+    pub fn of(d: &Device) -> ClaimFunction {
+        let family = match d.role {
+            Role::Pf => Some(d.address),
+            Role::Vf => d.parent_pf,
+            Role::Function => None,
+        };
+        ClaimFunction {
+            address: d.address,
+            family,
+            is_pf: d.role == Role::Pf,
+        }
+    }
+}
+
+/// The device a claim gets and every function it takes (the device first, then its IOMMU
+/// group-mates).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Choice {
+    pub device: PciAddress,
+    pub functions: Vec<ClaimFunction>,
+}
+
+/// Why a matching function is not claimable.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Reason {
+    Broken(String),
+    Protected(String),
+    NotManaged,
+    Claimed {
+        claim_id: i64,
+    },
+    /// Its PF is claimed whole.
+    PfClaimed {
+        pf: PciAddress,
+        claim_id: i64,
+    },
+    /// It is a PF and one of its VFs is claimed.
+    VfClaimed {
+        vf: PciAddress,
+        claim_id: i64,
+    },
+    /// A task holds it.
+    Busy {
+        task_id: i64,
+    },
+    /// A function of its IOMMU group is not claimable.
+    GroupMate {
+        mate: PciAddress,
+        reason: Box<Reason>,
+    },
+}
+
+impl Reason {
+    /// The word a summary counts it under.
+    fn category(&self) -> &'static str {
+        match self {
+            Reason::Broken(_) => "broken",
+            Reason::Protected(_) => "used by the host",
+            Reason::NotManaged => "not selected by the configuration",
+            Reason::Claimed { .. } | Reason::PfClaimed { .. } | Reason::VfClaimed { .. } => {
+                "claimed"
+            }
+            Reason::Busy { .. } => "busy with a task",
+            Reason::GroupMate { reason, .. } => reason.category(),
+        }
+    }
+
+    /// The task that holds the function, directly or through a group-mate.
+    pub fn task(&self) -> Option<i64> {
+        match self {
+            Reason::Busy { task_id } => Some(*task_id),
+            Reason::GroupMate { reason, .. } => reason.task(),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Reason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Reason::Broken(why) => write!(f, "broken ({why})"),
+            Reason::Protected(why) => write!(f, "used by the host ({why})"),
+            Reason::NotManaged => f.write_str(
+                "not selected by the configuration (add a [[select]] rule for it to claim it)",
+            ),
+            Reason::Claimed { claim_id } => write!(f, "held by claim {claim_id}"),
+            Reason::PfClaimed { pf, claim_id } => {
+                write!(f, "its PF {pf} is held whole by claim {claim_id}")
+            }
+            Reason::VfClaimed { vf, claim_id } => {
+                write!(f, "its VF {vf} is held by claim {claim_id}")
+            }
+            Reason::Busy { task_id } => write!(f, "task {task_id} is working on it"),
+            Reason::GroupMate { mate, reason } => {
+                write!(f, "{mate}, in its IOMMU group, is {reason}")
+            }
+        }
+    }
+}
+
+/// Why a claim got nothing.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Unavailable {
+    /// No function matches at all.
+    NoMatch { requirements: String },
+    /// Functions match, none is claimable: each with its reason.
+    NoneClaimable {
+        requirements: String,
+        reasons: Vec<(PciAddress, Reason)>,
+    },
+}
+
+impl Unavailable {
+    /// The task that holds the one matching function, when a task is the only obstacle: the
+    /// caller named a device, and `Busy` naming the task says when to come back.
+    pub fn busy_task(&self) -> Option<(PciAddress, i64)> {
+        match self {
+            Unavailable::NoneClaimable { reasons, .. } if reasons.len() == 1 => {
+                let (a, r) = &reasons[0];
+                r.task().map(|t| (*a, t))
+            }
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Unavailable {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Unavailable::NoMatch { requirements } => {
+                write!(f, "no PCI function on this host matches {requirements}")
+            }
+            Unavailable::NoneClaimable {
+                requirements,
+                reasons,
+            } => {
+                if let [(a, r)] = reasons.as_slice() {
+                    return write!(f, "{a} matches {requirements} but is {r}");
+                }
+                let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
+                for (_, r) in reasons {
+                    *counts.entry(r.category()).or_default() += 1;
+                }
+                let summary: Vec<String> = counts.iter().map(|(c, n)| format!("{n} {c}")).collect();
+                write!(
+                    f,
+                    "none of the {} functions matching {requirements} can be claimed: {}",
+                    reasons.len(),
+                    summary.join(", ")
+                )
+            }
+        }
+    }
+}
+
+/// The snapshot, indexed for the checks.
+struct Index<'a> {
+    by_address: HashMap<PciAddress, &'a Device>,
+    held: HashMap<PciAddress, i64>,
+    /// PF address -> the claimed VFs of that PF (address, claim).
+    held_vfs: HashMap<PciAddress, Vec<(PciAddress, i64)>>,
+    busy: HashMap<PciAddress, i64>,
+    groups: HashMap<u32, Vec<&'a Device>>,
+}
+
+impl<'a> Index<'a> {
+    fn new(s: &'a Snapshot) -> Index<'a> {
+        let by_address: HashMap<_, _> = s.devices.iter().map(|d| (d.address, d)).collect();
+        let held: HashMap<_, _> = s.held.iter().map(|h| (h.address, h.claim_id)).collect();
+        let mut held_vfs: HashMap<PciAddress, Vec<(PciAddress, i64)>> = HashMap::new();
+        for h in &s.held {
+            if let Some(pf) = by_address
+                .get(&h.address)
+                .filter(|d| d.role == Role::Vf)
+                .and_then(|d| d.parent_pf)
+            {
+                held_vfs
+                    .entry(pf)
+                    .or_default()
+                    .push((h.address, h.claim_id));
+            }
+        }
+        let mut busy = HashMap::new();
+        for &(a, task) in &s.busy {
+            busy.entry(a).or_insert(task);
+        }
+        let mut groups: HashMap<u32, Vec<&Device>> = HashMap::new();
+        for d in &s.devices {
+            if let Some(g) = d.iommu_group {
+                groups.entry(g).or_default().push(d);
+            }
+        }
+        Index {
+            by_address,
+            held,
+            held_vfs,
+            busy,
+            groups,
+        }
+    }
+
+    /// Why `d` alone (group aside) cannot be claimed.
+    fn own_reason(&self, d: &Device) -> Option<Reason> {
+        match d.state {
+            State::Broken => return Some(Reason::Broken(d.state_reason.clone())),
+            State::Protected => return Some(Reason::Protected(d.state_reason.clone())),
+            State::Usable => {}
+        }
+        if !d.managed {
+            return Some(Reason::NotManaged);
+        }
+        if let Some(&claim_id) = self.held.get(&d.address) {
+            return Some(Reason::Claimed { claim_id });
+        }
+        if let Some(pf) = d.parent_pf.filter(|_| d.role == Role::Vf) {
+            if let Some(&claim_id) = self.held.get(&pf) {
+                return Some(Reason::PfClaimed { pf, claim_id });
+            }
+        }
+        if d.role == Role::Pf {
+            if let Some(&(vf, claim_id)) = self.held_vfs.get(&d.address).and_then(|v| v.first()) {
+                return Some(Reason::VfClaimed { vf, claim_id });
+            }
+        }
+        if let Some(&task_id) = self.busy.get(&d.address) {
+            return Some(Reason::Busy { task_id });
+        }
+        // A PF's task (split, restore) works on its VFs even when its scope does not list them
+        // yet: they may not exist when the task starts.
+        if let Some(&task_id) = d.parent_pf.and_then(|pf| self.busy.get(&pf)) {
+            return Some(Reason::Busy { task_id });
+        }
+        None
+    }
+
+    /// The function's IOMMU group-mates (without itself), in address order.
+    fn mates(&self, d: &Device) -> Vec<&'a Device> {
+        let mut mates: Vec<&Device> = d
+            .iommu_group
+            .and_then(|g| self.groups.get(&g))
+            .map(|m| {
+                m.iter()
+                    .copied()
+                    .filter(|m| m.address != d.address)
+                    .collect()
+            })
+            .unwrap_or_default();
+        mates.sort_by_key(|m| m.address);
+        mates
+    }
+
+    fn reason(&self, d: &Device) -> Option<Reason> {
+        if let Some(r) = self.own_reason(d) {
+            return Some(r);
+        }
+        self.mates(d).into_iter().find_map(|m| {
+            self.own_reason(m).map(|r| Reason::GroupMate {
+                mate: m.address,
+                reason: Box::new(r),
+            })
+        })
+    }
+
+    /// The ranking key of a claimable candidate (see the module's doc): lower wins.
+    fn rank(&self, d: &Device) -> (usize, usize, PciAddress) {
+        let node_load = d.numa_node.map_or(0, |node| {
+            self.held
+                .keys()
+                .filter(|a| self.by_address.get(a).and_then(|h| h.numa_node) == Some(node))
+                .count()
+        });
+        let pf_load = d
+            .parent_pf
+            .filter(|_| d.role == Role::Vf)
+            .map_or(0, |pf| self.held_vfs.get(&pf).map_or(0, Vec::len));
+        (node_load, pf_load, d.address)
+    }
+}
+
+/// Why `address` cannot be claimed now, or `None` when it can (a function the snapshot lacks is
+/// reported as not present by the caller, who knows it is missing).
+pub fn unavailable(snapshot: &Snapshot, address: PciAddress) -> Option<Reason> {
+    let index = Index::new(snapshot);
+    index.by_address.get(&address).and_then(|d| index.reason(d))
+}
+
+/// The claimable functions that match `req`, best first.
+pub fn candidates(snapshot: &Snapshot, req: &Requirements) -> Vec<PciAddress> {
+    let index = Index::new(snapshot);
+    let mut found: Vec<_> = snapshot
+        .devices
+        .iter()
+        .filter(|d| req.matches(d) && index.reason(d).is_none())
+        .map(|d| (index.rank(d), d.address))
+        .collect();
+    found.sort();
+    found.into_iter().map(|(_, a)| a).collect()
+}
+
+/// The best claimable function for `req` and the functions its claim takes.
+pub fn choose(snapshot: &Snapshot, req: &Requirements) -> Result<Choice, Unavailable> {
+    let index = Index::new(snapshot);
+    let mut best: Option<((usize, usize, PciAddress), &Device)> = None;
+    let mut reasons = Vec::new();
+    let mut matched = false;
+    for d in snapshot.devices.iter().filter(|d| req.matches(d)) {
+        matched = true;
+        match index.reason(d) {
+            Some(r) => reasons.push((d.address, r)),
+            None => {
+                let rank = index.rank(d);
+                if best.as_ref().is_none_or(|(b, _)| rank < *b) {
+                    best = Some((rank, d));
+                }
+            }
+        }
+    }
+    let requirements = req.to_string();
+    match best {
+        Some((_, d)) => Ok(Choice {
+            device: d.address,
+            functions: std::iter::once(d)
+                .chain(index.mates(d))
+                .map(ClaimFunction::of)
+                .collect(),
+        }),
+        None if !matched => Err(Unavailable::NoMatch { requirements }),
+        None => Err(Unavailable::NoneClaimable {
+            requirements,
+            reasons,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::device::{Kind, Mode};
+    use crate::model::pci::ClassCode;
+
+    fn a(s: &str) -> PciAddress {
+        s.parse().unwrap()
+    }
+
+    fn dev(address: &str, role: Role, parent: Option<&str>, numa: i32, group: u32) -> Device {
+        Device {
+            address: a(address),
+            vendor_id: 0x8086,
+            device_id: if role == Role::Vf { 0x154c } else { 0x1572 },
+            subsystem_vendor_id: 0,
+            subsystem_device_id: 0,
+            revision: 1,
+            class: ClassCode(0x020000),
+            vendor_name: String::new(),
+            device_name: String::new(),
+            kind: Kind::Nic,
+            driver: Some("vfio-pci".into()),
+            driver_override: None,
+            numa_node: Some(numa),
+            iommu_group: Some(group),
+            role,
+            separable: role == Role::Pf,
+            mode: if role == Role::Vf {
+                Mode::None
+            } else {
+                Mode::Vf
+            },
+            total_vfs: 0,
+            num_vfs: 0,
+            parent_pf: parent.map(a),
+            managed: true,
+            state: State::Usable,
+            state_reason: String::new(),
+        }
+    }
+
+    /// Two PFs on node 0 and 1, three VFs each (groups 10.., 20..), and a GPU with its audio
+    /// function in group 30.
+    fn host() -> Snapshot {
+        let mut devices = vec![
+            dev("0000:3b:00.0", Role::Pf, None, 0, 1),
+            dev("0000:5e:00.0", Role::Pf, None, 1, 2),
+        ];
+        for i in 1..=3 {
+            devices.push(dev(
+                &format!("0000:3b:02.{i}"),
+                Role::Vf,
+                Some("0000:3b:00.0"),
+                0,
+                10 + i,
+            ));
+            devices.push(dev(
+                &format!("0000:5e:02.{i}"),
+                Role::Vf,
+                Some("0000:5e:00.0"),
+                1,
+                20 + i,
+            ));
+        }
+        let mut gpu = dev("0000:17:00.0", Role::Function, None, 0, 30);
+        gpu.kind = Kind::Gpu;
+        let mut audio = dev("0000:17:00.1", Role::Function, None, 0, 30);
+        audio.kind = Kind::Other;
+        devices.extend([gpu, audio]);
+        devices.sort_by_key(|d| d.address);
+        Snapshot {
+            devices,
+            ..Default::default()
+        }
+    }
+
+    fn vf() -> Requirements {
+        Requirements {
+            role: Some(Role::Vf),
+            ..Default::default()
+        }
+    }
+
+    /// Claims `req` `n` times on `s`, recording each choice as held; returns the devices.
+    fn claim_n(s: &mut Snapshot, req: &Requirements, n: usize) -> Vec<String> {
+        let mut got = Vec::new();
+        for _ in 0..n {
+            let c = choose(s, req).unwrap();
+            let id = s.held.len() as i64 + 1;
+            for f in &c.functions {
+                s.held.push(Held {
+                    address: f.address,
+                    claim_id: id,
+                });
+            }
+            got.push(c.device.to_string());
+        }
+        got
+    }
+
+    #[test]
+    fn claims_spread_over_numa_nodes_then_pfs_and_never_repeat() {
+        let mut s = host();
+        let got = claim_n(&mut s, &vf(), 6);
+        assert_eq!(
+            got,
+            [
+                "0000:3b:02.1",
+                "0000:5e:02.1",
+                "0000:3b:02.2",
+                "0000:5e:02.2",
+                "0000:3b:02.3",
+                "0000:5e:02.3"
+            ]
+        );
+        let e = choose(&s, &vf()).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "none of the 6 functions matching role=vf can be claimed: 6 claimed"
+        );
+        assert_eq!(e.busy_task(), None);
+    }
+
+    #[test]
+    fn a_numa_requirement_keeps_to_its_node() {
+        let mut s = host();
+        let req = Requirements {
+            numa_node: Some(1),
+            role: Some(Role::Vf),
+            ..Default::default()
+        };
+        assert_eq!(
+            claim_n(&mut s, &req, 3),
+            ["0000:5e:02.1", "0000:5e:02.2", "0000:5e:02.3"]
+        );
+        assert!(matches!(
+            choose(&s, &req),
+            Err(Unavailable::NoneClaimable { .. })
+        ));
+    }
+
+    #[test]
+    fn a_pf_and_its_vfs_exclude_each_other() {
+        let mut s = host();
+        let pf = Requirements {
+            address: Some(a("0000:3b:00.0")),
+            ..Default::default()
+        };
+        claim_n(&mut s, &pf, 1);
+        let on_3b = Requirements {
+            parent: Some(a("0000:3b:00.0")),
+            ..Default::default()
+        };
+        let e = choose(&s, &on_3b).unwrap_err();
+        assert!(e.to_string().contains("3 claimed"), "{e}");
+        assert_eq!(
+            unavailable(&s, a("0000:3b:02.1")),
+            Some(Reason::PfClaimed {
+                pf: a("0000:3b:00.0"),
+                claim_id: 1
+            })
+        );
+
+        let mut s = host();
+        claim_n(
+            &mut s,
+            &Requirements {
+                address: Some(a("0000:5e:02.2")),
+                ..Default::default()
+            },
+            1,
+        );
+        let e = choose(
+            &s,
+            &Requirements {
+                address: Some(a("0000:5e:00.0")),
+                ..Default::default()
+            },
+        )
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "0000:5e:00.0 matches address=0000:5e:00.0 but is its VF 0000:5e:02.2 is held by claim 1"
+        );
+    }
+
+    #[test]
+    fn a_claim_takes_the_whole_iommu_group() {
+        let mut s = host();
+        let gpu = Requirements {
+            kind: Some(Kind::Gpu),
+            ..Default::default()
+        };
+        let c = choose(&s, &gpu).unwrap();
+        assert_eq!(c.device, a("0000:17:00.0"));
+        assert_eq!(
+            c.functions.iter().map(|f| f.address).collect::<Vec<_>>(),
+            [a("0000:17:00.0"), a("0000:17:00.1")]
+        );
+        assert!(c.functions.iter().all(|f| f.family.is_none() && !f.is_pf));
+        // The audio function alone is not claimable while another claim holds it, nor is the
+        // GPU with it.
+        s.held.push(Held {
+            address: a("0000:17:00.1"),
+            claim_id: 9,
+        });
+        let e = choose(&s, &gpu).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "0000:17:00.0 matches kind=gpu but is 0000:17:00.1, in its IOMMU group, is held by claim 9"
+        );
+    }
+
+    #[test]
+    fn broken_protected_unselected_and_busy_are_never_chosen() {
+        let base = host();
+        let target = a("0000:3b:02.1");
+        let only = Requirements {
+            address: Some(target),
+            ..Default::default()
+        };
+        type Change<'a> = Box<dyn Fn(&mut Snapshot) + 'a>;
+        let cases: Vec<(Change, &str)> = vec![
+            (
+                Box::new(|s| {
+                    let d = s.devices.iter_mut().find(|d| d.address == target).unwrap();
+                    d.state = State::Broken;
+                    d.state_reason = "config space reads all-ones".into();
+                }),
+                "broken (config space reads all-ones)",
+            ),
+            (
+                Box::new(|s| {
+                    let d = s.devices.iter_mut().find(|d| d.address == target).unwrap();
+                    d.state = State::Protected;
+                    d.state_reason = "boot disk".into();
+                }),
+                "used by the host (boot disk)",
+            ),
+            (
+                Box::new(|s| {
+                    let d = s.devices.iter_mut().find(|d| d.address == target).unwrap();
+                    d.managed = false;
+                }),
+                "not selected by the configuration",
+            ),
+            (
+                Box::new(|s| s.busy.push((target, 42))),
+                "task 42 is working on it",
+            ),
+            (
+                Box::new(|s| s.busy.push((a("0000:3b:00.0"), 43))),
+                "task 43 is working on it",
+            ),
+        ];
+        for (change, wanted) in cases {
+            let mut s = base.clone();
+            change(&mut s);
+            let e = choose(&s, &only).unwrap_err();
+            assert!(e.to_string().contains(wanted), "{e} / {wanted}");
+            assert!(candidates(&s, &vf()).iter().all(|c| *c != target));
+            assert_eq!(
+                e.busy_task().is_some(),
+                wanted.starts_with("task"),
+                "{wanted}"
+            );
+        }
+        assert_eq!(
+            choose(
+                &base,
+                &Requirements {
+                    kind: Some(Kind::Fpga),
+                    ..Default::default()
+                }
+            )
+            .unwrap_err(),
+            Unavailable::NoMatch {
+                requirements: "kind=fpga".into()
+            }
+        );
+    }
+
+    #[test]
+    fn candidates_are_the_claimable_matches_best_first() {
+        let mut s = host();
+        s.held.push(Held {
+            address: a("0000:3b:02.1"),
+            claim_id: 1,
+        });
+        let found = candidates(&s, &vf());
+        assert_eq!(found.len(), 5);
+        // Node 1 has no claim yet: its VFs come first.
+        assert_eq!(found[0], a("0000:5e:02.1"));
+        assert!(!found.contains(&a("0000:3b:02.1")));
+    }
+
+    #[test]
+    fn requirements_match_every_field() {
+        let s = host();
+        let d = s
+            .devices
+            .iter()
+            .find(|d| d.address == a("0000:5e:02.3"))
+            .unwrap();
+        let yes = [
+            Requirements::default(),
+            Requirements {
+                id: Some((0x8086, Some(0x154c))),
+                ..Default::default()
+            },
+            Requirements {
+                id: Some((0x8086, None)),
+                parent: Some(a("0000:5e:00.0")),
+                numa_node: Some(1),
+                kind: Some(Kind::Nic),
+                role: Some(Role::Vf),
+                address: Some(a("0000:5e:02.3")),
+            },
+        ];
+        for r in yes {
+            assert!(r.matches(d), "{r}");
+        }
+        let no = [
+            Requirements {
+                id: Some((0x8086, Some(0x1572))),
+                ..Default::default()
+            },
+            Requirements {
+                id: Some((0x10de, None)),
+                ..Default::default()
+            },
+            Requirements {
+                parent: Some(a("0000:3b:00.0")),
+                ..Default::default()
+            },
+            Requirements {
+                numa_node: Some(0),
+                ..Default::default()
+            },
+            Requirements {
+                role: Some(Role::Pf),
+                ..Default::default()
+            },
+        ];
+        for r in no {
+            assert!(!r.matches(d), "{r}");
+        }
+    }
+}

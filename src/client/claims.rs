@@ -1,0 +1,184 @@
+//! The client side of claims: `vfioctl claim`, `claims`, `release`, and the VM shown beside a
+//! claimed device.
+
+use super::{manager, prop, ClientError};
+use crate::dbus::wire::Dict;
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use zbus::{Connection, OwnedVariant};
+
+pub use crate::dbus::claim::INTERFACE;
+
+#[zbus::proxy(
+    interface = "org.vfiod.Vfiod1.Claim",
+    default_service = "org.vfiod.Vfiod1"
+)]
+pub trait Claim {
+    fn release(&self) -> zbus::Result<()>;
+}
+
+/// Extra Manager calls for claims (the main proxy stays as it was).
+#[zbus::proxy(
+    interface = "org.vfiod.Vfiod1.Manager",
+    default_service = "org.vfiod.Vfiod1",
+    default_path = "/org/vfiod/Vfiod1"
+)]
+pub trait Claims {
+    fn find_devices(&self, requirements: Dict) -> zbus::Result<Vec<zbus::OwnedObjectPath>>;
+    fn claim(&self, requirements: Dict, owner: Dict) -> zbus::Result<zbus::OwnedObjectPath>;
+    fn get_claims(&self) -> zbus::Result<Vec<zbus::OwnedObjectPath>>;
+}
+
+/// One claim as `vfioctl claims` shows it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClaimView {
+    pub path: String,
+    pub id: u64,
+    pub address: String,
+    pub functions: Vec<String>,
+    /// The VM's name, else its UUID.
+    pub vm: String,
+    pub vm_name: String,
+    pub vm_uuid: String,
+    pub state: String,
+    pub guest_address: String,
+    /// Unix milliseconds.
+    pub created: u64,
+    /// Unix milliseconds; 0 for no lease.
+    pub lease_expires: u64,
+    pub persistent: bool,
+    pub requested_by: String,
+}
+
+/// The VM a claim object's properties name.
+pub(super) fn vm_of(p: &HashMap<String, OwnedVariant>) -> String {
+    let get = |k: &str| prop::<String>(p, "", k).unwrap_or_default();
+    let name = get("VmName");
+    if name.is_empty() {
+        get("VmUuid")
+    } else {
+        name
+    }
+}
+
+fn view(path: &str, p: &HashMap<String, OwnedVariant>) -> Result<ClaimView, ClientError> {
+    let s = |n: &str| prop::<String>(p, path, n);
+    Ok(ClaimView {
+        path: path.to_string(),
+        id: prop(p, path, "Id")?,
+        address: s("Address")?,
+        functions: prop(p, path, "Functions")?,
+        vm: vm_of(p),
+        vm_name: s("VmName")?,
+        vm_uuid: s("VmUuid")?,
+        state: s("State")?,
+        guest_address: s("GuestAddress")?,
+        created: prop(p, path, "Created")?,
+        lease_expires: prop(p, path, "LeaseExpires")?,
+        persistent: prop(p, path, "Persistent")?,
+        requested_by: s("RequestedBy")?,
+    })
+}
+
+fn claims_proxy_builder(conn: &Connection) -> zbus::proxy::Builder<'static, ClaimsProxy<'static>> {
+    ClaimsProxy::builder(conn).cache_properties(zbus::proxy::CacheProperties::No)
+}
+
+pub async fn claims_proxy(conn: &Connection) -> Result<ClaimsProxy<'static>, ClientError> {
+    // The manager proxy checks that vfiod runs; this one shares its object.
+    manager(conn).await?;
+    Ok(claims_proxy_builder(conn).build().await?)
+}
+
+/// A claim object by path.
+pub async fn claim_view(conn: &Connection, path: &str) -> Result<ClaimView, ClientError> {
+    let object = zbus::OwnedObjectPath::try_from(path.to_string())?;
+    let props = zbus::fdo::PropertiesProxy::builder(conn)
+        .destination(crate::dbus::BUS_NAME)
+        .path(object)
+        .build()
+        .await?;
+    let all = props.get_all(INTERFACE.try_into()?).await?;
+    view(path, &all.into_iter().collect())
+}
+
+/// Every active claim, oldest first.
+pub async fn list_claims(conn: &Connection) -> Result<Vec<ClaimView>, ClientError> {
+    let paths = claims_proxy(conn).await?.get_claims().await?;
+    let mut out = Vec::new();
+    for p in paths {
+        match claim_view(conn, p.as_str()).await {
+            Ok(c) => out.push(c),
+            // Released between the list and the read: it is no longer a claim to show.
+            Err(ClientError::Call(zbus::Error::FDO(e)))
+                if matches!(*e, zbus::fdo::Error::UnknownObject(_)) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(out)
+}
+
+/// A claim's object path from what a user types: `7` or the whole path.
+pub fn claim_path(text: &str) -> Result<zbus::OwnedObjectPath, String> {
+    let path = match text.parse::<u64>() {
+        Ok(n) => format!("{}/claim/{n}", crate::dbus::ROOT_PATH),
+        Err(_) if text.starts_with(&format!("{}/claim/", crate::dbus::ROOT_PATH)) => {
+            text.to_string()
+        }
+        Err(_) => {
+            return Err(format!(
+                "{text:?} is not a claim: give its number (as `vfioctl claims` shows) or its \
+                 object path"
+            ))
+        }
+    };
+    zbus::OwnedObjectPath::try_from(path).map_err(|e| e.to_string())
+}
+
+/// Releases a claim.
+pub async fn release(conn: &Connection, path: zbus::OwnedObjectPath) -> Result<(), ClientError> {
+    manager(conn).await?;
+    let claim = ClaimProxy::builder(conn).path(path).build().await?;
+    Ok(claim.release().await?)
+}
+
+/// The `vfioctl claims` table.
+pub fn render_claims(claims: &[ClaimView], time: impl Fn(i64) -> String) -> String {
+    let mut out = String::new();
+    let rows: Vec<[String; 6]> = claims
+        .iter()
+        .map(|c| {
+            [
+                c.id.to_string(),
+                c.address.clone(),
+                c.functions.len().to_string(),
+                c.vm.clone(),
+                c.state.clone(),
+                if c.lease_expires == 0 {
+                    "-".into()
+                } else {
+                    format!("until {}", time(c.lease_expires as i64))
+                },
+            ]
+        })
+        .collect();
+    let header = ["CLAIM", "DEVICE", "FUNCTIONS", "VM", "STATE", "LEASE"];
+    let mut widths = header.map(str::len);
+    for r in &rows {
+        for (i, c) in r.iter().enumerate() {
+            widths[i] = widths[i].max(c.chars().count());
+        }
+    }
+    for cells in std::iter::once(header.map(String::from)).chain(rows) {
+        let mut line = String::new();
+        for (i, c) in cells.iter().enumerate() {
+            line.push_str(c);
+            if i + 1 < cells.len() {
+                line.push_str(&" ".repeat(widths[i] - c.chars().count() + 2));
+            }
+        }
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+    out
+}

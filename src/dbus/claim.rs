@@ -1,0 +1,169 @@
+//! `org.vfiod.Vfiod1.Claim`: one object per active claim at `/org/vfiod/Vfiod1/claim/N`. It
+//! appears when the claim is made (InterfacesAdded) and goes when it is released
+//! (PropertiesChanged to `released`, then InterfacesRemoved); `Manager.GetClaims` lists them.
+
+use super::auth::{Check, Detail, ACTION_CLAIM};
+use super::error::Error;
+use crate::store::ClaimRecord;
+use std::collections::HashMap;
+use zbus::{interface, OwnedObjectPath, OwnedVariant};
+
+pub const INTERFACE: &str = "org.vfiod.Vfiod1.Claim";
+
+pub fn claim_path(id: i64) -> OwnedObjectPath {
+    OwnedObjectPath::try_from(format!("{}/claim/{id}", super::ROOT_PATH))
+        .expect("valid object path")
+}
+
+/// The D-Bus face of one claim: its id and the view it reads from.
+pub struct ClaimObject {
+    pub id: i64,
+    pub objects: super::Objects,
+}
+
+impl ClaimObject {
+    fn claim(&self) -> zbus::fdo::Result<ClaimRecord> {
+        self.objects
+            .view
+            .claim(self.id)
+            .ok_or_else(|| zbus::fdo::Error::UnknownObject(format!("no claim {}", self.id)))
+    }
+}
+
+pub fn properties(c: &ClaimRecord) -> Vec<(&'static str, OwnedVariant)> {
+    use super::variant as v;
+    vec![
+        ("Id", v(c.id as u64)),
+        ("Device", v(super::device_path(c.address))),
+        ("Address", v(c.address.to_string())),
+        (
+            "Functions",
+            v(c.functions
+                .iter()
+                .map(|a| a.to_string())
+                .collect::<Vec<_>>()),
+        ),
+        ("VmName", v(c.vm_name.clone().unwrap_or_default())),
+        ("VmUuid", v(c.vm_uuid.clone().unwrap_or_default())),
+        ("State", v(c.state.as_str())),
+        (
+            "GuestAddress",
+            v(c.guest_address.clone().unwrap_or_default()),
+        ),
+        ("Created", v(c.created_ms.max(0) as u64)),
+        (
+            "LeaseExpires",
+            v(c.lease_expires_ms.unwrap_or(0).max(0) as u64),
+        ),
+        ("Persistent", v(c.persistent)),
+        ("RequestedBy", v(c.requested_by.clone())),
+    ]
+}
+
+pub fn changed_properties(
+    old: &ClaimRecord,
+    new: &ClaimRecord,
+) -> HashMap<&'static str, OwnedVariant> {
+    super::changed(properties(old), properties(new))
+}
+
+#[interface(name = "org.vfiod.Vfiod1.Claim")]
+impl ClaimObject {
+    #[zbus(property(emits_changed_signal = "const"))]
+    fn id(&self) -> zbus::fdo::Result<u64> {
+        Ok(self.claim()?.id as u64)
+    }
+    /// The claimed device's object.
+    #[zbus(property(emits_changed_signal = "const"))]
+    fn device(&self) -> zbus::fdo::Result<OwnedObjectPath> {
+        Ok(super::device_path(self.claim()?.address))
+    }
+    /// The claimed device's PCI address.
+    #[zbus(property(emits_changed_signal = "const"))]
+    fn address(&self) -> zbus::fdo::Result<String> {
+        Ok(self.claim()?.address.to_string())
+    }
+    /// Every host function the claim holds: the device, then its IOMMU group-mates (a GPU's
+    /// audio function).
+    #[zbus(property(emits_changed_signal = "const"))]
+    fn functions(&self) -> zbus::fdo::Result<Vec<String>> {
+        Ok(self
+            .claim()?
+            .functions
+            .iter()
+            .map(|a| a.to_string())
+            .collect())
+    }
+    #[zbus(property)]
+    fn vm_name(&self) -> zbus::fdo::Result<String> {
+        Ok(self.claim()?.vm_name.unwrap_or_default())
+    }
+    #[zbus(property)]
+    fn vm_uuid(&self) -> zbus::fdo::Result<String> {
+        Ok(self.claim()?.vm_uuid.unwrap_or_default())
+    }
+    /// claimed, attaching, attached, detaching, released.
+    #[zbus(property)]
+    fn state(&self) -> zbus::fdo::Result<String> {
+        Ok(self.claim()?.state.as_str().into())
+    }
+    /// The device's address in the guest, read back from the live domain XML once attached;
+    /// empty until then.
+    #[zbus(property)]
+    fn guest_address(&self) -> zbus::fdo::Result<String> {
+        Ok(self.claim()?.guest_address.unwrap_or_default())
+    }
+    /// Unix milliseconds.
+    #[zbus(property(emits_changed_signal = "const"))]
+    fn created(&self) -> zbus::fdo::Result<u64> {
+        Ok(self.claim()?.created_ms.max(0) as u64)
+    }
+    /// When an unattached claim lapses, Unix milliseconds; 0 for no lease.
+    #[zbus(property)]
+    fn lease_expires(&self) -> zbus::fdo::Result<u64> {
+        Ok(self.claim()?.lease_expires_ms.unwrap_or(0).max(0) as u64)
+    }
+    /// Whether the claim outlives the VM's run.
+    #[zbus(property)]
+    fn persistent(&self) -> zbus::fdo::Result<bool> {
+        Ok(self.claim()?.persistent)
+    }
+    /// Who made the claim: a uid or a D-Bus sender.
+    #[zbus(property(emits_changed_signal = "const"))]
+    fn requested_by(&self) -> zbus::fdo::Result<String> {
+        Ok(self.claim()?.requested_by)
+    }
+
+    /// Gives the claim up: its functions return to the pool and this object goes. Authorized as
+    /// `org.vfiod.vfiod1.claim` with the device and the VM.
+    async fn release(
+        &self,
+        #[zbus(header)] header: zbus::message::Header<'_>,
+        #[zbus(connection)] conn: &zbus::Connection,
+    ) -> Result<(), Error> {
+        let claim = self
+            .claim()
+            .map_err(|_| Error::NoSuchClaim(format!("no claim {}", self.id)))?;
+        let o = &self.objects;
+        let check = Check::on_device(ACTION_CLAIM, "Release", claim.address)
+            .with(Detail::Vm, claim.vm())
+            .with(Detail::Kind, self.kind_of(&claim));
+        o.authorizer.check(conn, &header, &check).await?;
+        let who = super::auth::requester(conn, &header).await;
+        o.engine
+            .release_claim(self.id, &who, "Claim.Release")
+            .await?;
+        o.engine.flush().await;
+        Ok(())
+    }
+}
+
+impl ClaimObject {
+    fn kind_of(&self, claim: &ClaimRecord) -> String {
+        self.objects
+            .view
+            .device(claim.address)
+            .map(|e| e.device.kind.as_str().to_string())
+            .unwrap_or_default()
+    }
+}

@@ -1,0 +1,72 @@
+//! Claims through the engine: the store decides and records them atomically (see
+//! [`crate::claims`]); the engine runs that off the async threads and publishes each change in
+//! the order it was committed.
+
+use super::{EngineError, EngineEvent};
+use crate::claims::{Owner, Requirements};
+use crate::model::pci::PciAddress;
+use crate::store::{ClaimRecord, StoreError};
+use std::sync::Arc;
+
+impl super::Engine {
+    /// Claims the best matching device for `owner` (recorded durably before this returns).
+    pub async fn claim(
+        &self,
+        req: Requirements,
+        owner: Owner,
+        requested_by: &str,
+    ) -> Result<ClaimRecord, ClaimError> {
+        let by = requested_by.to_string();
+        self.committed(move |core| core.store().claim(&req, &owner, &by))
+            .await
+    }
+
+    /// Releases claim `id`; its functions return to the pool.
+    pub async fn release_claim(
+        &self,
+        id: i64,
+        by: &str,
+        why: &str,
+    ) -> Result<ClaimRecord, ClaimError> {
+        let (by, why) = (by.to_string(), why.to_string());
+        self.committed(move |core| core.store().release_claim(id, &by, &why))
+            .await
+    }
+
+    /// The claimable devices that match `req`, best first.
+    pub async fn find_devices(&self, req: Requirements) -> Result<Vec<PciAddress>, ClaimError> {
+        let snapshot = self
+            .read(|core| core.store().claim_snapshot())
+            .await
+            .map_err(ClaimError::Engine)??;
+        Ok(crate::claims::candidates(&snapshot, &req))
+    }
+
+    /// Runs a claim change on the blocking pool and sends its event before anyone else can send
+    /// a later one: the bus sees claims in commit order.
+    async fn committed<F>(&self, change: F) -> Result<ClaimRecord, ClaimError>
+    where
+        F: FnOnce(&super::Core) -> Result<ClaimRecord, StoreError> + Send + 'static,
+    {
+        let (publishing, events) = (Arc::clone(&self.publishing), self.events.clone());
+        let claim = self
+            .read(move |core| {
+                let _publishing = publishing.lock().unwrap_or_else(|p| p.into_inner());
+                let claim = change(core)?;
+                let _ = events.send(EngineEvent::Claim(claim.clone()));
+                Ok::<_, StoreError>(claim)
+            })
+            .await
+            .map_err(ClaimError::Engine)??;
+        Ok(claim)
+    }
+}
+
+/// Errors of claim requests.
+#[derive(Debug, thiserror::Error)]
+pub enum ClaimError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Engine(EngineError),
+}
