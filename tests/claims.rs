@@ -523,3 +523,74 @@ async fn vfioctl_claims_lists_and_releases() {
     let (ok, out) = vfioctl(&bus, &["release", "1"]);
     assert!(!ok, "{out}");
 }
+
+/// A claim whose lease runs out before an attach is released by vfiod (an event says so, its
+/// object goes, the device is free); the configuration's default lease applies to a claim that
+/// names none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lapsed_lease_releases_the_claim() {
+    let h = start().await;
+    let m = claims::claims_proxy(&h.client).await.unwrap();
+    let path = m
+        .claim(
+            dict(&[("address", Variant::from("0000:3b:02.0"))]),
+            dict(&[
+                ("vm_name", Variant::from("brief")),
+                ("lease_seconds", Variant::from(1u32)),
+            ]),
+        )
+        .await
+        .unwrap();
+    let c = claims::claim_view(&h.client, path.as_str()).await.unwrap();
+    assert!(c.lease_expires >= c.created + 1000, "{c:?}");
+    let client = &h.client;
+    eventually_async(
+        Duration::from_secs(15),
+        "the lapsed claim is released",
+        || async move {
+            let list = claims::list_claims(client).await.unwrap();
+            list.is_empty().then_some(())
+        },
+    )
+    .await;
+    let events = h
+        .store()
+        .events(Some(addr("0000:3b:02.0")), 0, 100)
+        .unwrap();
+    assert!(
+        events
+            .iter()
+            .any(|e| e.kind.as_str() == "claim" && e.message.contains("lease of 1 s ran out")),
+        "{events:?}"
+    );
+    let d = vfiod::client::show_device(&h.client, "0000:3b:02.0")
+        .await
+        .unwrap();
+    assert_eq!(d.claim, None);
+
+    // The configuration's default lease, after a reload.
+    std::fs::write(
+        &h.source().main,
+        format!("{CLAIMS_CONFIG}\n[claims]\ndefault_lease_seconds = 3600\n"),
+    )
+    .unwrap();
+    h.manager().await.reload().await.unwrap();
+    let path = m.claim(dict(&[]), vm("default")).await.unwrap();
+    let c = claims::claim_view(&h.client, path.as_str()).await.unwrap();
+    assert!(
+        (3_599_000..=3_601_000).contains(&(c.lease_expires - c.created)),
+        "{c:?}"
+    );
+    let path = m
+        .claim(
+            dict(&[]),
+            dict(&[
+                ("vm_name", Variant::from("none")),
+                ("lease_seconds", Variant::from(0u32)),
+            ]),
+        )
+        .await
+        .unwrap();
+    let c = claims::claim_view(&h.client, path.as_str()).await.unwrap();
+    assert_eq!(c.lease_expires, 0, "0 asks for no lease: {c:?}");
+}

@@ -252,10 +252,19 @@ async fn settle_and_check(conn: &zbus::Connection, state: &Path, sysfs: &Sysfs, 
         if busy.is_empty() {
             break listed.into_iter().map(|d| (d.address.clone(), d)).collect();
         }
-        assert!(
-            Instant::now() < deadline,
-            "round {round}: the store has no task in flight, but D-Bus still shows {busy:?}"
-        );
+        if Instant::now() >= deadline {
+            // What the store says of the tasks the bus shows, to tell a lost event from a
+            // wrong read.
+            let records: Vec<_> = busy
+                .iter()
+                .filter_map(|(_, _, path)| path.as_deref()?.rsplit('/').next()?.parse().ok())
+                .map(|id: i64| store.task(id))
+                .collect();
+            panic!(
+                "round {round}: the store has no task in flight, but D-Bus still shows \
+                 {busy:?}; the store has {records:?}"
+            );
+        }
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     let stored = store.devices().unwrap();

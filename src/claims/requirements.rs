@@ -8,8 +8,7 @@ use std::fmt;
 
 /// The longest VM name accepted: libvirt's own limit on a domain name is the file name length.
 pub const MAX_VM_NAME: usize = 255;
-/// The longest lease: a year. A longer one is a mistake, not a lease.
-pub const MAX_LEASE_SECONDS: u32 = 366 * 24 * 3600;
+pub use crate::config::MAX_LEASE_SECONDS;
 
 /// Device requirements; `None` matches anything.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

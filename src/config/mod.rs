@@ -26,7 +26,7 @@
 //!    (the last wins, every one is checked), array entries appended. Each value stays
 //!    `located::Located` in its file, so validation reports `file:line:column`.
 //! 4. One module per section validates its raw values into typed ones: `select`, `protect`
-//!    (`selector` holds what the two share). The pipeline hands each its own values from
+//!    (`selector` holds what the two share), `claims`. The pipeline hands each its own values from
 //!    `Inputs`, so a section never sees the file struct. `daemon` validates the top-level keys,
 //!    which are fields of the file struct itself, so it reads them from `Inputs`.
 //! 5. `settle` (this module) assembles [`Settings`].
@@ -43,7 +43,7 @@
 //!  top keys   daemon                  merge and below
 //!  stage 3    merge                   raw, located
 //!  stage 2    raw                     the sections' raw structs, bounded, position, error
-//!  sections   select, protect         selector and the leaves
+//!  sections   select, protect, claims selector and the leaves
 //!             selector                the leaves
 //!  stage 1    files                   error
 //!  leaves     located                 position, error  (Located, Entry, last_valid)
@@ -76,6 +76,7 @@
 //! `raw::RawFile` and a check in `daemon::validate`.
 
 mod bounded;
+mod claims;
 mod daemon;
 mod error;
 mod files;
@@ -88,6 +89,7 @@ mod select;
 mod selector;
 
 pub use bounded::{MAX_DRIVER_BYTES, MAX_KEYWORD_BYTES, MAX_PATH_BYTES};
+pub use claims::{ClaimSettings, MAX_LEASE_SECONDS};
 pub use daemon::{Scenario, DEFAULT_LIBVIRT_URI};
 pub(crate) use error::Quoted;
 pub use error::{ConfigError, FileRefusal};
@@ -127,6 +129,8 @@ pub struct Settings {
     pub select_origins: Vec<RuleOrigin>,
     /// Devices vfiod must never touch, on top of those the host is detected to use.
     pub protect: Vec<Selector>,
+    /// `[claims]`.
+    pub claims: ClaimSettings,
     /// files that were read, in order (for logs and `vfioctl` status)
     pub sources: Vec<PathBuf>,
 }
@@ -144,6 +148,7 @@ impl Default for Settings {
             select: Vec::new(),
             select_origins: Vec::new(),
             protect: Vec::new(),
+            claims: ClaimSettings::default(),
             sources: Vec::new(),
         }
     }
@@ -213,6 +218,7 @@ fn settle(inputs: &Inputs) -> Result<Settings, ConfigError> {
         select,
         select_origins,
         protect: protect::validate(inputs.entries(|f| &f.protect))?,
+        claims: claims::validate(inputs.values(|f| f.claims.as_ref()))?,
         sources: inputs.sources(),
     })
 }
@@ -233,6 +239,29 @@ mod tests {
         Settings::from_toml_str(text, Path::new("test.toml"))
             .unwrap_err()
             .to_string()
+    }
+
+    #[test]
+    fn the_claims_table_is_checked_and_the_last_value_wins() {
+        assert_eq!(Settings::default().claims.default_lease_seconds, 0);
+        let s = parse("[claims]\ndefault_lease_seconds = 600\n");
+        assert_eq!(s.claims.default_lease_seconds, 600);
+        for (text, wanted) in [
+            (
+                "[claims]\ndefault_lease_seconds = -1\n",
+                "test.toml:2:25: `claims.default_lease_seconds`: -1 is out of range: \
+                 expected 0..=31622400 seconds (0: no lease)",
+            ),
+            (
+                "[claims]\ndefault_lease_seconds = 99999999999\n",
+                "out of range",
+            ),
+            ("[claims]\nlease = 1\n", "unknown field `lease`"),
+            ("[claims]\ndefault_lease_seconds = \"1h\"\n", "invalid type"),
+        ] {
+            let e = parse_err(text);
+            assert!(e.contains(wanted), "{text}: {e}");
+        }
     }
 
     #[test]

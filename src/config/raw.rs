@@ -11,6 +11,7 @@
 //! validator. So this module depends on the sections, never the other way round.
 
 use super::bounded::{Int, Keyword, PathText};
+use super::claims::RawClaims;
 use super::error::{bound_message, ConfigError, Key};
 use super::position::{key_path_at, line_column, Segment, Source};
 use super::select::RawRule;
@@ -35,6 +36,7 @@ pub(crate) struct RawFile {
     pub select: Vec<Spanned<RawRule>>,
     #[serde(default)]
     pub protect: Vec<Spanned<RawSelector>>,
+    pub claims: Option<Spanned<RawClaims>>,
 }
 
 /// One file: where it came from and its text (for positions in errors), and what it says.

@@ -204,7 +204,8 @@ impl Manager {
     /// records the claim durably and returns its object. The claim holds the device's whole
     /// IOMMU group. Ties go to the NUMA node with the fewest claims, then the PF with the
     /// fewest claimed VFs, then the lowest address. Owner keys: `vm_name` s and/or `vm_uuid` s
-    /// (one is needed), `lease_seconds` u (an unattached claim is released after it; 0 = none),
+    /// (one is needed), `lease_seconds` u (an unattached claim is released after it; 0 = none; default: the
+    /// configuration's `[claims] default_lease_seconds`),
     /// `persistent` b (kept when the domain is undefined; default false). Nothing claimable:
     /// NoDeviceAvailable saying why; a named device that a task holds: Busy naming the task.
     async fn claim(
@@ -215,7 +216,8 @@ impl Manager {
         #[zbus(connection)] conn: &Connection,
     ) -> Result<OwnedObjectPath, Error> {
         let req = wire::requirements(requirements)?;
-        let owner = wire::owner(owner, 0)?;
+        let default_lease = self.objects.engine.settings().claims.default_lease_seconds;
+        let owner = wire::owner(owner, default_lease)?;
         let mut check = Check::new(ACTION_CLAIM, "Claim")
             .with(Detail::Vm, owner.vm())
             .with(Detail::Kind, req.kind.map_or("", |k| k.as_str()));

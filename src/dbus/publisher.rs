@@ -37,13 +37,25 @@ pub(super) async fn run(objects: Objects, mut events: EventStream) {
             }
             EngineEvent::Task { task, devices } => {
                 let id = task.id;
+                // Every device whose shown task state this may change: those the engine named,
+                // and any that still names this task (its state is read from the task's own
+                // record). Their entries before, to signal what changed.
+                let mut affected: std::collections::BTreeSet<_> =
+                    devices.iter().map(|t| t.address).collect();
+                affected.extend(objects.view.showing_task(id));
+                let before: Vec<_> = affected
+                    .into_iter()
+                    .filter_map(|a| objects.view.device(a).map(|e| (a, e)))
+                    .collect();
                 if let Err(e) = publish_task(&objects, task).await {
                     tracing::error!(task_id = id, "cannot publish a task on D-Bus: {e}");
                 }
                 let state_changed = !devices.is_empty();
                 for t in devices {
-                    let address = t.address;
-                    let Some((old, new)) = objects.view.set_device_tasks(t) else {
+                    objects.view.set_device_tasks(t);
+                }
+                for (address, old) in before {
+                    let Some(new) = objects.view.device(address) else {
                         continue;
                     };
                     let changed = device::changed_task_properties(&old, &new);

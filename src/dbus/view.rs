@@ -37,6 +37,23 @@ struct Inner {
     holders: HashMap<PciAddress, i64>,
 }
 
+/// `e` with its task brought up to date from `inner.tasks` (see [`View::device`]).
+fn shown(inner: &Inner, e: &DeviceEntry) -> DeviceEntry {
+    let mut e = e.clone();
+    let Some(latest) = e.task.as_ref().and_then(|t| inner.tasks.get(&t.id)) else {
+        return e;
+    };
+    if latest.is_active() {
+        e.task = Some(latest.clone());
+    } else {
+        if latest.state.is_final() && e.last.as_ref().is_none_or(|l| l.id <= latest.id) {
+            e.last = Some(latest.clone());
+        }
+        e.task = None;
+    }
+    e
+}
+
 #[derive(Default)]
 pub struct View {
     inner: RwLock<Inner>,
@@ -51,8 +68,23 @@ impl View {
         self.inner.write().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// A device as the bus shows it: with the newest record of the task that holds it, and idle
+    /// once that task no longer holds it (finished, or reset), whether or not an event said so
+    /// for this device. A task's own record is the one truth about its state, so a device can
+    /// never show a task as running after the task ended.
     pub fn device(&self, address: PciAddress) -> Option<DeviceEntry> {
-        self.read().devices.get(&address).cloned()
+        let inner = self.read();
+        inner.devices.get(&address).map(|e| shown(&inner, e))
+    }
+
+    /// The devices whose entry names task `id` as the one that holds them.
+    pub fn showing_task(&self, id: i64) -> Vec<PciAddress> {
+        self.read()
+            .devices
+            .values()
+            .filter(|e| e.task.as_ref().is_some_and(|t| t.id == id))
+            .map(|e| e.device.address)
+            .collect()
     }
 
     pub fn task(&self, id: i64) -> Option<TaskRecord> {
@@ -131,24 +163,23 @@ impl View {
     /// The device's record changed; its task state stays. Returns the old entry and the new.
     pub fn update_device(&self, device: Device) -> Option<(DeviceEntry, DeviceEntry)> {
         let mut inner = self.write();
+        let old = shown(&inner, inner.devices.get(&device.address)?);
         let entry = inner.devices.get_mut(&device.address)?;
-        let old = entry.clone();
         entry.device = device;
-        Some((old, entry.clone()))
+        let new = entry.clone();
+        Some((old, shown(&inner, &new)))
     }
 
     pub fn remove_device(&self, address: PciAddress) -> Option<DeviceEntry> {
         self.write().devices.remove(&address)
     }
 
-    /// A device's task state changed; returns the old entry and the new (None: not shown).
-    pub fn set_device_tasks(&self, t: DeviceTasks) -> Option<(DeviceEntry, DeviceEntry)> {
-        let mut inner = self.write();
-        let entry = inner.devices.get_mut(&t.address)?;
-        let old = entry.clone();
-        entry.task = t.active;
-        entry.last = t.last;
-        Some((old, entry.clone()))
+    /// A device's task state changed (a device not shown is left alone).
+    pub fn set_device_tasks(&self, t: DeviceTasks) {
+        if let Some(entry) = self.write().devices.get_mut(&t.address) {
+            entry.task = t.active;
+            entry.last = t.last;
+        }
     }
 
     /// Replaces (or adds) a task; returns what it was.
@@ -212,6 +243,76 @@ mod tests {
             reset_ms: None,
             reset_by: None,
         }
+    }
+
+    fn device() -> Device {
+        use crate::model::device::{Kind, Mode, Role};
+        Device {
+            address: "0000:3b:02.0".parse().unwrap(),
+            vendor_id: 0x8086,
+            device_id: 0x154c,
+            subsystem_vendor_id: 0,
+            subsystem_device_id: 0,
+            revision: 0,
+            class: crate::model::pci::ClassCode(0x020000),
+            vendor_name: String::new(),
+            device_name: String::new(),
+            kind: Kind::Nic,
+            driver: None,
+            driver_override: None,
+            numa_node: None,
+            iommu_group: None,
+            role: Role::Vf,
+            separable: false,
+            mode: Mode::None,
+            total_vfs: 0,
+            num_vfs: 0,
+            parent_pf: Some("0000:3b:00.0".parse().unwrap()),
+            managed: true,
+            state: State::Usable,
+            state_reason: String::new(),
+        }
+    }
+
+    /// A device that no event moved off a task still shows that task's newest state, and idle
+    /// once the task ended: a VF once stayed "running" on the bus after its PF's task ended.
+    #[test]
+    fn a_device_shows_its_task_as_the_task_itself_says() {
+        let view = View::default();
+        let address = device().address;
+        view.put_task(task(5, TaskState::Running));
+        view.put_device(DeviceView {
+            device: device(),
+            active: Some(task(5, TaskState::Prepare)),
+            last: Some(task(2, TaskState::Success)),
+        });
+        let e = view.device(address).unwrap();
+        assert_eq!(
+            e.task.unwrap().state,
+            TaskState::Running,
+            "the newest record"
+        );
+        assert_eq!(view.showing_task(5), [address]);
+
+        view.put_task(task(5, TaskState::Success));
+        let e = view.device(address).unwrap();
+        assert_eq!(e.task, None, "a finished task holds nothing");
+        assert_eq!(e.last.unwrap().id, 5, "and is the last result");
+
+        // An error holds the device until it is reset.
+        view.put_task(task(6, TaskState::Error));
+        view.set_device_tasks(DeviceTasks {
+            address,
+            active: Some(task(6, TaskState::Error)),
+            last: Some(task(5, TaskState::Success)),
+        });
+        assert_eq!(view.device(address).unwrap().task.unwrap().id, 6);
+        let mut reset = task(6, TaskState::Error);
+        reset.reset_ms = Some(1);
+        view.put_task(reset);
+        let e = view.device(address).unwrap();
+        assert_eq!(e.task, None);
+        assert_eq!(e.last.unwrap().id, 6);
     }
 
     #[test]

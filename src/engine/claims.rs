@@ -33,6 +33,20 @@ impl super::Engine {
             .await
     }
 
+    /// Releases the claims whose lease ran out before an attach (each recorded as an event).
+    pub async fn expire_leases(&self) -> Result<Vec<ClaimRecord>, ClaimError> {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as i64);
+        let released = self
+            .committed_all(move |core| core.store().release_lapsed_claims(now))
+            .await?;
+        for c in &released {
+            tracing::info!(claim_id = c.id, device = %c.address, vm = c.vm(), "claim's lease ran out: released");
+        }
+        Ok(released)
+    }
+
     /// The claimable devices that match `req`, best first.
     pub async fn find_devices(&self, req: Requirements) -> Result<Vec<PciAddress>, ClaimError> {
         let snapshot = self
@@ -48,17 +62,30 @@ impl super::Engine {
     where
         F: FnOnce(&super::Core) -> Result<ClaimRecord, StoreError> + Send + 'static,
     {
+        let mut one = self
+            .committed_all(move |core| change(core).map(|c| vec![c]))
+            .await?;
+        Ok(one.remove(0))
+    }
+
+    /// [`Self::committed`] for a change of several claims.
+    async fn committed_all<F>(&self, change: F) -> Result<Vec<ClaimRecord>, ClaimError>
+    where
+        F: FnOnce(&super::Core) -> Result<Vec<ClaimRecord>, StoreError> + Send + 'static,
+    {
         let (publishing, events) = (Arc::clone(&self.publishing), self.events.clone());
-        let claim = self
+        let claims = self
             .read(move |core| {
                 let _publishing = publishing.lock().unwrap_or_else(|p| p.into_inner());
-                let claim = change(core)?;
-                let _ = events.send(EngineEvent::Claim(claim.clone()));
-                Ok::<_, StoreError>(claim)
+                let claims = change(core)?;
+                for c in &claims {
+                    let _ = events.send(EngineEvent::Claim(c.clone()));
+                }
+                Ok::<_, StoreError>(claims)
             })
             .await
             .map_err(ClaimError::Engine)??;
-        Ok(claim)
+        Ok(claims)
     }
 }
 

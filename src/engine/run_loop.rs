@@ -11,12 +11,16 @@ use crate::store::NewEvent;
 use std::sync::Arc;
 use std::time::Duration;
 
+/// How often lapsed claims are looked for: a lease is honoured to within this.
+const LEASE_CHECK: Duration = Duration::from_secs(1);
+
 /// What one turn of the loop does.
 enum Work {
     Pass(Vec<Uevent>),
     Libvirt(LibvirtEvent),
     LibvirtClosed,
     Tick,
+    Leases,
     Reload,
     UeventsClosed,
 }
@@ -76,6 +80,8 @@ impl Engine {
         let mut interval = self.settings().poll_interval;
         let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut leases = tokio::time::interval(LEASE_CHECK);
+        leases.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let work = tokio::select! {
                 _ = &mut shutdown => break,
@@ -108,6 +114,7 @@ impl Engine {
                     None => Work::LibvirtClosed,
                 },
                 _ = tick.tick() => Work::Tick,
+                _ = leases.tick() => Work::Leases,
                 _ = async {
                     match hup.as_mut() {
                         Some(h) => { h.recv().await; }
@@ -122,6 +129,14 @@ impl Engine {
                         self.pass().await;
                     }
                     Work::Tick => self.pass().await,
+                    Work::Leases => {
+                        if let Err(e) = self.expire_leases().await {
+                            tracing::error!(
+                                "cannot release lapsed claims: {}",
+                                crate::error_chain(&e)
+                            );
+                        }
+                    }
                     Work::Libvirt(ev) => self.libvirt_event(ev),
                     Work::LibvirtClosed => libvirt = None,
                     Work::UeventsClosed => {

@@ -56,6 +56,9 @@ impl ClaimRecord {
     }
 }
 
+const LAPSED_EXISTS: &str = "SELECT EXISTS (SELECT 1 FROM claims WHERE state = 'claimed' \
+     AND lease_expires_ms IS NOT NULL AND lease_expires_ms <= ?1)";
+
 const SELECT: &str = "SELECT id, address, vm_name, vm_uuid, state, guest_address, requested_by, \
      created_ms, updated_ms, lease_expires_ms, persistent, released_ms FROM claims";
 
@@ -165,27 +168,73 @@ impl Store {
             if !claim.state.holds() {
                 return Err(StoreError::ClaimReleased(id));
             }
-            let now = now_ms();
-            conn.prepare_cached(
-                "UPDATE claims SET state = 'released', released_ms = ?2, updated_ms = ?2 \
-                 WHERE id = ?1",
-            )
-            .and_then(|mut stmt| stmt.execute(params![id, now]))
-            .and_then(|_| {
-                conn.prepare_cached("UPDATE claim_functions SET active = 0 WHERE claim_id = ?1")
-            })
-            .and_then(|mut stmt| stmt.execute(params![id]))
+            self.release_in(conn, action, &claim, &format!("released by {by} ({why})"))
+        })
+    }
+
+    /// Releases every claim whose lease has run out while it was only claimed (an attach under
+    /// way or done keeps it), in one transaction; returns them released.
+    pub fn release_lapsed_claims(&self, now: i64) -> Result<Vec<ClaimRecord>, StoreError> {
+        let action = "release lapsed claims";
+        // Looked for every second: a read first, so that a host without lapsed claims takes no
+        // write lock for it.
+        let any: bool = self
+            .lock()
+            .prepare_cached(LAPSED_EXISTS)
+            .and_then(|mut stmt| stmt.query_row([now], |r| r.get(0)))
             .map_err(|e| self.sqlite(action, e))?;
-            let released = self.must_read_claim(conn, action, id)?;
-            self.claim_event(
-                conn,
-                action,
-                &released,
-                format!("{}: released by {by} ({why})", released.subject()),
-                now,
-            )?;
+        if !any {
+            return Ok(Vec::new());
+        }
+        self.write(action, |conn| {
+            let ids: Vec<i64> = conn
+                .prepare_cached(
+                    "SELECT id FROM claims WHERE state = 'claimed' \
+                     AND lease_expires_ms IS NOT NULL AND lease_expires_ms <= ?1 ORDER BY id",
+                )
+                .and_then(|mut stmt| {
+                    stmt.query_map([now], |r| r.get(0))?
+                        .collect::<rusqlite::Result<_>>()
+                })
+                .map_err(|e| self.sqlite(action, e))?;
+            let mut released = Vec::with_capacity(ids.len());
+            for id in ids {
+                let claim = self.must_read_claim(conn, action, id)?;
+                let lease = (claim.lease_expires_ms.unwrap_or(now) - claim.created_ms) / 1000;
+                let why = format!("released: its lease of {lease} s ran out before an attach");
+                released.push(self.release_in(conn, action, &claim, &why)?);
+            }
             Ok(released)
         })
+    }
+
+    fn release_in(
+        &self,
+        conn: &Connection,
+        action: &'static str,
+        claim: &ClaimRecord,
+        what: &str,
+    ) -> Result<ClaimRecord, StoreError> {
+        let now = now_ms();
+        conn.prepare_cached(
+            "UPDATE claims SET state = 'released', released_ms = ?2, updated_ms = ?2 \
+             WHERE id = ?1",
+        )
+        .and_then(|mut stmt| stmt.execute(params![claim.id, now]))
+        .and_then(|_| {
+            conn.prepare_cached("UPDATE claim_functions SET active = 0 WHERE claim_id = ?1")
+        })
+        .and_then(|mut stmt| stmt.execute(params![claim.id]))
+        .map_err(|e| self.sqlite(action, e))?;
+        let released = self.must_read_claim(conn, action, claim.id)?;
+        self.claim_event(
+            conn,
+            action,
+            &released,
+            format!("{}: {what}", released.subject()),
+            now,
+        )?;
+        Ok(released)
     }
 
     /// The claim with this id, in any state.

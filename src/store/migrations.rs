@@ -183,6 +183,9 @@ CREATE UNIQUE INDEX claim_functions_one_active_per_address
     ON claim_functions (address) WHERE active = 1;
 CREATE INDEX claim_functions_by_family ON claim_functions (family) WHERE active = 1;
 
+-- The leases the daemon checks every second.
+CREATE INDEX claims_by_lease ON claims (lease_expires_ms) WHERE state = 'claimed';
+
 -- A PF held whole and one of its VFs held by another claim would give two VMs one device.
 CREATE TRIGGER claim_functions_pf_apart_from_vfs
 BEFORE INSERT ON claim_functions
