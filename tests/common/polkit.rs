@@ -41,6 +41,12 @@ pub const TEST_RULES: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/tests/data/polkit/50-vfiod-test.rules"
 );
+/// The example of `docs/polkit.md` that lets a group claim GPUs, for [`GPU_GROUP`]: sorted
+/// before [`TEST_RULES`], so polkitd asks it first.
+pub const GPU_GROUP_RULES: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/tests/data/polkit/40-vfiod-gpu-group.rules"
+);
 
 /// Where polkitd reads actions and rules: compiled in, so hidden behind bind mounts.
 pub const HOST_ACTIONS_DIR: &str = "/usr/share/polkit-1/actions";
@@ -60,6 +66,10 @@ pub const MODE_USER: &str = "sys";
 /// `org.vfiod.vfiod1.mode` only, and only on [`ONE_DEVICE`] (the rule reads the `device` detail).
 pub const ONE_DEVICE_USER: &str = "sync";
 pub const ONE_DEVICE: &str = "0000:af:00.0";
+/// In no rule of the test rules file; a member of [`GPU_GROUP`] (its primary group in Debian's
+/// base-passwd, uid 7 and gid 7), which [`GPU_GROUP_RULES`] lets claim GPUs and nothing else.
+pub const GPU_USER: &str = "lp";
+pub const GPU_GROUP: &str = "lp";
 
 /// Fails the test unless it runs as root. The tests that start polkitd need root (its mount
 /// namespace, callers with other uids): they are `#[ignore = "needs root"]` and CI runs them as
