@@ -283,6 +283,7 @@ async fn a_claim_holds_the_whole_iommu_group_until_released() {
     assert_eq!(c.functions, ["0000:17:00.0", "0000:17:00.1"]);
     assert_eq!(c.vm, "desktop");
     assert_eq!(c.vm_uuid, "6ba7b810-9dad-11d1-80b4-00c04fd430c8");
+    assert_eq!(c.kind, "gpu");
     assert!(c.persistent);
     assert_eq!(c.lease_expires, 0);
     assert!(!c.requested_by.is_empty());
@@ -420,6 +421,15 @@ async fn bad_requests_and_unclaimable_devices_get_named_errors() {
             vm("a"),
             "NoDeviceAvailable",
             "not selected by the configuration",
+        ),
+        (
+            dict(&[
+                ("kind", Variant::from("other")),
+                ("address", Variant::from("0000:17:00.1")),
+            ]),
+            vm("a"),
+            "NoDeviceAvailable",
+            "a gpu, which its claim would take too (ask for kind gpu)",
         ),
         (
             dict(&[("address", Variant::from("0000:3d:00.0"))]),

@@ -136,6 +136,7 @@ fn release_keeps_history_and_frees_the_functions() {
     let c = store.claim(&vf(), &owner("vm1", 0), ":1.7").unwrap();
     assert_eq!(c.functions, [c.address]);
     assert_eq!(c.requested_by, ":1.7");
+    assert_eq!(c.kind, Some(Kind::Nic));
     assert_eq!(c.state.as_str(), "claimed");
     let r = store.release_claim(c.id, "root", "test").unwrap();
     assert_eq!(r.state.as_str(), "released");

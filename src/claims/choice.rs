@@ -13,7 +13,7 @@
 //! 3. the lowest address (the same request on the same state gets the same device).
 
 use super::requirements::Requirements;
-use crate::model::device::{Device, Role, State};
+use crate::model::device::{Device, Kind, Role, State};
 use crate::model::pci::PciAddress;
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
@@ -65,6 +65,9 @@ impl ClaimFunction {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Choice {
     pub device: PciAddress,
+    /// The device's kind, kept with the claim (its polkit checks name it even once the device
+    /// is gone).
+    pub kind: Kind,
     pub functions: Vec<ClaimFunction>,
 }
 
@@ -96,6 +99,11 @@ pub enum Reason {
         mate: PciAddress,
         reason: Box<Reason>,
     },
+    /// Its IOMMU group holds a device of another kind than the one asked for.
+    OtherKind {
+        mate: PciAddress,
+        kind: Kind,
+    },
 }
 
 impl Reason {
@@ -110,6 +118,7 @@ impl Reason {
             }
             Reason::Busy { .. } => "busy with a task",
             Reason::GroupMate { reason, .. } => reason.category(),
+            Reason::OtherKind { .. } => "grouped with a device of another kind",
         }
     }
 
@@ -142,6 +151,11 @@ impl fmt::Display for Reason {
             Reason::GroupMate { mate, reason } => {
                 write!(f, "{mate}, in its IOMMU group, is {reason}")
             }
+            Reason::OtherKind { mate, kind } => write!(
+                f,
+                "in one IOMMU group with {mate}, a {kind}, which its claim would take too \
+                 (ask for kind {kind})"
+            ),
         }
     }
 }
@@ -297,16 +311,31 @@ impl<'a> Index<'a> {
         mates
     }
 
-    fn reason(&self, d: &Device) -> Option<Reason> {
+    /// Why `d` cannot be claimed for a request of `kind` (`None`: any kind).
+    fn reason(&self, d: &Device, kind: Option<Kind>) -> Option<Reason> {
         if let Some(r) = self.own_reason(d) {
             return Some(r);
         }
-        self.mates(d).into_iter().find_map(|m| {
+        let mates = self.mates(d);
+        if let Some(r) = mates.iter().find_map(|m| {
             self.own_reason(m).map(|r| Reason::GroupMate {
                 mate: m.address,
                 reason: Box::new(r),
             })
-        })
+        }) {
+            return Some(r);
+        }
+        // A claim takes the whole group: a request for one kind must not hand out a device of
+        // another (polkit allowed the kind asked for). Functions of kind `other` (a GPU's
+        // audio function) go with any.
+        let kind = kind?;
+        mates
+            .iter()
+            .find(|m| m.kind != kind && m.kind != Kind::Other)
+            .map(|m| Reason::OtherKind {
+                mate: m.address,
+                kind: m.kind,
+            })
     }
 
     /// The ranking key of a claimable candidate (see the module's doc): lower wins.
@@ -329,7 +358,10 @@ impl<'a> Index<'a> {
 /// reported as not present by the caller, who knows it is missing).
 pub fn unavailable(snapshot: &Snapshot, address: PciAddress) -> Option<Reason> {
     let index = Index::new(snapshot);
-    index.by_address.get(&address).and_then(|d| index.reason(d))
+    index
+        .by_address
+        .get(&address)
+        .and_then(|d| index.reason(d, None))
 }
 
 /// The claimable functions that match `req`, best first.
@@ -338,7 +370,7 @@ pub fn candidates(snapshot: &Snapshot, req: &Requirements) -> Vec<PciAddress> {
     let mut found: Vec<_> = snapshot
         .devices
         .iter()
-        .filter(|d| req.matches(d) && index.reason(d).is_none())
+        .filter(|d| req.matches(d) && index.reason(d, req.kind).is_none())
         .map(|d| (index.rank(d), d.address))
         .collect();
     found.sort();
@@ -353,7 +385,7 @@ pub fn choose(snapshot: &Snapshot, req: &Requirements) -> Result<Choice, Unavail
     let mut matched = false;
     for d in snapshot.devices.iter().filter(|d| req.matches(d)) {
         matched = true;
-        match index.reason(d) {
+        match index.reason(d, req.kind) {
             Some(r) => reasons.push((d.address, r)),
             None => {
                 let rank = index.rank(d);
@@ -367,6 +399,7 @@ pub fn choose(snapshot: &Snapshot, req: &Requirements) -> Result<Choice, Unavail
     match best {
         Some((_, d)) => Ok(Choice {
             device: d.address,
+            kind: d.kind,
             functions: std::iter::once(d)
                 .chain(index.mates(d))
                 .map(ClaimFunction::of)
@@ -383,7 +416,7 @@ pub fn choose(snapshot: &Snapshot, req: &Requirements) -> Result<Choice, Unavail
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::device::{Kind, Mode};
+    use crate::model::device::Mode;
     use crate::model::pci::ClassCode;
 
     fn a(s: &str) -> PciAddress {
@@ -581,6 +614,19 @@ mod tests {
             [a("0000:17:00.0"), a("0000:17:00.1")]
         );
         assert!(c.functions.iter().all(|f| f.family.is_none() && !f.is_pf));
+        // Asked for by its own kind, the audio function is refused: its claim would hand out the
+        // GPU, which a rule for kind "other" never allowed.
+        let other = Requirements {
+            kind: Some(Kind::Other),
+            ..Default::default()
+        };
+        let e = choose(&s, &other).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "0000:17:00.1 matches kind=other but is in one IOMMU group with 0000:17:00.0, a \
+             gpu, which its claim would take too (ask for kind gpu)"
+        );
+        assert!(candidates(&s, &other).is_empty());
         // The audio function alone is not claimable while another claim holds it, nor is the
         // GPU with it.
         s.held.push(Held {

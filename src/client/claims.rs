@@ -40,6 +40,7 @@ pub struct ClaimView {
     pub vm: String,
     pub vm_name: String,
     pub vm_uuid: String,
+    pub kind: String,
     pub state: String,
     pub guest_address: String,
     /// Unix milliseconds.
@@ -71,6 +72,7 @@ fn view(path: &str, p: &HashMap<String, OwnedVariant>) -> Result<ClaimView, Clie
         vm: vm_of(p),
         vm_name: s("VmName")?,
         vm_uuid: s("VmUuid")?,
+        kind: s("Kind")?,
         state: s("State")?,
         guest_address: s("GuestAddress")?,
         created: prop(p, path, "Created")?,

@@ -45,6 +45,7 @@ pub fn properties(c: &ClaimRecord) -> Vec<(&'static str, OwnedVariant)> {
         ),
         ("VmName", v(c.vm_name.clone().unwrap_or_default())),
         ("VmUuid", v(c.vm_uuid.clone().unwrap_or_default())),
+        ("Kind", v(c.kind.map_or("", |k| k.as_str()))),
         ("State", v(c.state.as_str())),
         (
             "GuestAddress",
@@ -102,6 +103,11 @@ impl ClaimObject {
     fn vm_uuid(&self) -> zbus::fdo::Result<String> {
         Ok(self.claim()?.vm_uuid.unwrap_or_default())
     }
+    /// The claimed device's kind (gpu, fpga, crypto, nvme, nic, other) when it was claimed.
+    #[zbus(property(emits_changed_signal = "const"))]
+    fn kind(&self) -> zbus::fdo::Result<String> {
+        Ok(self.claim()?.kind.map_or("", |k| k.as_str()).into())
+    }
     /// claimed, attaching, attached, detaching, released.
     #[zbus(property)]
     fn state(&self) -> zbus::fdo::Result<String> {
@@ -147,7 +153,7 @@ impl ClaimObject {
         let o = &self.objects;
         let check = Check::on_device(ACTION_CLAIM, "Release", claim.address)
             .with(Detail::Vm, claim.vm())
-            .with(Detail::Kind, self.kind_of(&claim));
+            .with(Detail::Kind, claim.kind.map_or("", |k| k.as_str()));
         o.authorizer.check(conn, &header, &check).await?;
         let who = super::auth::requester(conn, &header).await;
         o.engine
@@ -155,15 +161,5 @@ impl ClaimObject {
             .await?;
         o.engine.flush().await;
         Ok(())
-    }
-}
-
-impl ClaimObject {
-    fn kind_of(&self, claim: &ClaimRecord) -> String {
-        self.objects
-            .view
-            .device(claim.address)
-            .map(|e| e.device.kind.as_str().to_string())
-            .unwrap_or_default()
     }
 }

@@ -12,6 +12,7 @@ use super::tasks::active_sql;
 use super::{insert_event, now_ms, NewEvent, Store, StoreError};
 use crate::claims::{self, ClaimFunction, Held, Owner, Requirements, Snapshot};
 use crate::model::claim::ClaimState;
+use crate::model::device::Kind;
 use crate::model::event::EventKind;
 use crate::model::pci::PciAddress;
 use rusqlite::{named_params, params, Connection, ErrorCode, OptionalExtension, Row};
@@ -28,6 +29,8 @@ pub struct ClaimRecord {
     pub functions: Vec<PciAddress>,
     pub vm_name: Option<String>,
     pub vm_uuid: Option<String>,
+    /// The claimed device's kind when it was claimed; `None` for a row older than kinds.
+    pub kind: Option<Kind>,
     pub state: ClaimState,
     /// The device's address inside the guest, once attached.
     pub guest_address: Option<String>,
@@ -59,7 +62,8 @@ impl ClaimRecord {
 const LAPSED_EXISTS: &str = "SELECT EXISTS (SELECT 1 FROM claims WHERE state = 'claimed' \
      AND lease_expires_ms IS NOT NULL AND lease_expires_ms <= ?1)";
 
-const SELECT: &str = "SELECT id, address, vm_name, vm_uuid, state, guest_address, requested_by, \
+const SELECT: &str =
+    "SELECT id, address, vm_name, vm_uuid, kind, state, guest_address, requested_by, \
      created_ms, updated_ms, lease_expires_ms, persistent, released_ms FROM claims";
 
 fn decode(row: &Row<'_>) -> Result<ClaimRecord, DecodeError> {
@@ -75,6 +79,14 @@ fn decode(row: &Row<'_>) -> Result<ClaimRecord, DecodeError> {
         functions: Vec::new(),
         vm_name: f.get("vm_name")?,
         vm_uuid: f.get("vm_uuid")?,
+        kind: {
+            let text: String = f.get("kind")?;
+            if text.is_empty() {
+                None
+            } else {
+                Some(f.parse("kind")?)
+            }
+        },
         state: f.parse("state")?,
         guest_address: f.get("guest_address")?,
         requested_by: f.get("requested_by")?,
@@ -111,16 +123,17 @@ impl Store {
                 .map(|s| now.saturating_add(i64::from(s) * 1000));
             let inserted = conn
                 .prepare_cached(
-                    "INSERT INTO claims (address, vm_name, vm_uuid, state, requested_by, \
+                    "INSERT INTO claims (address, vm_name, vm_uuid, kind, state, requested_by, \
                      created_ms, updated_ms, lease_expires_ms, persistent) \
-                     VALUES (:address, :vm_name, :vm_uuid, :state, :requested_by, :now, :now, \
-                     :lease, :persistent)",
+                     VALUES (:address, :vm_name, :vm_uuid, :kind, :state, :requested_by, :now, \
+                     :now, :lease, :persistent)",
                 )
                 .and_then(|mut stmt| {
                     stmt.execute(named_params! {
                         ":address": choice.device.to_string(),
                         ":vm_name": owner.vm_name,
                         ":vm_uuid": owner.vm_uuid,
+                        ":kind": choice.kind.as_str(),
                         ":state": ClaimState::Claimed.as_str(),
                         ":requested_by": requested_by,
                         ":now": now,

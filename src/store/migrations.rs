@@ -156,9 +156,11 @@ CREATE INDEX task_scope_by_address ON task_scope (address);
 /// IOMMU group (`claim_functions`); the database, not a check before the insert, keeps one active
 /// claim per function and a PF apart from its VFs. A claim row stays after release as history.
 const V4_CLAIMS: &str = "
--- Who asked (a uid or a D-Bus sender); when an unattached claim lapses (NULL: no lease); whether
--- it outlives the VM's run; when it was released.
+-- Who asked (a uid or a D-Bus sender); the claimed device's kind ('' for a version-1 row);
+-- when an unattached claim lapses (NULL: no lease); whether it outlives the VM's run; when it
+-- was released.
 ALTER TABLE claims ADD COLUMN requested_by TEXT NOT NULL DEFAULT '';
+ALTER TABLE claims ADD COLUMN kind TEXT NOT NULL DEFAULT '';
 ALTER TABLE claims ADD COLUMN lease_expires_ms INTEGER;
 ALTER TABLE claims ADD COLUMN persistent INTEGER NOT NULL DEFAULT 0 CHECK (persistent IN (0, 1));
 ALTER TABLE claims ADD COLUMN released_ms INTEGER;
