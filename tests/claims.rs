@@ -604,3 +604,36 @@ async fn a_lapsed_lease_releases_the_claim() {
     let c = claims::claim_view(&h.client, path.as_str()).await.unwrap();
     assert_eq!(c.lease_expires, 0, "0 asks for no lease: {c:?}");
 }
+
+/// A claimed device that breaks stays claimed (its VM still has it) and is reported with the
+/// VM; released, it does not return to the pool until it is healthy again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claimed_device_that_breaks_stays_claimed_and_is_reported() {
+    let h = start().await;
+    let m = claims::claims_proxy(&h.client).await.unwrap();
+    let vf = "0000:3b:02.3";
+    let one = || dict(&[("address", Variant::from(vf))]);
+    let path = m.claim(one(), vm("db1")).await.unwrap();
+    h.kernel.set_config_all_ones(addr(vf), true).unwrap();
+    h.manager().await.rescan().await.unwrap();
+    let d = vfiod::client::show_device(&h.client, vf).await.unwrap();
+    assert_eq!(d.state, "broken");
+    assert_eq!(d.claim.as_deref(), Some(path.as_str()), "still claimed");
+    let events = h.store().events(Some(addr(vf)), 0, 100).unwrap();
+    assert!(
+        events
+            .iter()
+            .any(|e| e.kind.as_str() == "claim" && e.message.contains("broke while claimed by db1")),
+        "{events:?}"
+    );
+    claims::release(&h.client, path).await.unwrap();
+    let (name, message) = refusal(m.claim(one(), vm("db2")).await);
+    assert_eq!(name, "org.vfiod.Vfiod1.Error.NoDeviceAvailable");
+    assert!(message.contains("broken"), "{message}");
+    assert!(m.find_devices(one()).await.unwrap().is_empty());
+    // Healthy again: back in the pool.
+    h.kernel.set_config_all_ones(addr(vf), false).unwrap();
+    h.manager().await.rescan().await.unwrap();
+    assert_eq!(m.find_devices(one()).await.unwrap().len(), 1);
+    m.claim(one(), vm("db2")).await.unwrap();
+}

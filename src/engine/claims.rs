@@ -47,6 +47,23 @@ impl super::Engine {
         Ok(released)
     }
 
+    /// libvirt says a domain was undefined: its claims go, but for persistent ones (kept, and
+    /// reported).
+    pub async fn domain_undefined(
+        &self,
+        name: &str,
+        uuid: &str,
+    ) -> Result<Vec<ClaimRecord>, ClaimError> {
+        let (name, uuid) = (name.to_string(), uuid.to_string());
+        let released = self
+            .committed_all(move |core| core.store().domain_undefined(&name, &uuid))
+            .await?;
+        for c in &released {
+            tracing::info!(claim_id = c.id, device = %c.address, vm = c.vm(), "domain undefined: claim released");
+        }
+        Ok(released)
+    }
+
     /// The claimable devices that match `req`, best first.
     pub async fn find_devices(&self, req: Requirements) -> Result<Vec<PciAddress>, ClaimError> {
         let snapshot = self

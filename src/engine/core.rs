@@ -158,10 +158,11 @@ impl Core {
             .map(|d| (d.address, d))
             .collect();
         let scanned = inventory::scan(&self.sysfs, &settings, &previous)?;
-        let (changes, new_events) = inventory::diff(&previous, &scanned);
+        let (changes, mut new_events) = inventory::diff(&previous, &scanned);
         if changes.is_empty() && new_events.is_empty() {
             return Ok(Pass::default());
         }
+        new_events.extend(self.claimed_and_broken(&changes)?);
         let events = self.store.apply_changes(&changes, &new_events)?;
         // A function that vanishes or breaks deserves the operator's attention; VFs removed
         // because their PF's VF count went down do not (a restore removes 64 at once).
@@ -182,6 +183,41 @@ impl Core {
             }
         }
         Ok(Pass { changes, events })
+    }
+
+    /// A claimed device that breaks stays claimed (its VM still has it): said once, when it
+    /// breaks, with the VM, so that an operator sees which VM is affected.
+    fn claimed_and_broken(&self, changes: &[DeviceChange]) -> Result<Vec<NewEvent>, StoreError> {
+        let broken: Vec<PciAddress> = changes
+            .iter()
+            .filter_map(|c| match c {
+                DeviceChange::Changed { old, new }
+                    if new.state == crate::model::device::State::Broken
+                        && old.state != crate::model::device::State::Broken =>
+                {
+                    Some(new.address)
+                }
+                _ => None,
+            })
+            .collect();
+        if broken.is_empty() {
+            return Ok(Vec::new());
+        }
+        Ok(self
+            .store
+            .active_claims(&broken)?
+            .into_iter()
+            .map(|(address, vm)| {
+                NewEvent::new(
+                    Some(address),
+                    EventKind::Claim,
+                    format!(
+                        "{address} broke while claimed by {vm}: the claim stays (the VM still \
+                         has the device); it returns to the pool only once released and healthy"
+                    ),
+                )
+            })
+            .collect())
     }
 
     /// Re-reads the config files. A bad file is rejected and the old settings stay in force;

@@ -137,7 +137,7 @@ impl Engine {
                             );
                         }
                     }
-                    Work::Libvirt(ev) => self.libvirt_event(ev),
+                    Work::Libvirt(ev) => self.libvirt_event(ev).await,
                     Work::LibvirtClosed => libvirt = None,
                     Work::UeventsClosed => {
                         tracing::warn!("uevent source closed; relying on polling");
@@ -169,13 +169,22 @@ impl Engine {
         }
     }
 
-    /// A domain event goes on to the engine's consumers (claims and hooks act on them); a
-    /// connection change is logged (events during an outage are lost: whoever tracks domains
-    /// re-reads them on `Connected`).
-    fn libvirt_event(&self, ev: LibvirtEvent) {
+    /// A domain event goes on to the engine's consumers (hooks act on them); an undefined
+    /// domain's claims are released here. A connection change is logged (events during an
+    /// outage are lost: whoever tracks domains re-reads them on `Connected`).
+    async fn libvirt_event(&self, ev: LibvirtEvent) {
         match ev {
             LibvirtEvent::Domain(d) => {
                 tracing::debug!(domain = %d.name, uuid = %d.uuid, "libvirt domain event {:?}", d.kind);
+                if d.kind == crate::host::libvirt::DomainEventKind::Undefined {
+                    if let Err(e) = self.domain_undefined(&d.name, &d.uuid).await {
+                        tracing::error!(
+                            domain = %d.name,
+                            "cannot release the claims of an undefined domain: {}",
+                            crate::error_chain(&e)
+                        );
+                    }
+                }
                 self.send(super::EngineEvent::Domain(d));
             }
             LibvirtEvent::Connected { uri } => tracing::info!(uri, "connected to libvirt"),

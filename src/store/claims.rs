@@ -185,6 +185,46 @@ impl Store {
         })
     }
 
+    /// A domain is gone (undefined): releases its claims that are not persistent, and records
+    /// for each persistent one that it is kept. Matches the claim's VM by UUID, else by name.
+    /// Returns the claims released.
+    pub fn domain_undefined(&self, name: &str, uuid: &str) -> Result<Vec<ClaimRecord>, StoreError> {
+        let action = "release the claims of an undefined domain";
+        let uuid = uuid.to_ascii_lowercase();
+        self.write(action, |conn| {
+            let ids: Vec<i64> = conn
+                .prepare_cached(
+                    "SELECT id FROM claims WHERE state <> 'released' \
+                     AND (vm_uuid = ?2 OR (vm_uuid IS NULL AND vm_name = ?1)) ORDER BY id",
+                )
+                .and_then(|mut stmt| {
+                    stmt.query_map(params![name, uuid], |r| r.get(0))?
+                        .collect::<rusqlite::Result<_>>()
+                })
+                .map_err(|e| self.sqlite(action, e))?;
+            let mut released = Vec::new();
+            for id in ids {
+                let claim = self.must_read_claim(conn, action, id)?;
+                if claim.persistent {
+                    self.claim_event(
+                        conn,
+                        action,
+                        &claim,
+                        format!(
+                            "{}: domain {name} was undefined; the claim is persistent and stays",
+                            claim.subject()
+                        ),
+                        now_ms(),
+                    )?;
+                } else {
+                    let why = format!("released: its domain {name} was undefined");
+                    released.push(self.release_in(conn, action, &claim, &why)?);
+                }
+            }
+            Ok(released)
+        })
+    }
+
     /// Releases every claim whose lease has run out while it was only claimed (an attach under
     /// way or done keeps it), in one transaction; returns them released.
     pub fn release_lapsed_claims(&self, now: i64) -> Result<Vec<ClaimRecord>, StoreError> {
