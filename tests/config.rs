@@ -146,6 +146,7 @@ fn shipped_default_sets_every_key_and_its_examples_are_valid() {
         "state_dir",
         "sysfs_root",
         "libvirt_uri",
+        "default_lease_seconds",
     ] {
         let set = text
             .lines()
