@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{addr, eventually_async, vfioctl, Harness};
+use common::{addr, connect, dict, eventually_async, vfioctl, Harness};
 use std::collections::BTreeSet;
 use std::time::Duration;
 use vfiod::client::claims::{self, ClaimView};
@@ -30,37 +30,13 @@ id = "10de:1aef"
 const NIC: &str = "0000:3b:00.0";
 const POOL: usize = 40;
 
-fn dict(pairs: &[(&str, Variant<'static>)]) -> Dict {
-    pairs
-        .iter()
-        .map(|(k, v)| {
-            (
-                k.to_string(),
-                zbus::OwnedVariant::try_from(v.clone()).unwrap(),
-            )
-        })
-        .collect()
-}
-
 fn vm(name: &str) -> Dict {
     dict(&[("vm_name", Variant::from(name.to_string()))])
 }
 
 /// (error name, message) of a refused call.
-fn refusal<T: std::fmt::Debug>(r: zbus::Result<T>) -> (String, String) {
-    match r {
-        Err(zbus::Error::MethodError(name, message, _)) => {
-            (name.to_string(), message.unwrap_or_default())
-        }
-        Err(zbus::Error::FDO(e)) => {
-            use zbus::DBusError;
-            (
-                e.name().to_string(),
-                e.description().unwrap_or_default().to_string(),
-            )
-        }
-        other => panic!("expected a D-Bus error, got {other:?}"),
-    }
+fn refusal<T>(r: zbus::Result<T>) -> (String, String) {
+    common::refusal(r, "a call that must be refused")
 }
 
 /// Starts vfiod and waits until the NIC's 40 VFs are selected, usable and idle.
@@ -117,10 +93,7 @@ async fn sixty_four_clients_share_forty_vfs_without_a_double_booking() {
     for i in 0..64 {
         let address = address.clone();
         calls.push(tokio::spawn(async move {
-            let conn = zbus::connection::Builder::address(address.as_str())
-                .build()
-                .await
-                .unwrap();
+            let conn = connect(&address).await;
             let m = claims::claims_proxy(&conn).await.unwrap();
             let r = m
                 .claim(
@@ -210,10 +183,7 @@ async fn a_pf_claim_racing_its_vfs_claims_never_both_win() {
         for i in 0..9 {
             let address = address.clone();
             calls.push(tokio::spawn(async move {
-                let conn = zbus::connection::Builder::address(address.as_str())
-                    .build()
-                    .await
-                    .unwrap();
+                let conn = connect(&address).await;
                 let m = claims::claims_proxy(&conn).await.unwrap();
                 // The PF's claim goes out in the middle of its VFs'.
                 let want = if i == 4 {

@@ -5,23 +5,10 @@
 mod common;
 
 use common::libvirtd::Libvirtd;
-use common::{addr, eventually_async, Harness};
+use common::{addr, dict, eventually_async, Harness};
 use std::time::Duration;
 use vfiod::client::claims;
-use vfiod::dbus::wire::Dict;
 use zbus::Variant;
-
-fn dict(pairs: &[(&str, Variant<'static>)]) -> Dict {
-    pairs
-        .iter()
-        .map(|(k, v)| {
-            (
-                k.to_string(),
-                zbus::OwnedVariant::try_from(v.clone()).unwrap(),
-            )
-        })
-        .collect()
-}
 
 fn define(d: &Libvirtd, name: &str) -> String {
     let file = d.dir.path().join(format!("{name}.xml"));

@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{Harness, STEADY_CONFIG};
+use common::{refusal, Harness, STEADY_CONFIG};
 use std::time::Duration;
 use vfiod::dbus::strict::Strict;
 use zbus::Variant;
@@ -45,25 +45,6 @@ where
     )
     .await
     .unwrap_or_else(|_| panic!("{interface}.{member} got no reply within 30 s"))
-}
-
-/// (error name, message) of a refused call.
-fn refusal<T>(r: zbus::Result<T>, what: &str) -> (String, String) {
-    match r {
-        Err(zbus::Error::MethodError(name, message, _)) => {
-            (name.to_string(), message.unwrap_or_default())
-        }
-        // zbus reports the org.freedesktop.DBus.Error.* names as its own enum.
-        Err(zbus::Error::FDO(e)) => {
-            use zbus::DBusError;
-            (
-                e.name().to_string(),
-                e.description().unwrap_or_default().to_string(),
-            )
-        }
-        Err(other) => panic!("{what}: not a D-Bus error reply: {other}"),
-        Ok(_) => panic!("{what}: accepted, but must be refused"),
-    }
 }
 
 fn assert_invalid_args(r: zbus::Result<zbus::Message>, what: &str, method: &str) {

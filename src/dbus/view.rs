@@ -323,31 +323,10 @@ mod tests {
         }
         view.put_task(task(11, TaskState::Running));
         view.put_task(task(12, TaskState::Error)); // not reset: holds its device
-        use crate::model::device::{Kind, Mode, Role};
         let device = Device {
             address: "0000:3b:00.0".parse().unwrap(),
-            vendor_id: 0x8086,
-            device_id: 0x1572,
-            subsystem_vendor_id: 0,
-            subsystem_device_id: 0,
-            revision: 0,
-            class: crate::model::pci::ClassCode(0x020000),
-            vendor_name: String::new(),
-            device_name: String::new(),
-            kind: Kind::Nic,
-            driver: None,
-            driver_override: None,
-            numa_node: None,
-            iommu_group: None,
-            role: Role::Pf,
-            separable: true,
-            mode: Mode::Pf,
-            total_vfs: 64,
-            num_vfs: 0,
             parent_pf: None,
-            managed: true,
-            state: State::Usable,
-            state_reason: String::new(),
+            ..device()
         };
         view.put_device(DeviceView {
             device,

@@ -344,10 +344,24 @@ impl Store {
     }
 
     fn held_in(&self, conn: &Connection, action: &'static str) -> Result<Vec<Held>, StoreError> {
+        let sql =
+            "SELECT address, claim_id FROM claim_functions WHERE active = 1 ORDER BY claim_id";
+        Ok(self
+            .addresses_with_ids(conn, action, sql)?
+            .into_iter()
+            .map(|(address, claim_id)| Held { address, claim_id })
+            .collect())
+    }
+
+    /// (address, id) rows of `sql`; a row whose address does not parse is not a function.
+    fn addresses_with_ids(
+        &self,
+        conn: &Connection,
+        action: &'static str,
+        sql: &str,
+    ) -> Result<Vec<(PciAddress, i64)>, StoreError> {
         let rows: Vec<(String, i64)> = conn
-            .prepare_cached(
-                "SELECT address, claim_id FROM claim_functions WHERE active = 1 ORDER BY claim_id",
-            )
+            .prepare_cached(sql)
             .and_then(|mut stmt| {
                 stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?
                     .collect::<rusqlite::Result<_>>()
@@ -355,7 +369,7 @@ impl Store {
             .map_err(|e| self.sqlite(action, e))?;
         Ok(rows
             .into_iter()
-            .filter_map(|(a, claim_id)| a.parse().ok().map(|address| Held { address, claim_id }))
+            .filter_map(|(a, id)| a.parse().ok().map(|a| (a, id)))
             .collect())
     }
 
@@ -366,22 +380,13 @@ impl Store {
         action: &'static str,
     ) -> Result<Vec<(PciAddress, i64)>, StoreError> {
         let active = active_sql();
-        let rows: Vec<(String, i64)> = conn
-            .prepare_cached(&format!(
-                "SELECT address, id FROM tasks WHERE {active} \
-                 UNION ALL \
-                 SELECT address, task_id FROM task_scope \
-                 WHERE task_id IN (SELECT id FROM tasks WHERE {active})"
-            ))
-            .and_then(|mut stmt| {
-                stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?
-                    .collect::<rusqlite::Result<_>>()
-            })
-            .map_err(|e| self.sqlite(action, e))?;
-        Ok(rows
-            .into_iter()
-            .filter_map(|(a, id)| a.parse().ok().map(|a| (a, id)))
-            .collect())
+        let sql = format!(
+            "SELECT address, id FROM tasks WHERE {active} \
+             UNION ALL \
+             SELECT address, task_id FROM task_scope \
+             WHERE task_id IN (SELECT id FROM tasks WHERE {active})"
+        );
+        self.addresses_with_ids(conn, action, &sql)
     }
 
     fn hold(

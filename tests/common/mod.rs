@@ -306,3 +306,39 @@ impl Harness {
         std::fs::rename(&tmp, &self.config_path).unwrap();
     }
 }
+
+/// (error name, message) of a refused call; fails the test, saying `what`, if the call was
+/// accepted or the error is not a D-Bus error reply.
+pub fn refusal<T>(r: zbus::Result<T>, what: &str) -> (String, String) {
+    match r {
+        Err(zbus::Error::MethodError(name, message, _)) => {
+            (name.to_string(), message.unwrap_or_default())
+        }
+        // zbus reports the org.freedesktop.DBus.Error.* names as its own enum.
+        Err(zbus::Error::FDO(e)) => {
+            use zbus::DBusError;
+            (
+                e.name().to_string(),
+                e.description().unwrap_or_default().to_string(),
+            )
+        }
+        Err(other) => panic!("{what}: not a D-Bus error reply: {other}"),
+        Ok(_) => panic!("{what}: accepted, but must be refused"),
+    }
+}
+
+/// An `a{sv}` dictionary (a query, requirements, an owner) from its pairs.
+pub fn dict(pairs: &[(&str, zbus::Variant<'static>)]) -> vfiod::dbus::wire::Dict {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), OwnedVariant::try_from(v.clone()).unwrap()))
+        .collect()
+}
+
+/// A new client connection to `address` (a private bus), as a separate client would have.
+pub async fn connect(address: &str) -> zbus::Connection {
+    zbus::connection::Builder::address(address)
+        .build()
+        .await
+        .expect("client connection")
+}
