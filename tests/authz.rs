@@ -182,6 +182,21 @@ fn assert_unchanged(h: &Harness, before: &Footprint, what: &str) {
 }
 
 /// The claim number in `vfioctl claim`'s output ("claim 3: 0000:17:00.0 + ... for vm (path)").
+/// Each read works for root and for nobody, and shows both the same.
+async fn nobody_reads_what_root_reads(p: &PolkitHarness, reads: &[&[&str]]) {
+    for args in reads {
+        let what = format!("vfioctl {}", args.join(" "));
+        let as_root = p.vfioctl(ROOT, args).await;
+        let as_nobody = p.vfioctl(NOBODY, args).await;
+        assert_ok(&as_root, &format!("{what} as root"));
+        assert_ok(&as_nobody, &format!("{what} as nobody"));
+        assert_eq!(
+            as_nobody.stdout, as_root.stdout,
+            "{what}: nobody and root see different things"
+        );
+    }
+}
+
 fn claim_id(r: &Run) -> String {
     r.stdout
         .strip_prefix("claim ")
@@ -321,17 +336,7 @@ async fn reads_are_open_to_everyone() {
         &["claims"],
     ];
     let devices = p.h.store().devices().unwrap().len();
-    for args in reads {
-        let what = format!("vfioctl {}", args.join(" "));
-        let as_root = p.vfioctl(ROOT, args).await;
-        let as_nobody = p.vfioctl(NOBODY, args).await;
-        assert_ok(&as_root, &format!("{what} as root"));
-        assert_ok(&as_nobody, &format!("{what} as nobody"));
-        assert_eq!(
-            as_nobody.stdout, as_root.stdout,
-            "{what}: nobody and root see different things"
-        );
-    }
+    nobody_reads_what_root_reads(&p, reads).await;
     let listed: Vec<vfiod::client::DeviceView> =
         serde_json::from_str(&p.vfioctl(NOBODY, &["list", "--json"]).await.stdout).unwrap();
     assert_eq!(listed.len(), devices);
@@ -470,17 +475,7 @@ async fn an_unprivileged_caller_reads_claims_but_cannot_claim_or_release() {
         &["show", GPU_AUDIO, "--json"],
         &["list", "--json"],
     ];
-    for args in reads {
-        let what = format!("vfioctl {}", args.join(" "));
-        let as_root = p.vfioctl(ROOT, args).await;
-        let as_nobody = p.vfioctl(NOBODY, args).await;
-        assert_ok(&as_root, &format!("{what} as root"));
-        assert_ok(&as_nobody, &format!("{what} as nobody"));
-        assert_eq!(
-            as_nobody.stdout, as_root.stdout,
-            "{what}: nobody and root see different things"
-        );
-    }
+    nobody_reads_what_root_reads(&p, reads).await;
     // What nobody read is the claim: the free devices (the FPGA first, on the NUMA node
     // without claims), the claim's properties, and the audio function's Claim.
     let found = p.vfioctl(NOBODY, &["find"]).await.stdout;

@@ -266,6 +266,30 @@ async fn a_megabyte_address_gets_a_short_error() {
     assert!(long.is_empty(), "long error messages: {long:?}");
 }
 
+/// `object` behind `Strict` at `path` under `name` on a private bus of its own; returns what
+/// must live as long as the test (its directory and bus), the service and a client.
+async fn serve<I: zbus::object_server::Interface>(
+    name: &str,
+    path: &str,
+    object: I,
+) -> (
+    tempfile::TempDir,
+    vfiod::sim::bus::PrivateBus,
+    zbus::Connection,
+    zbus::Connection,
+) {
+    let dir = common::fast_tempdir();
+    let bus = vfiod::sim::bus::PrivateBus::start(&dir.path().join("bus"), "").unwrap();
+    let service = zbus::connection::Builder::address(bus.address())
+        .name(name.to_string())
+        .serve_at(path.to_string(), Strict::new(object))
+        .build()
+        .await
+        .unwrap();
+    let client = common::connect(bus.address()).await;
+    (dir, bus, service, client)
+}
+
 // ----- the wrapper around structure arguments ----------------------------------------------
 
 /// A probe interface with the argument shapes vfiod's methods do not have yet: a structure
@@ -313,18 +337,7 @@ where
 /// by guesswork.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn structure_arguments_pass_the_strict_wrapper() {
-    let dir = common::fast_tempdir();
-    let bus = vfiod::sim::bus::PrivateBus::start(&dir.path().join("bus"), "").unwrap();
-    let service = zbus::connection::Builder::address(bus.address())
-        .name("org.vfiod.Test.Probe")
-        .serve_at("/probe", Strict::new(Probe))
-        .build()
-        .await
-        .unwrap();
-    let client = zbus::connection::Builder::address(bus.address())
-        .build()
-        .await
-        .unwrap();
+    let (_dir, _bus, service, client) = serve("org.vfiod.Test.Probe", "/probe", Probe).await;
 
     let one_struct = (("a".to_string(), "b".to_string()),);
     assert_eq!(
@@ -403,19 +416,10 @@ impl Vanishing {
 /// NumaNode and take it for a daemon bug).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn get_all_answers_every_property_or_the_getters_error() {
-    let dir = common::fast_tempdir();
-    let bus = vfiod::sim::bus::PrivateBus::start(&dir.path().join("bus"), "").unwrap();
     let gone = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let service = zbus::connection::Builder::address(bus.address())
-        .name("org.vfiod.Test.Vanishing")
-        .serve_at("/vanishing", Strict::new(Vanishing { gone: gone.clone() }))
-        .build()
-        .await
-        .unwrap();
-    let client = zbus::connection::Builder::address(bus.address())
-        .build()
-        .await
-        .unwrap();
+    let vanishing = Vanishing { gone: gone.clone() };
+    let (_dir, _bus, service, client) =
+        serve("org.vfiod.Test.Vanishing", "/vanishing", vanishing).await;
     let props = zbus::fdo::PropertiesProxy::builder(&client)
         .destination("org.vfiod.Test.Vanishing")
         .path("/vanishing")
