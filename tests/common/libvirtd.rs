@@ -11,6 +11,11 @@
 //!   no QEMU, no KVM and no cgroups, has a running domain `test` from the start, accepts
 //!   `<hostdev>` in the domains it defines, and emits the lifecycle events of a real driver.
 //!   Its state lives in the daemon: a killed daemon forgets the domains defined through it.
+//! - Also served: QEMU's session driver (`qemu+unix:///session?socket=...`, package
+//!   `qemu-system-x86`), for what only a real hypervisor does (device hot-plug and its events).
+//!   Its domains are TCG (`type='qemu'`: the unprivileged daemon cannot open `/dev/kvm`), have
+//!   no disk and no OS ([`tcg_domain_xml`]); QEMU writes its log to a file (no `virtlogd`).
+//!   Dropping the harness kills the QEMU processes the daemon started.
 
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -37,9 +42,16 @@ impl Libvirtd {
             );
         }
         let dir = super::fast_tempdir();
-        for sub in ["sock", "run", "config", "cache", "home"] {
+        for sub in ["sock", "run", "config", "cache", "home", "config/libvirt"] {
             std::fs::create_dir(dir.path().join(sub)).unwrap();
         }
+        // QEMU's output to a file: otherwise the session driver spawns a virtlogd that
+        // outlives the daemon by two minutes.
+        std::fs::write(
+            dir.path().join("config/libvirt/qemu.conf"),
+            "stdio_handler = \"file\"\n",
+        )
+        .unwrap();
         let conf = format!(
             "unix_sock_dir = \"{}\"\n\
              unix_sock_rw_perms = \"0777\"\n\
@@ -68,6 +80,11 @@ impl Libvirtd {
         format!("test+unix:///default?socket={}", self.socket().display())
     }
 
+    /// QEMU's session driver, served by this daemon.
+    pub fn qemu_uri(&self) -> String {
+        format!("qemu+unix:///session?socket={}", self.socket().display())
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.as_ref().expect("libvirtd runs").id()
     }
@@ -86,11 +103,17 @@ impl Libvirtd {
         self.spawn();
     }
 
-    /// `virsh -c URI ARGS...`, a separate client; panics with its output if it fails.
+    /// `virsh -c URI ARGS...` on the test driver, a separate client; panics with its output if
+    /// it fails.
     pub fn virsh(&self, args: &[&str]) -> String {
+        self.virsh_at(&self.uri(), args)
+    }
+
+    /// `virsh -c URI ARGS...` on the given URI (e.g. [`Libvirtd::qemu_uri`]).
+    pub fn virsh_at(&self, uri: &str, args: &[&str]) -> String {
         let out = Command::new(VIRSH)
             .arg("-c")
-            .arg(self.uri())
+            .arg(uri)
             .args(args)
             .output()
             .unwrap();
@@ -155,7 +178,39 @@ impl Libvirtd {
 
 impl Drop for Libvirtd {
     fn drop(&mut self) {
+        self.kill_qemus();
         self.kill();
+    }
+}
+
+impl Libvirtd {
+    /// kill -9 of the QEMU processes of the session driver's running domains, by their pid
+    /// files (`driver.pid` there is the daemon's own lock), each checked to be a QEMU still.
+    fn kill_qemus(&self) {
+        let run = self.dir.path().join("run/libvirt/qemu/run");
+        let Ok(entries) = std::fs::read_dir(&run) else {
+            return;
+        };
+        for path in entries.flatten().map(|e| e.path()) {
+            if path.extension().is_none_or(|e| e != "pid")
+                || path.file_name().is_some_and(|n| n == "driver.pid")
+            {
+                continue;
+            }
+            let Some(pid) = std::fs::read_to_string(&path)
+                .ok()
+                .and_then(|t| t.trim().parse::<i32>().ok())
+            else {
+                continue;
+            };
+            let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+            if comm.starts_with("qemu-system") {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+        }
     }
 }
 
@@ -188,6 +243,43 @@ pub fn test_domain_xml(name: &str, address: &str) -> String {
     <hostdev mode='subsystem' type='pci' managed='no'>
       <source><address domain='0x{domain:04x}' bus='0x{bus:02x}' slot='0x{slot:02x}' function='0x{function:x}'/></source>
     </hostdev>
+  </devices>
+</domain>"
+    )
+}
+
+/// The emulator of [`tcg_domain_xml`]'s domains. Not installed by README's test command
+/// (`libvirt-daemon` only recommends it).
+pub const QEMU: &str = "/usr/bin/qemu-system-x86_64";
+
+/// Panics with what to install when QEMU is missing.
+pub fn require_qemu() {
+    assert!(
+        Path::new(QEMU).exists(),
+        "{QEMU} is missing: install qemu-system-x86 (tests/vm/install-deps does)"
+    );
+}
+
+/// A domain for QEMU's session driver named `name`: TCG, 32 MiB, no disk, no network, no OS
+/// (the firmware finds no boot device and keeps retrying), with a USB controller (`qemu-xhci`) and a
+/// virtio-serial controller for devices that hot-plug and unplug without a guest's help, and
+/// one spare `pcie-root-port` for a PCI device, whose unplug needs the guest.
+pub fn tcg_domain_xml(name: &str) -> String {
+    format!(
+        "<domain type='qemu'>
+  <name>{name}</name>
+  <memory unit='MiB'>32</memory>
+  <vcpu>1</vcpu>
+  <os><type arch='x86_64' machine='q35'>hvm</type></os>
+  <devices>
+    <emulator>{QEMU}</emulator>
+    <controller type='pci' index='0' model='pcie-root'/>
+    <controller type='pci' index='1' model='pcie-root-port'/>
+    <controller type='pci' index='2' model='pcie-root-port'/>
+    <controller type='pci' index='3' model='pcie-root-port'/>
+    <controller type='usb' index='0' model='qemu-xhci'/>
+    <controller type='virtio-serial' index='0'/>
+    <memballoon model='none'/>
   </devices>
 </domain>"
     )

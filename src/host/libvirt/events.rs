@@ -1,5 +1,6 @@
 //! libvirt's events: the typed values vfiod forwards, libvirt's default event loop on a thread of
-//! its own, and the callbacks a connection reports through (domain lifecycle, connection closed).
+//! its own, and the callbacks a connection reports through (domain lifecycle, device removed or
+//! not, connection closed).
 //!
 //! The event loop also carries each connection's keepalive and notices a daemon that went away,
 //! so it runs while any [`super::Libvirt`] worker does: the first [`EventLoop`] guard starts its
@@ -36,19 +37,20 @@ pub enum LibvirtEvent {
     Domain(DomainEvent),
 }
 
-/// A domain lifecycle event (`VIR_DOMAIN_EVENT_ID_LIFECYCLE`).
+/// A domain event: its lifecycle (`VIR_DOMAIN_EVENT_ID_LIFECYCLE`) or the end of a device
+/// removal (`VIR_DOMAIN_EVENT_ID_DEVICE_REMOVED`, `..._DEVICE_REMOVAL_FAILED`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DomainEvent {
     pub name: String,
     pub uuid: String,
     pub kind: DomainEventKind,
-    /// libvirt's detail for the kind (`virDomainEvent*DetailType`), e.g. for `Stopped`:
-    /// 0 shut down, 1 destroyed, 2 crashed, 3 migrated.
+    /// libvirt's detail for a lifecycle kind (`virDomainEvent*DetailType`), e.g. for `Stopped`:
+    /// 0 shut down, 1 destroyed, 2 crashed, 3 migrated. 0 for the device kinds.
     pub detail: i32,
 }
 
-/// `virDomainEventType`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// `virDomainEventType` for the lifecycle, then the device removal events.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DomainEventKind {
     Defined,
     Undefined,
@@ -59,8 +61,18 @@ pub enum DomainEventKind {
     Shutdown,
     PMSuspended,
     Crashed,
-    /// A kind newer than this code.
+    /// A lifecycle kind newer than this code.
     Other(i32),
+    /// The device with this alias (`<alias name=.../>` in the live XML, e.g. "hostdev0") is gone
+    /// from the domain: a live detach has completed. For a PCI device that is when the guest
+    /// acknowledged the hot-unplug, possibly long after the detach call returned.
+    DeviceRemoved {
+        alias: String,
+    },
+    /// The guest refused to release the device with this alias; it stays in the domain.
+    DeviceRemovalFailed {
+        alias: String,
+    },
 }
 
 impl DomainEventKind {
@@ -192,91 +204,168 @@ fn wake_loop() {
     unsafe { sys::virEventAddTimeout(0, Some(fire_once), std::ptr::null_mut(), None) };
 }
 
-/// Registers a lifecycle callback for every domain of `conn` that sends to `tx`. Returns the
-/// callback id for [`deregister_lifecycle`].
-pub(super) fn register_lifecycle(
-    conn: &Connect,
-    tx: UnboundedSender<LibvirtEvent>,
-) -> Result<c_int, virt::error::Error> {
-    type Lifecycle = unsafe extern "C" fn(
-        sys::virConnectPtr,
-        sys::virDomainPtr,
-        c_int,
-        c_int,
-        *mut c_void,
-    ) -> c_int;
-    type Generic = unsafe extern "C" fn(sys::virConnectPtr, sys::virDomainPtr, *mut c_void);
+/// The domain event callbacks registered on one connection, by libvirt's callback ids, for
+/// [`deregister_domain_events`].
+#[derive(Debug, Default)]
+pub(super) struct DomainCallbacks(Vec<c_int>);
 
-    unsafe extern "C" fn on_lifecycle(
-        _conn: sys::virConnectPtr,
-        dom: sys::virDomainPtr,
-        event: c_int,
-        detail: c_int,
-        opaque: *mut c_void,
-    ) -> c_int {
-        // SAFETY: `opaque` is the sender boxed below, freed only by `free_sender` after the
-        // callback is deregistered; `dom` is valid for the duration of the call and its name
-        // and UUID are read from the object without a call to the daemon.
-        unsafe {
-            let tx = &*(opaque as *const UnboundedSender<LibvirtEvent>);
-            let name = c_text(sys::virDomainGetName(dom));
-            let mut buf = [0 as c_char; sys::VIR_UUID_STRING_BUFLEN as usize];
-            let uuid = if sys::virDomainGetUUIDString(dom, buf.as_mut_ptr()) == 0 {
-                c_text(buf.as_ptr())
-            } else {
-                String::new()
-            };
-            // A closed receiver means nobody listens any more: nothing to do.
-            let _ = tx.send(LibvirtEvent::Domain(DomainEvent {
-                name,
-                uuid,
-                kind: DomainEventKind::from_raw(event),
-                detail,
-            }));
-        }
-        0
-    }
+/// `virConnectDomainEventLifecycleCallback`.
+type Lifecycle =
+    unsafe extern "C" fn(sys::virConnectPtr, sys::virDomainPtr, c_int, c_int, *mut c_void) -> c_int;
+/// `virConnectDomainEventDeviceRemovedCallback`, and `...DeviceRemovalFailedCallback` (the same).
+type DeviceAlias =
+    unsafe extern "C" fn(sys::virConnectPtr, sys::virDomainPtr, *const c_char, *mut c_void);
+/// `virConnectDomainEventGenericCallback`: the type every callback is registered as.
+type Generic = unsafe extern "C" fn(sys::virConnectPtr, sys::virDomainPtr, *mut c_void);
 
-    unsafe extern "C" fn free_sender(opaque: *mut c_void) {
-        // SAFETY: libvirt calls this once, when the callback is gone, with the box made below.
-        drop(unsafe { Box::from_raw(opaque as *mut UnboundedSender<LibvirtEvent>) });
-    }
-
-    let opaque = Box::into_raw(Box::new(tx)) as *mut c_void;
-    // SAFETY: libvirt's C API takes every domain event callback as the generic type and calls
-    // it with the arguments of the event id's own signature (its VIR_DOMAIN_EVENT_CALLBACK
-    // cast); for VIR_DOMAIN_EVENT_ID_LIFECYCLE that is `Lifecycle`. `conn` is a live
-    // connection.
-    let id = unsafe {
-        let cb = std::mem::transmute::<Lifecycle, Generic>(on_lifecycle);
-        sys::virConnectDomainEventRegisterAny(
-            conn.as_ptr(),
-            std::ptr::null_mut(),
-            sys::VIR_DOMAIN_EVENT_ID_LIFECYCLE as c_int,
-            Some(cb),
-            opaque,
-            Some(free_sender),
-        )
-    };
-    if id < 0 {
-        let e = virt::error::Error::last_error();
-        // SAFETY: a failed registration does not call the free function: the box is ours.
-        drop(unsafe { Box::from_raw(opaque as *mut UnboundedSender<LibvirtEvent>) });
-        return Err(e);
-    }
-    Ok(id)
+unsafe extern "C" fn on_lifecycle(
+    _conn: sys::virConnectPtr,
+    dom: sys::virDomainPtr,
+    event: c_int,
+    detail: c_int,
+    opaque: *mut c_void,
+) -> c_int {
+    // SAFETY: libvirt passes the `dom` and `opaque` that `send_domain_event` requires.
+    unsafe { send_domain_event(dom, opaque, DomainEventKind::from_raw(event), detail) };
+    0
 }
 
-/// Removes a lifecycle callback. The callback holds a reference on the connection, so this must
-/// come before the connection is closed. On a connection that already died the local part still
-/// happens (the daemon cannot be told, and need not be), so the error is only worth a debug line.
-pub(super) fn deregister_lifecycle(conn: &Connect, id: c_int) {
-    // SAFETY: a live connection object and an id it returned.
-    if unsafe { sys::virConnectDomainEventDeregisterAny(conn.as_ptr(), id) } < 0 {
-        tracing::debug!(
-            "deregistering the lifecycle callback: {}",
-            virt::error::Error::last_error().message()
+unsafe extern "C" fn on_device_removed(
+    _conn: sys::virConnectPtr,
+    dom: sys::virDomainPtr,
+    alias: *const c_char,
+    opaque: *mut c_void,
+) {
+    // SAFETY: `alias` is libvirt's NUL-terminated string, valid for the call; `dom` and
+    // `opaque` as `send_domain_event` requires.
+    unsafe {
+        let alias = c_text(alias);
+        send_domain_event(dom, opaque, DomainEventKind::DeviceRemoved { alias }, 0);
+    }
+}
+
+unsafe extern "C" fn on_device_removal_failed(
+    _conn: sys::virConnectPtr,
+    dom: sys::virDomainPtr,
+    alias: *const c_char,
+    opaque: *mut c_void,
+) {
+    // SAFETY: as in `on_device_removed`.
+    unsafe {
+        let alias = c_text(alias);
+        send_domain_event(
+            dom,
+            opaque,
+            DomainEventKind::DeviceRemovalFailed { alias },
+            0,
         );
+    }
+}
+
+/// Sends a domain event about `dom` on the sender behind `opaque`.
+///
+/// # Safety
+/// `dom` is the domain libvirt passed to a callback (valid for the call; its name and UUID are
+/// read from the object without a call to the daemon); `opaque` is a sender boxed by
+/// [`register_domain_events`], freed only by `free_sender` once its callback is deregistered.
+unsafe fn send_domain_event(
+    dom: sys::virDomainPtr,
+    opaque: *mut c_void,
+    kind: DomainEventKind,
+    detail: c_int,
+) {
+    // SAFETY: as the caller promises.
+    unsafe {
+        let tx = &*(opaque as *const UnboundedSender<LibvirtEvent>);
+        let name = c_text(sys::virDomainGetName(dom));
+        let mut buf = [0 as c_char; sys::VIR_UUID_STRING_BUFLEN as usize];
+        let uuid = if sys::virDomainGetUUIDString(dom, buf.as_mut_ptr()) == 0 {
+            c_text(buf.as_ptr())
+        } else {
+            String::new()
+        };
+        // A closed receiver means nobody listens any more: nothing to do.
+        let _ = tx.send(LibvirtEvent::Domain(DomainEvent {
+            name,
+            uuid,
+            kind,
+            detail,
+        }));
+    }
+}
+
+unsafe extern "C" fn free_sender(opaque: *mut c_void) {
+    // SAFETY: libvirt calls this once, when the callback is gone, with a box made in
+    // `register_domain_events`.
+    drop(unsafe { Box::from_raw(opaque as *mut UnboundedSender<LibvirtEvent>) });
+}
+
+/// Registers, for every domain of `conn`, the callbacks of the events vfiod follows (lifecycle,
+/// device removed, device removal failed), each sending to its own clone of `tx`. All or none:
+/// on an error the ones already registered are removed again.
+pub(super) fn register_domain_events(
+    conn: &Connect,
+    tx: UnboundedSender<LibvirtEvent>,
+) -> Result<DomainCallbacks, virt::error::Error> {
+    // SAFETY: libvirt's C API takes every domain event callback as the generic type and calls
+    // it with the arguments of the event id's own signature (its VIR_DOMAIN_EVENT_CALLBACK
+    // cast): `Lifecycle` for LIFECYCLE, `DeviceAlias` for DEVICE_REMOVED and
+    // DEVICE_REMOVAL_FAILED (virConnectDomainEventDeviceRemoved/RemovalFailedCallback).
+    let callbacks = unsafe {
+        [
+            (
+                sys::VIR_DOMAIN_EVENT_ID_LIFECYCLE,
+                std::mem::transmute::<Lifecycle, Generic>(on_lifecycle),
+            ),
+            (
+                sys::VIR_DOMAIN_EVENT_ID_DEVICE_REMOVED,
+                std::mem::transmute::<DeviceAlias, Generic>(on_device_removed),
+            ),
+            (
+                sys::VIR_DOMAIN_EVENT_ID_DEVICE_REMOVAL_FAILED,
+                std::mem::transmute::<DeviceAlias, Generic>(on_device_removal_failed),
+            ),
+        ]
+    };
+    let mut registered = DomainCallbacks::default();
+    for (event_id, cb) in callbacks {
+        let opaque = Box::into_raw(Box::new(tx.clone())) as *mut c_void;
+        // SAFETY: `conn` is a live connection; `cb` matches `event_id` (above); `opaque` is
+        // the sender `free_sender` frees.
+        let id = unsafe {
+            sys::virConnectDomainEventRegisterAny(
+                conn.as_ptr(),
+                std::ptr::null_mut(),
+                event_id as c_int,
+                Some(cb),
+                opaque,
+                Some(free_sender),
+            )
+        };
+        if id < 0 {
+            let e = virt::error::Error::last_error();
+            // SAFETY: a failed registration does not call the free function: the box is ours.
+            drop(unsafe { Box::from_raw(opaque as *mut UnboundedSender<LibvirtEvent>) });
+            deregister_domain_events(conn, registered);
+            return Err(e);
+        }
+        registered.0.push(id);
+    }
+    Ok(registered)
+}
+
+/// Removes the domain event callbacks. Each holds a reference on the connection, so this must
+/// come before the connection is closed. On a connection that already died the local part still
+/// happens (the daemon cannot be told, and need not be), so an error is only worth a debug line.
+pub(super) fn deregister_domain_events(conn: &Connect, callbacks: DomainCallbacks) {
+    for id in callbacks.0 {
+        // SAFETY: a live connection object and an id it returned.
+        if unsafe { sys::virConnectDomainEventDeregisterAny(conn.as_ptr(), id) } < 0 {
+            tracing::debug!(
+                "deregistering domain event callback {id}: {}",
+                virt::error::Error::last_error().message()
+            );
+        }
     }
 }
 
@@ -370,5 +459,19 @@ mod tests {
         assert_eq!(DomainEventKind::from_raw(-1), Other(-1));
         assert_eq!(CloseReason::from_raw(2), CloseReason::Keepalive);
         assert_eq!(CloseReason::from_raw(7), CloseReason::Other(7));
+    }
+
+    /// libvirt's test driver, in this process: the three callbacks register, and deregistering
+    /// them frees every sender they held.
+    #[test]
+    fn the_domain_event_callbacks_register_and_deregister() {
+        let _loop = EventLoop::acquire().unwrap();
+        let conn = Connect::open(Some("test:///default")).unwrap();
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let callbacks = register_domain_events(&conn, tx).unwrap();
+        assert_eq!(callbacks.0.len(), 3, "{callbacks:?}");
+        assert!(!rx.is_closed());
+        deregister_domain_events(&conn, callbacks);
+        assert!(rx.is_closed(), "a sender was not freed");
     }
 }

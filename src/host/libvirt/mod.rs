@@ -1,7 +1,7 @@
 //! libvirt, as far as vfiod needs it: which running domains have which host PCI functions
 //! assigned (so that no task takes a device away from a running VM, and a refusal names the VM),
 //! the domain calls the claims work builds on (a domain's XML, hostdev attach and detach), and
-//! libvirt's domain lifecycle events.
+//! libvirt's domain events (lifecycle; a device removed, or its removal refused).
 //!
 //! - [`Libvirt`] (`worker.rs`): a handle to the one thread that owns the connection; every call
 //!   is bounded in time, the worker reconnects after libvirtd restarts, and forwards events.

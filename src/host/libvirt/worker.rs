@@ -8,7 +8,7 @@
 //!   answering, which ends such a hang.
 //! - Reconnecting: a closed connection (libvirtd restarted, crashed, or was never there) is
 //!   reopened by the next request, or in the background after 0.5 s doubling to 30 s, and logged
-//!   once per outage. Lifecycle events are registered again on each new connection.
+//!   once per outage. Domain events are registered again on each new connection.
 //! - The boot rule: with a local QEMU URI and no daemon running under the sysfs root, nothing
 //!   connects (that would socket-activate libvirtd, which at boot waits for vfiod) and
 //!   [`Libvirt::running_domains`] answers "none".
@@ -128,9 +128,9 @@ impl std::fmt::Debug for Libvirt {
 
 impl Libvirt {
     /// Starts the worker for `uri` (`None`: no libvirt, every question about domains answers
-    /// "none"), with the boot rule read under the sysfs `root`, forwarding domain lifecycle
-    /// events and connection changes to `events` if given. It connects at once in the
-    /// background; calls wait at most [`ANSWER_TIMEOUT`].
+    /// "none"), with the boot rule read under the sysfs `root`, forwarding domain events
+    /// (lifecycle, device removal) and connection changes to `events` if given. It connects at
+    /// once in the background; calls wait at most [`ANSWER_TIMEOUT`].
     pub fn start(
         uri: Option<String>,
         root: PathBuf,
@@ -236,8 +236,11 @@ impl Libvirt {
     }
 
     /// Asks a domain to release a device. A live PCI detach is asynchronous: this returns once
-    /// the guest was asked, and the device is gone when the live XML no longer has it (libvirt
-    /// also sends a device-removed event, not forwarded yet).
+    /// the guest was asked (libvirt waits up to 5 s for the guest, then returns success all the
+    /// same), and the device is gone when the live XML no longer has it; libvirt then sends a
+    /// device-removed event, forwarded as [`super::DomainEventKind::DeviceRemoved`] with the
+    /// device's alias (or `DeviceRemovalFailed` when the guest refuses). Devices that need no
+    /// guest (a USB input, a virtio-serial channel) are removed at once, with the same event.
     pub fn detach_device(
         &self,
         domain: &str,
@@ -560,7 +563,7 @@ impl Worker {
 struct Session {
     conn: Connect,
     generation: u64,
-    lifecycle: Option<std::ffi::c_int>,
+    domain_events: Option<events::DomainCallbacks>,
     close_callback: bool,
 }
 
@@ -579,7 +582,7 @@ impl Session {
         let mut session = Session {
             conn,
             generation,
-            lifecycle: None,
+            domain_events: None,
             close_callback: false,
         };
         // Drivers that run in this process (test:///) have no keepalive and no close callback.
@@ -596,13 +599,13 @@ impl Session {
             Err(e) => tracing::debug!("no close callback on {uri}: {}", e.message()),
         }
         if let Some(events) = events {
-            let id = events::register_lifecycle(&session.conn, events).map_err(|e| {
+            let callbacks = events::register_domain_events(&session.conn, events).map_err(|e| {
                 LibvirtError::Events {
                     uri: uri.to_string(),
                     source: Cause(e),
                 }
             })?;
-            session.lifecycle = Some(id);
+            session.domain_events = Some(callbacks);
         }
         Ok(session)
     }
@@ -610,9 +613,9 @@ impl Session {
 
 impl Drop for Session {
     fn drop(&mut self) {
-        // Both callbacks hold a reference on the connection: without this it would stay open.
-        if let Some(id) = self.lifecycle.take() {
-            events::deregister_lifecycle(&self.conn, id);
+        // The callbacks hold references on the connection: without this it would stay open.
+        if let Some(callbacks) = self.domain_events.take() {
+            events::deregister_domain_events(&self.conn, callbacks);
         }
         if self.close_callback {
             events::unregister_close(&self.conn);
