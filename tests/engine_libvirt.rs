@@ -32,11 +32,13 @@ async fn next_domain_event(
     name: &str,
     kind: DomainEventKind,
 ) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     loop {
         let ev = tokio::time::timeout_at(deadline, stream.recv())
             .await
-            .unwrap_or_else(|_| panic!("no {kind:?} event for {name} on the engine's channel"))
+            .unwrap_or_else(|_| {
+                panic!("no {kind:?} event for {name} on the engine's channel within 30 s")
+            })
             .expect("the engine's channel is open");
         if let EngineEvent::Domain(e) = ev {
             if e.name == name && e.kind == kind {
