@@ -149,7 +149,7 @@ impl ClaimObject {
             .with(Detail::Vm, claim.vm())
             .with(Detail::Kind, self.kind_of(&claim));
         o.authorizer.check(conn, &header, &check).await?;
-        let who = super::auth::requester(conn, &header).await;
+        let who = o.requesters.of(conn, &header).await;
         o.engine
             .release_claim(self.id, &who, "Claim.Release")
             .await?;
