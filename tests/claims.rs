@@ -227,6 +227,94 @@ async fn a_pf_claim_racing_its_vfs_claims_never_both_win() {
     }
 }
 
+/// Concurrent claim changes share one transaction and one fsync (the engine's group commit):
+/// inside a batch each change is decided on what the ones before it left, a failing change is
+/// undone alone, and the history records them in that order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_of_claim_changes_is_decided_in_order_and_fails_change_by_change() {
+    use vfiod::claims::{Owner, Requirements};
+    use vfiod::store::{ClaimChange, StoreError};
+    let h = start().await;
+    let store = h.store();
+    let vf = store
+        .claim_snapshot()
+        .unwrap()
+        .devices
+        .iter()
+        .find(|d| d.parent_pf == Some(addr(NIC)))
+        .unwrap()
+        .address;
+    let claim = |req: Requirements, vm: &str| ClaimChange::Claim {
+        requirements: req,
+        owner: Owner::new(Some(vm), None, 0, false).unwrap(),
+        requested_by: "test".into(),
+    };
+    let this_vf = Requirements {
+        address: Some(vf),
+        ..Requirements::default()
+    };
+    let any_vf = Requirements {
+        parent: Some(addr(NIC)),
+        ..Requirements::default()
+    };
+    let mut r = store
+        .change_claims(vec![
+            claim(this_vf.clone(), "a"),
+            claim(this_vf.clone(), "b"),
+            ClaimChange::Release {
+                id: 999_999,
+                by: "test".into(),
+                why: "no such claim".into(),
+            },
+            claim(any_vf, "c"),
+        ])
+        .into_iter();
+    let a = r.next().unwrap().expect("the first claim of the VF wins");
+    assert_eq!(a.address, vf);
+    let b = r.next().unwrap();
+    assert!(matches!(b, Err(StoreError::Unclaimable(_))), "{b:?}");
+    let none = r.next().unwrap();
+    assert!(
+        matches!(none, Err(StoreError::NoSuchClaim(999_999))),
+        "{none:?}"
+    );
+    let c = r.next().unwrap().expect("another VF for c");
+    assert_ne!(c.address, vf);
+    let active: Vec<i64> = store
+        .active_claim_records()
+        .unwrap()
+        .iter()
+        .map(|c| c.id)
+        .collect();
+    assert_eq!(active, vec![a.id, c.id], "the failed changes left nothing");
+
+    // A release and a claim of the same VF in one batch: the claim sees the release.
+    let mut r = store
+        .change_claims(vec![
+            ClaimChange::Release {
+                id: a.id,
+                by: "test".into(),
+                why: "batch".into(),
+            },
+            claim(this_vf, "b"),
+        ])
+        .into_iter();
+    r.next().unwrap().expect("release");
+    let b = r.next().unwrap().expect("b gets the VF a released");
+    assert_eq!(b.address, vf);
+    let history: Vec<String> = store
+        .events(Some(vf), 0, 100)
+        .unwrap()
+        .into_iter()
+        .map(|e| e.message)
+        .filter(|m| m.starts_with("claim "))
+        .collect();
+    assert_eq!(history.len(), 3, "{history:#?}");
+    assert!(history[0].contains(&format!("claim {} ", a.id)) && history[0].contains("claimed"));
+    assert!(history[1].contains(&format!("claim {} ", a.id)) && history[1].contains("released"));
+    assert!(history[2].contains(&format!("claim {} ", b.id)) && history[2].contains("claimed"));
+}
+
 /// A GPU's claim takes its audio function; neither is claimable alone afterwards; a claimed
 /// device cannot be converted; release frees both, and the released claim is gone from the bus
 /// but kept in the history.

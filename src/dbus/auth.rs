@@ -240,18 +240,52 @@ fn polkit_absent(e: &zbus::Error) -> bool {
         if matches!(**f, Fdo::ServiceUnknown(_) | Fdo::NameHasNoOwner(_) | Fdo::NoReply(_)))
 }
 
-/// Who asked, for the task record: the caller's uid when the bus tells it, else its name.
-pub async fn requester(conn: &zbus::Connection, header: &Header<'_>) -> String {
-    let Some(sender) = header.sender() else {
-        return "unknown".into();
-    };
-    let uid = match zbus::fdo::DBusProxy::new(conn).await {
-        Ok(p) => p.get_connection_unix_user(sender.clone().into()).await.ok(),
-        Err(_) => None,
-    };
-    match uid {
-        Some(u) => format!("uid {u} ({sender})"),
-        None => sender.to_string(),
+/// The uid behind each unique bus name, asked of the bus once per name: every mutating call
+/// records who asked, and a question to the bus daemon per call cost a round trip as long as
+/// the call itself. The bus never gives a unique name to another connection while it runs, so
+/// an answer stays true. One per vfiod connection (another bus has other names); emptied when
+/// it reaches [`Requesters::MAX`] names, so a long run of short-lived clients cannot grow it.
+#[derive(Debug, Default)]
+pub struct Requesters {
+    uids: std::sync::Mutex<HashMap<String, u32>>,
+}
+
+impl Requesters {
+    pub const MAX: usize = 4096;
+
+    fn uids(&self) -> std::sync::MutexGuard<'_, HashMap<String, u32>> {
+        self.uids
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Who asked, for the records: the caller's uid when the bus tells it, else its name.
+    pub async fn of(&self, conn: &zbus::Connection, header: &Header<'_>) -> String {
+        let Some(sender) = header.sender() else {
+            return "unknown".into();
+        };
+        let known = self.uids().get(sender.as_str()).copied();
+        let uid = match known {
+            Some(uid) => Some(uid),
+            None => {
+                let uid = match zbus::fdo::DBusProxy::new(conn).await {
+                    Ok(p) => p.get_connection_unix_user(sender.clone().into()).await.ok(),
+                    Err(_) => None,
+                };
+                if let Some(uid) = uid {
+                    let mut uids = self.uids();
+                    if uids.len() >= Self::MAX {
+                        uids.clear();
+                    }
+                    uids.insert(sender.to_string(), uid);
+                }
+                uid
+            }
+        };
+        match uid {
+            Some(u) => format!("uid {u} ({sender})"),
+            None => sender.to_string(),
+        }
     }
 }
 

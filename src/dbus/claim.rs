@@ -155,7 +155,7 @@ impl ClaimObject {
             .with(Detail::Vm, claim.vm())
             .with(Detail::Kind, claim.kind.map_or("", |k| k.as_str()));
         o.authorizer.check(conn, &header, &check).await?;
-        let who = super::auth::requester(conn, &header).await;
+        let who = o.requesters.of(conn, &header).await;
         o.engine
             .release_claim(self.id, &who, "Claim.Release")
             .await?;

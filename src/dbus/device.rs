@@ -42,7 +42,7 @@ impl DeviceObject {
     ) -> Result<zbus::OwnedObjectPath, Error> {
         let o = &self.objects;
         o.authorizer.check(conn, header, &check).await?;
-        let who = super::auth::requester(conn, header).await;
+        let who = o.requesters.of(conn, header).await;
         let task = o.engine.start_task(job, &who).await?;
         o.engine.flush().await;
         Ok(super::task::task_path(task.id))
@@ -372,7 +372,7 @@ impl DeviceObject {
         o.authorizer
             .check(conn, &header, &Check::reset_task(self.address, kind))
             .await?;
-        let who = super::auth::requester(conn, &header).await;
+        let who = o.requesters.of(conn, &header).await;
         o.engine.reset_task(self.address, &who).await?;
         o.engine.flush().await;
         Ok(())

@@ -226,7 +226,7 @@ impl Manager {
         }
         let o = &self.objects;
         o.authorizer.check(conn, &header, &check).await?;
-        let who = super::auth::requester(conn, &header).await;
+        let who = o.requesters.of(conn, &header).await;
         let claim = o.engine.claim(req, owner, &who).await?;
         o.engine.flush().await;
         Ok(super::claim::claim_path(claim.id))

@@ -72,6 +72,8 @@ pub struct Objects {
     pub engine: Arc<Engine>,
     pub view: Arc<view::View>,
     pub authorizer: auth::Authorizer,
+    /// Who is behind each caller, for the records.
+    pub requesters: Arc<auth::Requesters>,
 }
 
 impl Objects {
@@ -114,6 +116,7 @@ pub async fn serve(
         engine: Arc::clone(&engine),
         view: Arc::new(view::View::default()),
         authorizer,
+        requesters: Arc::default(),
     };
     let server = conn.object_server();
     server

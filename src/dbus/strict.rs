@@ -10,8 +10,10 @@
 //! structure, and a lone structure argument shows the same. zbus calls the `Interface` trait "unstable":
 //! this file is the one place to adapt when zbus changes it (Cargo.lock pins the version).
 
+use std::any::TypeId;
 use std::collections::{HashMap, HashSet};
 use std::fmt::Write;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use zbus::message::{Header, Message};
 use zbus::names::{InterfaceName, MemberName};
 use zbus::object_server::{DispatchResult, Interface, SignalEmitter};
@@ -20,11 +22,7 @@ use zbus::{fdo, BoxDBusError, Connection, ObjectServer, OwnedVariant, Signature,
 /// A generated interface with strict arguments and read-only errors.
 pub struct Strict<I> {
     pub inner: I,
-    /// Method name -> the signature of its in-arguments.
-    methods: HashMap<String, InArgs>,
-    read_only: HashSet<String>,
-    /// Every property, for a GetAll that answers all of them or fails.
-    properties: Vec<String>,
+    shape: Arc<Shape>,
 }
 
 /// A method's in-arguments: as introspection writes them (for messages) and parsed (to compare
@@ -37,19 +35,26 @@ struct InArgs {
 
 impl<I: Interface> Strict<I> {
     pub fn new(inner: I) -> Strict<I> {
-        let mut xml = String::new();
-        inner.introspect_to_writer(&mut xml, 0);
-        let Shape {
-            methods,
-            read_only,
-            properties,
-        } = shape(&xml);
-        Strict {
-            inner,
-            methods,
-            read_only,
-            properties,
-        }
+        // Introspection describes the interface, not the object: its shape is learnt once per
+        // interface type, not for every object (a claim object is made for every claim).
+        static SHAPES: OnceLock<Mutex<HashMap<TypeId, Arc<Shape>>>> = OnceLock::new();
+        let shapes = SHAPES.get_or_init(Mutex::default);
+        let known = shapes
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&TypeId::of::<I>())
+            .cloned();
+        let shape = known.unwrap_or_else(|| {
+            let mut xml = String::new();
+            inner.introspect_to_writer(&mut xml, 0);
+            let shape = Arc::new(shape(&xml));
+            shapes
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .insert(TypeId::of::<I>(), Arc::clone(&shape));
+            shape
+        });
+        Strict { inner, shape }
     }
 }
 
@@ -83,6 +88,7 @@ struct Shape {
     /// Methods with their in-signatures.
     methods: HashMap<String, InArgs>,
     read_only: HashSet<String>,
+    /// Every property, for a GetAll that answers all of them or fails.
     properties: Vec<String>,
 }
 
@@ -177,7 +183,7 @@ impl<I: Interface> Interface for Strict<I> {
         // zbus leaves out a property whose getter fails, so an object whose device went away
         // during the read would answer with half its properties. The caller gets the getter's
         // error instead (UnknownObject for a gone device).
-        if let Some(missing) = self.properties.iter().find(|p| !all.contains_key(*p)) {
+        if let Some(missing) = self.shape.properties.iter().find(|p| !all.contains_key(*p)) {
             let error = match self
                 .inner
                 .get(missing, server, connection, header, emitter)
@@ -207,7 +213,7 @@ impl<I: Interface> Interface for Strict<I> {
         header: Option<&'call Header<'_>>,
         emitter: &'call SignalEmitter<'_>,
     ) -> DispatchResult<'call> {
-        if self.read_only.contains(property_name) {
+        if self.shape.read_only.contains(property_name) {
             return refuse(fdo::Error::PropertyReadOnly(format!(
                 "property {property_name} of {} is read-only",
                 I::name()
@@ -238,7 +244,7 @@ impl<I: Interface> Interface for Strict<I> {
         msg: &'call Message,
         name: MemberName<'call>,
     ) -> DispatchResult<'call> {
-        if let Some(expected) = self.methods.get(name.as_str()) {
+        if let Some(expected) = self.shape.methods.get(name.as_str()) {
             let body = msg.body();
             let got = body.signature();
             if *got != expected.parsed {

@@ -44,6 +44,8 @@ pub struct Engine {
     /// a pass's view of a new VF ("its PF's task runs") can never arrive after the task's own
     /// "finished" and stay stale on the bus.
     publishing: Arc<Mutex<()>>,
+    /// Claim changes waiting for their shared commit (see [`claims`]).
+    claims: Arc<Mutex<claims::ClaimQueue>>,
 }
 
 impl Engine {
@@ -56,6 +58,7 @@ impl Engine {
             pass_lock: tokio::sync::Mutex::new(()),
             watches: Mutex::new(HashMap::new()),
             publishing: Arc::new(Mutex::new(())),
+            claims: Arc::default(),
         };
         (Arc::new(engine), stream)
     }

@@ -3,7 +3,9 @@
 //!
 //! A claim is decided and recorded in one `BEGIN IMMEDIATE` transaction: the snapshot the choice
 //! is made from (devices, held functions, busy functions) is read under the write lock, so no
-//! other claim or task can slip in between the choice and its insert. The database refuses a
+//! other claim or task can slip in between the choice and its insert. Concurrent claim changes
+//! share that transaction and its one fsync ([`Store::change_claims`]), each in a savepoint of
+//! its own and decided after the ones before it. The database refuses a
 //! double booking on its own (a unique index on active functions, a trigger that keeps a PF apart
 //! from its VFs), should any writer ever get that wrong.
 
@@ -72,6 +74,7 @@ fn decode(row: &Row<'_>) -> Result<ClaimRecord, DecodeError> {
         row,
         table: "claims",
         key: id.to_string(),
+        columns: &[],
     };
     Ok(ClaimRecord {
         id,
@@ -98,6 +101,19 @@ fn decode(row: &Row<'_>) -> Result<ClaimRecord, DecodeError> {
     })
 }
 
+/// One change of the claims, for [`Store::change_claims`].
+#[derive(Clone, Debug)]
+pub enum ClaimChange {
+    /// Claim the best device matching `requirements` for `owner` (see [`Store::claim`]).
+    Claim {
+        requirements: Requirements,
+        owner: Owner,
+        requested_by: String,
+    },
+    /// Release claim `id` (see [`Store::release_claim`]).
+    Release { id: i64, by: String, why: String },
+}
+
 impl Store {
     /// Chooses the best claimable device for `req` (see [`claims::choice`]) and records a claim
     /// on it and its IOMMU group-mates for `owner`, atomically and durably. Nothing claimable:
@@ -108,80 +124,20 @@ impl Store {
         owner: &Owner,
         requested_by: &str,
     ) -> Result<ClaimRecord, StoreError> {
-        if requested_by.trim().is_empty() {
-            return Err(StoreError::InvalidArgument {
-                reason: "requested_by must not be empty".into(),
-            });
-        }
-        let action = "record a claim";
-        self.write(action, |conn| {
-            let snapshot = self.snapshot_in(conn, action)?;
-            let choice = claims::choose(&snapshot, req).map_err(StoreError::Unclaimable)?;
-            let now = now_ms();
-            let lease = owner
-                .lease_seconds
-                .map(|s| now.saturating_add(i64::from(s) * 1000));
-            let inserted = conn
-                .prepare_cached(
-                    "INSERT INTO claims (address, vm_name, vm_uuid, kind, state, requested_by, \
-                     created_ms, updated_ms, lease_expires_ms, persistent) \
-                     VALUES (:address, :vm_name, :vm_uuid, :kind, :state, :requested_by, :now, \
-                     :now, :lease, :persistent)",
-                )
-                .and_then(|mut stmt| {
-                    stmt.execute(named_params! {
-                        ":address": choice.device.to_string(),
-                        ":vm_name": owner.vm_name,
-                        ":vm_uuid": owner.vm_uuid,
-                        ":kind": choice.kind.as_str(),
-                        ":state": ClaimState::Claimed.as_str(),
-                        ":requested_by": requested_by,
-                        ":now": now,
-                        ":lease": lease,
-                        ":persistent": owner.persistent,
-                    })
-                });
-            self.constraint_is_conflict(action, inserted)?;
-            let id = conn.last_insert_rowid();
-            for f in &choice.functions {
-                self.hold(conn, action, id, f)?;
-            }
-            let claim = self.must_read_claim(conn, action, id)?;
-            let mates: Vec<String> = claim.functions[1..].iter().map(|a| a.to_string()).collect();
-            let with = if mates.is_empty() {
-                String::new()
-            } else {
-                format!(" with {}", mates.join(", "))
-            };
-            let lease = match owner.lease_seconds {
-                Some(s) => format!(", lease {s} s"),
-                None => String::new(),
-            };
-            self.claim_event(
-                conn,
-                action,
-                &claim,
-                format!(
-                    "{}{with}: claimed by {requested_by}{lease}{}",
-                    claim.subject(),
-                    if claim.persistent { ", persistent" } else { "" }
-                ),
-                now,
-            )?;
-            Ok(claim)
+        self.change_one(ClaimChange::Claim {
+            requirements: req.clone(),
+            owner: owner.clone(),
+            requested_by: requested_by.to_string(),
         })
     }
 
     /// Releases claim `id`: its functions are free again; the row stays as history. Releasing a
     /// released claim is `ClaimReleased`.
     pub fn release_claim(&self, id: i64, by: &str, why: &str) -> Result<ClaimRecord, StoreError> {
-        let action = "release a claim";
-        self.write(action, |conn| {
-            let claim = self.must_read_claim(conn, action, id)?;
-            if !claim.state.holds() {
-                return Err(StoreError::ClaimReleased(id));
-            }
-            self.release_in(conn, action, &claim, &format!("released by {by} ({why})"))
+        self.change_one(ClaimChange::Release {
+            id,
+            by: by.to_string(),
+            why: why.to_string(),
         })
     }
 
@@ -218,7 +174,7 @@ impl Store {
                     )?;
                 } else {
                     let why = format!("released: its domain {name} was undefined");
-                    released.push(self.release_in(conn, action, &claim, &why)?);
+                    released.push(self.mark_released(conn, action, &claim, &why)?);
                 }
             }
             Ok(released)
@@ -255,13 +211,130 @@ impl Store {
                 let claim = self.must_read_claim(conn, action, id)?;
                 let lease = (claim.lease_expires_ms.unwrap_or(now) - claim.created_ms) / 1000;
                 let why = format!("released: its lease of {lease} s ran out before an attach");
-                released.push(self.release_in(conn, action, &claim, &why)?);
+                released.push(self.mark_released(conn, action, &claim, &why)?);
             }
             Ok(released)
         })
     }
 
+    fn change_one(&self, change: ClaimChange) -> Result<ClaimRecord, StoreError> {
+        self.change_claims(vec![change])
+            .pop()
+            .expect("one result per change")
+    }
+
+    /// Makes `changes` in order, as if one after the other, in one transaction with one commit
+    /// (one fsync however many there are: concurrent requests share it). Each change is decided
+    /// from what the changes before it left and is undone alone if it fails; a change that
+    /// succeeded is durable when this returns, and if the transaction cannot commit every change
+    /// fails. One result per change, in order.
+    pub fn change_claims(&self, changes: Vec<ClaimChange>) -> Vec<Result<ClaimRecord, StoreError>> {
+        let action = "record claim changes";
+        // Devices and tasks are read once for the batch: claim changes do not write them, and
+        // the write lock keeps everyone else from doing so until the commit.
+        let mut snapshot: Option<Snapshot> = None;
+        self.write_each(action, changes, |conn, change| match change {
+            ClaimChange::Claim {
+                requirements,
+                owner,
+                requested_by,
+            } => {
+                let s = match &mut snapshot {
+                    Some(s) => s,
+                    None => snapshot.insert(self.snapshot_in(conn, action)?),
+                };
+                s.held = self.held_in(conn, action)?;
+                self.claim_in(conn, s, &requirements, &owner, &requested_by)
+            }
+            ClaimChange::Release { id, by, why } => self.release_in(conn, id, &by, &why),
+        })
+    }
+
+    fn claim_in(
+        &self,
+        conn: &Connection,
+        snapshot: &Snapshot,
+        req: &Requirements,
+        owner: &Owner,
+        requested_by: &str,
+    ) -> Result<ClaimRecord, StoreError> {
+        if requested_by.trim().is_empty() {
+            return Err(StoreError::InvalidArgument {
+                reason: "requested_by must not be empty".into(),
+            });
+        }
+        let action = "record a claim";
+        let choice = claims::choose(snapshot, req).map_err(StoreError::Unclaimable)?;
+        let now = now_ms();
+        let lease = owner
+            .lease_seconds
+            .map(|s| now.saturating_add(i64::from(s) * 1000));
+        let inserted = conn
+            .prepare_cached(
+                "INSERT INTO claims (address, vm_name, vm_uuid, kind, state, requested_by, \
+                 created_ms, updated_ms, lease_expires_ms, persistent) \
+                 VALUES (:address, :vm_name, :vm_uuid, :kind, :state, :requested_by, :now, \
+                 :now, :lease, :persistent)",
+            )
+            .and_then(|mut stmt| {
+                stmt.execute(named_params! {
+                    ":address": choice.device.to_string(),
+                    ":vm_name": owner.vm_name,
+                    ":vm_uuid": owner.vm_uuid,
+                    ":kind": choice.kind.as_str(),
+                    ":state": ClaimState::Claimed.as_str(),
+                    ":requested_by": requested_by,
+                    ":now": now,
+                    ":lease": lease,
+                    ":persistent": owner.persistent,
+                })
+            });
+        self.constraint_is_conflict(action, inserted)?;
+        let id = conn.last_insert_rowid();
+        for f in &choice.functions {
+            self.hold(conn, action, id, f)?;
+        }
+        let claim = self.must_read_claim(conn, action, id)?;
+        let mates: Vec<String> = claim.functions[1..].iter().map(|a| a.to_string()).collect();
+        let with = if mates.is_empty() {
+            String::new()
+        } else {
+            format!(" with {}", mates.join(", "))
+        };
+        let lease = match owner.lease_seconds {
+            Some(s) => format!(", lease {s} s"),
+            None => String::new(),
+        };
+        self.claim_event(
+            conn,
+            action,
+            &claim,
+            format!(
+                "{}{with}: claimed by {requested_by}{lease}{}",
+                claim.subject(),
+                if claim.persistent { ", persistent" } else { "" }
+            ),
+            now,
+        )?;
+        Ok(claim)
+    }
+
     fn release_in(
+        &self,
+        conn: &Connection,
+        id: i64,
+        by: &str,
+        why: &str,
+    ) -> Result<ClaimRecord, StoreError> {
+        let action = "release a claim";
+        let claim = self.must_read_claim(conn, action, id)?;
+        if !claim.state.holds() {
+            return Err(StoreError::ClaimReleased(id));
+        }
+        self.mark_released(conn, action, &claim, &format!("released by {by} ({why})"))
+    }
+
+    fn mark_released(
         &self,
         conn: &Connection,
         action: &'static str,
@@ -301,7 +374,11 @@ impl Store {
         let action = "read the active claims";
         let conn = self.lock();
         let ids: Vec<i64> = conn
-            .prepare_cached("SELECT id FROM claims WHERE state <> 'released' ORDER BY id")
+            // The active claims by their partial index, not a walk of the whole history.
+            .prepare_cached(
+                "SELECT id FROM claims INDEXED BY claims_one_active_per_address \
+                 WHERE state <> 'released' ORDER BY id",
+            )
             .and_then(|mut stmt| {
                 stmt.query_map([], |r| r.get(0))?
                     .collect::<rusqlite::Result<_>>()
@@ -344,8 +421,11 @@ impl Store {
     }
 
     fn held_in(&self, conn: &Connection, action: &'static str) -> Result<Vec<Held>, StoreError> {
-        let sql =
-            "SELECT address, claim_id FROM claim_functions WHERE active = 1 ORDER BY claim_id";
+        // The partial index holds only the active rows; without INDEXED BY, SQLite walks the
+        // primary key (every function ever claimed) to save itself a sort of a few.
+        let sql = "SELECT address, claim_id FROM claim_functions \
+                   INDEXED BY claim_functions_one_active_per_address \
+                   WHERE active = 1 ORDER BY claim_id";
         Ok(self
             .addresses_with_ids(conn, action, sql)?
             .into_iter()

@@ -19,7 +19,7 @@ mod original_drivers;
 mod task_state;
 mod tasks;
 
-pub use claims::ClaimRecord;
+pub use claims::{ClaimChange, ClaimRecord};
 pub use task_state::TaskState;
 pub use tasks::{TaskRecord, REFUSED_BY};
 
@@ -526,6 +526,82 @@ impl Store {
         Ok(value)
     }
 
+    /// Runs `each` on every item, in order, each in its own savepoint of one IMMEDIATE
+    /// transaction that commits once: a batch costs one fsync however many items it has. An item
+    /// whose `each` fails is rolled back alone and keeps its error; the others stand. If the
+    /// transaction cannot begin, is lost midway (SQLite rolls a whole transaction back on some
+    /// I/O errors) or cannot commit, nothing of the batch is stored and every item that had
+    /// succeeded gets that error instead. One result per item, in order.
+    fn write_each<I, T>(
+        &self,
+        action: &'static str,
+        items: Vec<I>,
+        mut each: impl FnMut(&Connection, I) -> Result<T, StoreError>,
+    ) -> Vec<Result<T, StoreError>> {
+        let mut conn = self.lock();
+        let mut tx = match conn.transaction_with_behavior(TransactionBehavior::Immediate) {
+            Ok(tx) => tx,
+            Err(e) => return self.batch_failed(action, &e, items.len(), Vec::new()),
+        };
+        let mut results = Vec::with_capacity(items.len());
+        let mut items = items.into_iter();
+        while let Some(item) = items.next() {
+            let sp = match tx.savepoint() {
+                Ok(sp) => sp,
+                Err(e) => return self.batch_failed(action, &e, items.len() + 1, results),
+            };
+            let result = each(&sp, item);
+            // Ok: RELEASE keeps the item's changes; Err: ROLLBACK TO undoes them (drop behavior).
+            let ended = if result.is_ok() {
+                sp.commit()
+            } else {
+                sp.finish()
+            };
+            results.push(result);
+            if let Err(e) = ended {
+                return self.batch_failed(action, &e, items.len(), results);
+            }
+            if tx.is_autocommit() {
+                // The transaction is gone: what the items before this one did is gone with it.
+                let e = rusqlite::Error::SqliteFailure(
+                    rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_ABORT),
+                    Some("the transaction was rolled back".into()),
+                );
+                return self.batch_failed(action, &e, items.len(), results);
+            }
+        }
+        match tx.commit() {
+            Ok(()) => results,
+            Err(e) => self.batch_failed(action, &e, 0, results),
+        }
+    }
+
+    /// The results of a batch that could not commit: the items that had succeeded, and the
+    /// `untried` ones after them, fail with `error`; the failures keep their own errors.
+    fn batch_failed<T>(
+        &self,
+        action: &'static str,
+        error: &rusqlite::Error,
+        untried: usize,
+        results: Vec<Result<T, StoreError>>,
+    ) -> Vec<Result<T, StoreError>> {
+        // rusqlite's error is not Clone: every item gets its own copy of code and message.
+        let copy = || match error {
+            rusqlite::Error::SqliteFailure(code, message) => {
+                rusqlite::Error::SqliteFailure(*code, message.clone())
+            }
+            other => rusqlite::Error::SqliteFailure(
+                rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_ERROR),
+                Some(other.to_string()),
+            ),
+        };
+        results
+            .into_iter()
+            .map(|r| r.and_then(|_| Err(self.sqlite(action, copy()))))
+            .chain((0..untried).map(|_| Err(self.sqlite(action, copy()))))
+            .collect()
+    }
+
     fn lock(&self) -> MutexGuard<'_, Connection> {
         // A panic while the lock was held unwound through the transaction's drop, which rolled
         // it back: the connection is consistent, and poisoning carries no information here.
@@ -625,6 +701,7 @@ fn decode_event(row: &rusqlite::Row<'_>) -> Result<Event, DecodeError> {
         row,
         table: "events",
         key: id.to_string(),
+        columns: &[],
     };
     Ok(Event {
         id,

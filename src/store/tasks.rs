@@ -107,6 +107,7 @@ fn decode(row: &Row<'_>) -> Result<TaskRecord, DecodeError> {
         row,
         table: "tasks",
         key: id.to_string(),
+        columns: &[],
     };
     Ok(TaskRecord {
         id,
