@@ -43,9 +43,11 @@ impl DeviceObject {
         let o = &self.objects;
         o.authorizer.check(conn, header, &check).await?;
         let who = o.requesters.of(conn, header).await;
-        let task = o.engine.start_task(job, &who).await?;
+        let started = o.engine.start_task(job, &who).await;
+        // A refusal was recorded too (a task created, then refused and reset): the caller must
+        // find the device idle again when the error reaches it, as it finds a new task's object.
         o.engine.flush().await;
-        Ok(super::task::task_path(task.id))
+        Ok(super::task::task_path(started?.id))
     }
 }
 
