@@ -590,6 +590,7 @@ async fn vfioctl_claims_lists_and_releases() {
     assert!(ok && out.trim() == "no claims", "{out}");
     let (ok, out) = vfioctl(&bus, &["release", "1"]);
     assert!(!ok, "{out}");
+    assert!(out.contains("no active claim 1"), "{out}");
 }
 
 /// A claim whose lease runs out before an attach is released by vfiod (an event says so, its

@@ -244,6 +244,17 @@ fn describe(e: ClientError) -> String {
     }
 }
 
+/// Whether the bus says the object called is not there (a task or claim that is gone).
+fn unknown_object(e: &zbus::Error) -> bool {
+    match e {
+        zbus::Error::MethodError(name, _, _) => {
+            name.as_str() == "org.freedesktop.DBus.Error.UnknownObject"
+        }
+        zbus::Error::FDO(f) => matches!(**f, zbus::fdo::Error::UnknownObject(_)),
+        _ => false,
+    }
+}
+
 fn print_json<T: serde::Serialize>(v: &T) -> Result<(), String> {
     println!(
         "{}",
@@ -443,15 +454,8 @@ async fn run(args: Args) -> Result<(), String> {
                     t.result().await?,
                 ))
             };
-            let unknown = |e: &zbus::Error| match e {
-                zbus::Error::MethodError(name, _, _) => {
-                    name.as_str() == "org.freedesktop.DBus.Error.UnknownObject"
-                }
-                zbus::Error::FDO(f) => matches!(**f, zbus::fdo::Error::UnknownObject(_)),
-                _ => false,
-            };
             let (kind, dev, state, step, pct, result) = get.await.map_err(|e| {
-                if unknown(&e) {
+                if unknown_object(&e) {
                     format!(
                         "no task {id} on the bus (vfioctl task list shows the history; a task's \
                          object stays while a device shows it, and for the newest others)"
@@ -565,7 +569,13 @@ async fn run(args: Args) -> Result<(), String> {
         }
         Command::Release { claim } => {
             let path = claims::claim_path(&claim)?;
-            claims::release(&conn, path).await.map_err(describe)?;
+            claims::release(&conn, path).await.map_err(|e| match e {
+                ClientError::Call(z) if unknown_object(&z) => format!(
+                    "no active claim {claim} (a released claim's object is gone; vfioctl claims \
+                     lists the active ones)"
+                ),
+                other => describe(other),
+            })?;
             println!("claim {claim} released");
         }
         Command::Reload => {
