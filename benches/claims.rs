@@ -19,7 +19,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use vfiod::client::claims::{ClaimProxy, ClaimsProxy};
+use vfiod::client::claims::ClaimProxy;
+use vfiod::client::ManagerProxy;
 use vfiod::dbus::wire::Dict;
 use vfiod::dbus::{auth::Authorizer, BusTarget, BUS_NAME, ROOT_PATH};
 use vfiod::server::{Options, Server};
@@ -101,7 +102,7 @@ struct Client {
     index: usize,
     conn: zbus::Connection,
     peer: zbus::fdo::PeerProxy<'static>,
-    claims: ClaimsProxy<'static>,
+    claims: ManagerProxy<'static>,
     /// A read-only connection to vfiod's database file (WAL: it never blocks vfiod's writer).
     /// Only this client uses it; the mutex makes the client shareable between tasks.
     db: Mutex<rusqlite::Connection>,
@@ -120,7 +121,7 @@ impl Client {
             .build()
             .await
             .unwrap();
-        let claims = ClaimsProxy::builder(&conn)
+        let claims = ManagerProxy::builder(&conn)
             .cache_properties(CacheProperties::No)
             .build()
             .await

@@ -2,7 +2,6 @@
 //! claimed device.
 
 use super::{manager, prop, ClientError};
-use crate::dbus::wire::Dict;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use zbus::{Connection, OwnedVariant};
@@ -15,18 +14,6 @@ pub use crate::dbus::claim::INTERFACE;
 )]
 pub trait Claim {
     fn release(&self) -> zbus::Result<()>;
-}
-
-/// Extra Manager calls for claims (the main proxy stays as it was).
-#[zbus::proxy(
-    interface = "org.vfiod.Vfiod1.Manager",
-    default_service = "org.vfiod.Vfiod1",
-    default_path = "/org/vfiod/Vfiod1"
-)]
-pub trait Claims {
-    fn find_devices(&self, requirements: Dict) -> zbus::Result<Vec<zbus::OwnedObjectPath>>;
-    fn claim(&self, requirements: Dict, owner: Dict) -> zbus::Result<zbus::OwnedObjectPath>;
-    fn get_claims(&self) -> zbus::Result<Vec<zbus::OwnedObjectPath>>;
 }
 
 /// One claim as `vfioctl claims` shows it.
@@ -82,14 +69,9 @@ fn view(path: &str, p: &HashMap<String, OwnedVariant>) -> Result<ClaimView, Clie
     })
 }
 
-fn claims_proxy_builder(conn: &Connection) -> zbus::proxy::Builder<'static, ClaimsProxy<'static>> {
-    ClaimsProxy::builder(conn).cache_properties(zbus::proxy::CacheProperties::No)
-}
-
-pub async fn claims_proxy(conn: &Connection) -> Result<ClaimsProxy<'static>, ClientError> {
-    // The manager proxy checks that vfiod runs; this one shares its object.
-    manager(conn).await?;
-    Ok(claims_proxy_builder(conn).build().await?)
+/// The manager's proxy, which has the claim calls (`FindDevices`, `Claim`, `GetClaims`).
+pub async fn claims_proxy(conn: &Connection) -> Result<super::ManagerProxy<'static>, ClientError> {
+    manager(conn).await
 }
 
 /// A claim object by path.

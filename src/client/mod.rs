@@ -38,6 +38,9 @@ pub trait Manager {
     fn get_tasks(&self, query: Dict) -> zbus::Result<Vec<Dict>>;
     fn reload(&self) -> zbus::Result<()>;
     fn rescan(&self) -> zbus::Result<()>;
+    fn find_devices(&self, requirements: Dict) -> zbus::Result<Vec<zbus::OwnedObjectPath>>;
+    fn claim(&self, requirements: Dict, owner: Dict) -> zbus::Result<zbus::OwnedObjectPath>;
+    fn get_claims(&self) -> zbus::Result<Vec<zbus::OwnedObjectPath>>;
 }
 
 #[zbus::proxy(
