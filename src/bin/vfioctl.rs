@@ -107,6 +107,34 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Attach a claim's devices to its VM's libvirt domain as hostdevs (needs authorization).
+    /// Without --wait, returns once the attach has started.
+    Attach {
+        /// The claim's number (as `vfioctl claims` shows) or object path.
+        claim: String,
+        /// The libvirt domain (name or UUID): the VM the claim is for.
+        domain: String,
+        /// Into the running domain (default when it runs).
+        #[arg(long)]
+        live: bool,
+        /// Into the domain's configuration, for its next starts (default when it is defined).
+        #[arg(long)]
+        config: bool,
+        /// Wait until libvirt has the device; exit non-zero with libvirt's message if it fails
+        /// (a failed attach releases the claim).
+        #[arg(long)]
+        wait: bool,
+    },
+    /// Take a claim's devices out of their domain (needs authorization); the claim ends when the
+    /// guest has let go. Without --wait, returns once the detach has started.
+    Detach {
+        /// The claim's number or object path.
+        claim: String,
+        /// Wait until the guest has let go (at most the daemon's [claims] detach_timeout); exit
+        /// non-zero if it did not (the claim then stays).
+        #[arg(long)]
+        wait: bool,
+    },
     /// Give a claim up: its devices return to the pool (needs authorization).
     Release {
         /// The claim's number (as `vfioctl claims` shows) or object path.
@@ -241,6 +269,17 @@ fn describe(e: ClientError) -> String {
             format!("{msg} ({name})")
         }
         other => vfiod::error_chain(&other),
+    }
+}
+
+/// A call on a claim, described; one whose object is gone says so plainly.
+fn gone_claim(claim: &str, e: ClientError) -> String {
+    match e {
+        ClientError::Call(z) if unknown_object(&z) => format!(
+            "no active claim {claim} (a released claim's object is gone; vfioctl claims lists \
+             the active ones)"
+        ),
+        other => describe(other),
     }
 }
 
@@ -567,15 +606,66 @@ async fn run(args: Args) -> Result<(), String> {
                 print!("{}", claims::render_claims(&list, format_time));
             }
         }
+        Command::Attach {
+            claim,
+            domain,
+            live,
+            config,
+            wait,
+        } => {
+            let path = claims::claim_path(&claim)?;
+            let mut flags = Vec::new();
+            if live {
+                flags.push("live");
+            }
+            if config {
+                flags.push("config");
+            }
+            let what = claims::Change::Attach {
+                domain: &domain,
+                flags: &flags,
+            };
+            let done = claims::change(&conn, path.clone(), what, wait)
+                .await
+                .map_err(|e| gone_claim(&claim, e))?;
+            match done {
+                claims::Progress::Done => {
+                    let c = claims::claim_view(&conn, path.as_str())
+                        .await
+                        .map_err(describe)?;
+                    let at = if c.guest_address.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" at guest address {}", c.guest_address)
+                    };
+                    println!("claim {claim}: {} attached to {domain}{at}", c.functions.join(" + "));
+                }
+                claims::Progress::Started(state) => println!(
+                    "claim {claim} is {state} to {domain} (vfioctl claims shows when it is \
+                     attached; --wait waits)"
+                ),
+            }
+        }
+        Command::Detach { claim, wait } => {
+            let path = claims::claim_path(&claim)?;
+            let done = claims::change(&conn, path, claims::Change::Detach, wait)
+                .await
+                .map_err(|e| gone_claim(&claim, e))?;
+            match done {
+                claims::Progress::Done => {
+                    println!("claim {claim} detached; its devices are back in the pool")
+                }
+                claims::Progress::Started(state) => println!(
+                    "claim {claim} is {state}: the guest must let go of the device (vfioctl \
+                     claims shows when the claim is gone; --wait waits)"
+                ),
+            }
+        }
         Command::Release { claim } => {
             let path = claims::claim_path(&claim)?;
-            claims::release(&conn, path).await.map_err(|e| match e {
-                ClientError::Call(z) if unknown_object(&z) => format!(
-                    "no active claim {claim} (a released claim's object is gone; vfioctl claims \
-                     lists the active ones)"
-                ),
-                other => describe(other),
-            })?;
+            claims::release(&conn, path)
+                .await
+                .map_err(|e| gone_claim(&claim, e))?;
             println!("claim {claim} released");
         }
         Command::Reload => {

@@ -5,9 +5,11 @@
 //! active claim per function, a PF never claimed beside its VFs), whatever the code above does.
 //!
 //! [`requirements`] says what a request asks for and who asks; [`choice`] what is claimable and
-//! which candidate wins.
+//! which candidate wins; [`lifecycle`] what attach, detach, release and the reconcile with
+//! libvirt do to a claim.
 
 pub mod choice;
+pub mod lifecycle;
 pub mod requirements;
 
 pub use choice::{

@@ -14,6 +14,72 @@ pub use crate::dbus::claim::INTERFACE;
 )]
 pub trait Claim {
     fn release(&self) -> zbus::Result<()>;
+    fn attach(&self, domain: &str, flags: &[&str]) -> zbus::Result<()>;
+    fn detach(&self) -> zbus::Result<()>;
+}
+
+/// How far an attach or detach had come when the client stopped waiting.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Progress {
+    /// The daemon replied: done.
+    Done,
+    /// The claim entered this state (attaching, detaching); the daemon goes on without us.
+    Started(String),
+}
+
+/// Which change of a claim an attach or detach waits for.
+#[derive(Clone, Copy, Debug)]
+pub enum Change<'a> {
+    Attach { domain: &'a str, flags: &'a [&'a str] },
+    Detach,
+}
+
+/// Attaches or detaches the claim at `path`. `wait`: until the daemon replies (the guest let go,
+/// libvirt has the device); otherwise until the claim's state shows the work started, or the
+/// daemon replied first (a refusal comes back either way).
+pub async fn change(
+    conn: &Connection,
+    path: zbus::OwnedObjectPath,
+    what: Change<'_>,
+    wait: bool,
+) -> Result<Progress, ClientError> {
+    use futures_util::StreamExt;
+    manager(conn).await?;
+    let claim = ClaimProxy::builder(conn).path(path.clone()).build().await?;
+    let call = async {
+        match what {
+            Change::Attach { domain, flags } => claim.attach(domain, flags).await,
+            Change::Detach => claim.detach().await,
+        }
+    };
+    if wait {
+        call.await?;
+        return Ok(Progress::Done);
+    }
+    let props = zbus::fdo::PropertiesProxy::builder(conn)
+        .destination(crate::dbus::BUS_NAME)
+        .path(path)
+        .build()
+        .await?;
+    // Subscribed before the call, so that the change it causes cannot be missed.
+    let mut changes = props.receive_properties_changed().await?;
+    let started = async {
+        while let Some(signal) = changes.next().await {
+            let Ok(args) = signal.args() else { continue };
+            if let Some(state) = args.changed_properties().get("State") {
+                if let Ok(s) = String::try_from(state.clone()) {
+                    if s == "attaching" || s == "detaching" {
+                        return Some(s);
+                    }
+                }
+            }
+        }
+        None
+    };
+    tokio::select! {
+        r = call => { r?; Ok(Progress::Done) }
+        Some(s) = started => Ok(Progress::Started(s)),
+    }
 }
 
 /// One claim as `vfioctl claims` shows it.

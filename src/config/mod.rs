@@ -89,7 +89,7 @@ mod select;
 mod selector;
 
 pub use bounded::{MAX_DRIVER_BYTES, MAX_KEYWORD_BYTES, MAX_PATH_BYTES};
-pub use claims::{ClaimSettings, MAX_LEASE_SECONDS};
+pub use claims::{ClaimSettings, MAX_DETACH_TIMEOUT_SECONDS, MAX_LEASE_SECONDS};
 pub use daemon::{Scenario, DEFAULT_LIBVIRT_URI};
 pub(crate) use error::Quoted;
 pub use error::{ConfigError, FileRefusal};
@@ -246,6 +246,9 @@ mod tests {
         assert_eq!(Settings::default().claims.default_lease_seconds, 0);
         let s = parse("[claims]\ndefault_lease_seconds = 600\n");
         assert_eq!(s.claims.default_lease_seconds, 600);
+        assert_eq!(s.claims.detach_timeout_seconds, 30, "the default");
+        let s = parse("[claims]\ndetach_timeout = 5\n");
+        assert_eq!(s.claims.detach_timeout_seconds, 5);
         for (text, wanted) in [
             (
                 "[claims]\ndefault_lease_seconds = -1\n",
@@ -257,6 +260,10 @@ mod tests {
                 "out of range",
             ),
             ("[claims]\nlease = 1\n", "unknown field `lease`"),
+            (
+                "[claims]\ndetach_timeout = 0\n",
+                "test.toml:2:18: `claims.detach_timeout`: 0 is out of range",
+            ),
             ("[claims]\ndefault_lease_seconds = \"1h\"\n", "invalid type"),
         ] {
             let e = parse_err(text);

@@ -164,6 +164,7 @@ pub fn action_for_task(kind: TaskKind) -> &'static str {
     match kind {
         TaskKind::Program | TaskKind::Verify => ACTION_PROGRAM,
         TaskKind::Migrate => ACTION_MIGRATE,
+        TaskKind::Attach | TaskKind::Detach => ACTION_CLAIM,
         TaskKind::Check
         | TaskKind::Split
         | TaskKind::Restore
@@ -313,6 +314,7 @@ mod tests {
             let want = match kind.as_str() {
                 "program" | "verify" => "org.vfiod.vfiod1.program",
                 "migrate" => "org.vfiod.vfiod1.migrate",
+                "attach" | "detach" => "org.vfiod.vfiod1.claim",
                 _ => "org.vfiod.vfiod1.mode",
             };
             assert_eq!(action_for_task(*kind), want, "{kind}");

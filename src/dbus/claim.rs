@@ -140,6 +140,56 @@ impl ClaimObject {
         Ok(self.claim()?.requested_by)
     }
 
+    /// Attaches the claim's functions to libvirt domain `domain` (a name or UUID; the claim's VM)
+    /// as `<hostdev managed='no'>`, after binding them to vfio-pci, and returns when done (as a
+    /// task on the device meanwhile). `flags`: `live`, `config`; none means both when the domain
+    /// runs, `config` when it does not. A failure releases the claim: `AttachFailed` with
+    /// libvirt's message. Authorized as `org.vfiod.vfiod1.claim` with the device and the VM.
+    async fn attach(
+        &self,
+        domain: String,
+        flags: Vec<String>,
+        #[zbus(header)] header: zbus::message::Header<'_>,
+        #[zbus(connection)] conn: &zbus::Connection,
+    ) -> Result<(), Error> {
+        let claim = self
+            .claim()
+            .map_err(|_| Error::NoSuchClaim(format!("no claim {}", self.id)))?;
+        let o = &self.objects;
+        let check = Check::on_device(ACTION_CLAIM, "Attach", claim.address)
+            .with(Detail::Vm, &domain)
+            .with(Detail::Kind, claim.kind.map_or("", |k| k.as_str()));
+        o.authorizer.check(conn, &header, &check).await?;
+        let who = o.requesters.of(conn, &header).await;
+        let outcome = o.engine.attach_claim(self.id, &domain, flags, &who).await;
+        o.engine.flush().await;
+        outcome.map(drop).map_err(Error::from)
+    }
+
+    /// Takes the claim's functions out of its domain and returns when the guest has let go
+    /// (libvirt's device-removed event), at most `[claims] detach_timeout` (30 s by default: a
+    /// caller's method timeout must be longer). Success ends the claim. `DetachFailed` when
+    /// libvirt or the guest refused, or the guest did not let go in time: the claim stays, and
+    /// a late device-removed event still completes it. Authorized as `org.vfiod.vfiod1.claim`.
+    async fn detach(
+        &self,
+        #[zbus(header)] header: zbus::message::Header<'_>,
+        #[zbus(connection)] conn: &zbus::Connection,
+    ) -> Result<(), Error> {
+        let claim = self
+            .claim()
+            .map_err(|_| Error::NoSuchClaim(format!("no claim {}", self.id)))?;
+        let o = &self.objects;
+        let check = Check::on_device(ACTION_CLAIM, "Detach", claim.address)
+            .with(Detail::Vm, claim.vm())
+            .with(Detail::Kind, claim.kind.map_or("", |k| k.as_str()));
+        o.authorizer.check(conn, &header, &check).await?;
+        let who = o.requesters.of(conn, &header).await;
+        let outcome = o.engine.detach_claim(self.id, &who).await;
+        o.engine.flush().await;
+        outcome.map(drop).map_err(Error::from)
+    }
+
     /// Gives the claim up: its functions return to the pool and this object goes. Authorized as
     /// `org.vfiod.vfiod1.claim` with the device and the VM.
     async fn release(

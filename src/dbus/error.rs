@@ -22,6 +22,11 @@ pub enum Error {
     NotManaged(String),
     NoDeviceAvailable(String),
     NoSuchClaim(String),
+    /// libvirt did not attach the claim's devices; the claim was released.
+    AttachFailed(String),
+    /// The claim's devices did not leave the domain (libvirt or the guest refused, or the guest
+    /// did not let go in time); the claim and its records stay.
+    DetachFailed(String),
     HardwareFailed(String),
     InvalidConfig(String),
     Failed(String),
@@ -60,6 +65,20 @@ impl From<StoreError> for Error {
             e @ (StoreError::NoSuchClaim(_) | StoreError::ClaimReleased(_)) => {
                 Error::NoSuchClaim(e.to_string())
             }
+            StoreError::ClaimStep(r) => {
+                use crate::claims::lifecycle::Refusal;
+                use crate::model::claim::ClaimState;
+                let text = r.to_string();
+                match r {
+                    Refusal::Busy { .. } => Error::Busy(text),
+                    // Its domain has (or may still have) the device.
+                    Refusal::Wrong {
+                        state: ClaimState::Attached | ClaimState::Detaching,
+                        ..
+                    } => Error::InUse(text),
+                    Refusal::Wrong { .. } => Error::InvalidArgument(text),
+                }
+            }
             other => Error::Failed(format!("state store: {}", crate::error_chain(&other))),
         }
     }
@@ -89,6 +108,17 @@ impl From<crate::engine::ClaimError> for Error {
         match e {
             crate::engine::ClaimError::Store(s) => s.into(),
             crate::engine::ClaimError::Engine(e) => e.into(),
+        }
+    }
+}
+
+impl From<crate::engine::AttachError> for Error {
+    fn from(e: crate::engine::AttachError) -> Self {
+        use crate::engine::AttachError as A;
+        match e {
+            A::Refused(j) => j.into(),
+            A::AttachFailed(m) => Error::AttachFailed(m),
+            A::DetachFailed(m) => Error::DetachFailed(m),
         }
     }
 }

@@ -3,11 +3,13 @@
 //! way to load kernel modules. Jobs never see the engine, the D-Bus layer or the loop, so the
 //! engine depends on jobs and never the reverse.
 
+use super::removals::Removals;
+use crate::claims::lifecycle::Step;
 use crate::config::Settings;
-use crate::host::libvirt::DomainQuery;
+use crate::host::libvirt::{DomainQuery, Libvirt};
 use crate::host::sysfs::Sysfs;
-use crate::store::Store;
-use std::sync::Arc;
+use crate::store::{ClaimDetails, ClaimRecord, Store, StoreError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 /// Loads the kernel module behind a driver name, so that a job binding to `vfio-pci` does not
 /// fail half-way through because `drivers_probe` never loads a module.
@@ -49,6 +51,43 @@ impl ModuleLoader for Modprobe {
     }
 }
 
+/// Where a job records a claim's steps: committed, then published in commit order (the engine
+/// holds its publishing lock from the commit to the event, as for every other change).
+#[derive(Clone)]
+pub struct ClaimSteps {
+    store: Arc<Store>,
+    publishing: Arc<Mutex<()>>,
+    publish: Arc<dyn Fn(&ClaimRecord) + Send + Sync>,
+}
+
+impl ClaimSteps {
+    pub fn new(
+        store: Arc<Store>,
+        publishing: Arc<Mutex<()>>,
+        publish: Arc<dyn Fn(&ClaimRecord) + Send + Sync>,
+    ) -> ClaimSteps {
+        ClaimSteps {
+            store,
+            publishing,
+            publish,
+        }
+    }
+
+    /// Takes `step` on claim `id` (see [`Store::step_claim`]) and publishes the claim.
+    pub fn step(
+        &self,
+        id: i64,
+        step: Step,
+        details: ClaimDetails,
+        what: &str,
+    ) -> Result<ClaimRecord, StoreError> {
+        let _publishing = self.publishing.lock().unwrap_or_else(PoisonError::into_inner);
+        let claim = self.store.step_claim(id, step, details, what)?;
+        (self.publish)(&claim);
+        Ok(claim)
+    }
+}
+
 /// The narrow context every job runs with. Cheap to clone.
 #[derive(Clone)]
 pub struct JobContext {
@@ -58,4 +97,9 @@ pub struct JobContext {
     pub settings: Arc<Settings>,
     pub domains: Arc<dyn DomainQuery>,
     pub modules: Arc<dyn ModuleLoader>,
+    /// The one connection to libvirt (attach, detach, domain XML).
+    pub libvirt: Libvirt,
+    /// libvirt's device-removed events, for a detach to wait on.
+    pub removals: Arc<Removals>,
+    pub claims: ClaimSteps,
 }

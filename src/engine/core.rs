@@ -2,7 +2,8 @@
 //! device tree, the store, and the host questions jobs ask. An inventory pass and a reload are
 //! done here; [`super::Engine`] runs them off the async threads and publishes their outcome.
 
-use super::context::{JobContext, ModuleLoader};
+use super::context::{ClaimSteps, JobContext, ModuleLoader};
+use super::removals::Removals;
 use super::events::{DeviceTasks, DeviceView};
 use crate::config::{ConfigError, Settings};
 use crate::host::libvirt::{Libvirt, LibvirtEvent};
@@ -82,6 +83,7 @@ pub struct Core {
     libvirt: Libvirt,
     libvirt_events: std::sync::Mutex<Option<tokio::sync::mpsc::UnboundedReceiver<LibvirtEvent>>>,
     modules: Arc<dyn ModuleLoader>,
+    removals: Arc<Removals>,
 }
 
 impl Core {
@@ -107,6 +109,7 @@ impl Core {
             libvirt,
             libvirt_events: std::sync::Mutex::new(Some(rx)),
             modules,
+            removals: Arc::default(),
         })
     }
 
@@ -145,7 +148,20 @@ impl Core {
             settings: self.settings(),
             domains: Arc::new(self.libvirt.clone()),
             modules: Arc::clone(&self.modules),
+            libvirt: self.libvirt.clone(),
+            removals: Arc::clone(&self.removals),
+            // Published by nobody: the engine's own context ([`super::Engine`]) publishes.
+            claims: ClaimSteps::new(
+                Arc::clone(&self.store),
+                Arc::default(),
+                Arc::new(|_: &crate::store::ClaimRecord| {}),
+            ),
         }
+    }
+
+    /// libvirt's device-removed events, as detach jobs wait for them.
+    pub fn removals(&self) -> &Arc<Removals> {
+        &self.removals
     }
 
     /// One inventory pass: scan, diff against the store, commit.

@@ -222,6 +222,14 @@ pub trait Job: Send + 'static {
     /// After a failed (or panicked) run: put back what prepare read, as far as possible.
     /// Returns what it did ("restored the previous state").
     fn rollback(&mut self, cx: &JobContext) -> Result<String, JobFailure>;
+
+    /// Whether a failure whose rollback succeeded leaves nothing for an operator to check, so
+    /// that the task ends in error without holding its device (an attach libvirt refused: the
+    /// claim is released and the device returns to the pool). A conversion's failure always
+    /// needs an operator's look: the default.
+    fn settles_failures(&self) -> bool {
+        false
+    }
 }
 
 #[cfg(test)]

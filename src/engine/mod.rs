@@ -8,18 +8,21 @@
 //! Each pass and each task change commits to the store before its event is sent, so a consumer
 //! never shows a state the store does not hold.
 
+mod attachments;
 mod claims;
 pub mod context;
 mod core;
 pub mod events;
+pub mod removals;
 pub mod job;
 pub mod jobs;
 mod run_loop;
 pub mod tasks;
 
 pub use self::core::{warn_about_drivers, ConfigSource, Core, EngineError, Pass};
+pub use attachments::AttachError;
 pub use claims::ClaimError;
-pub use context::{JobContext, Modprobe, ModuleLoader};
+pub use context::{ClaimSteps, JobContext, Modprobe, ModuleLoader};
 pub use events::{DeviceTasks, DeviceView, EngineEvent, EventStream};
 pub use job::{Admission, Job, JobError, JobFailure, Phase, Progress};
 
@@ -73,6 +76,20 @@ impl Engine {
 
     pub fn store(&self) -> &Arc<Store> {
         self.core.store()
+    }
+
+    /// What a job of this engine runs with: the core's context, with claim steps published.
+    pub fn job_context(&self) -> JobContext {
+        let mut cx = self.core.job_context();
+        let events = self.events.clone();
+        cx.claims = ClaimSteps::new(
+            Arc::clone(&cx.store),
+            Arc::clone(&self.publishing),
+            Arc::new(move |c: &crate::store::ClaimRecord| {
+                let _ = events.send(EngineEvent::Claim(c.clone()));
+            }),
+        );
+        cx
     }
 
     fn send(&self, event: EngineEvent) {
@@ -176,7 +193,7 @@ impl Engine {
         let me = Arc::clone(self);
         let who = requested_by.to_string();
         let (cx, started) = tokio::task::spawn_blocking(move || {
-            let cx = me.core.job_context();
+            let cx = me.job_context();
             let notify = |t: &TaskRecord, c: tasks::Change| me.task_changed(t, c);
             tasks::begin(&cx, job, &who, &notify).map(|s| (cx, s))
         })

@@ -170,13 +170,24 @@ impl Engine {
     }
 
     /// A domain event goes on to the engine's consumers (hooks act on them); an undefined
-    /// domain's claims are released here. A connection change is logged (events during an
-    /// outage are lost: whoever tracks domains re-reads them on `Connected`).
-    async fn libvirt_event(&self, ev: LibvirtEvent) {
+    /// domain's claims are released here, a device event may complete a detach, and a stopped
+    /// domain's claims are reconciled with what it still has. A connection change is logged;
+    /// events during an outage are lost, so the claims are reconciled on `Connected`.
+    async fn libvirt_event(self: &Arc<Self>, ev: LibvirtEvent) {
+        use crate::host::libvirt::DomainEventKind;
         match ev {
             LibvirtEvent::Domain(d) => {
                 tracing::debug!(domain = %d.name, uuid = %d.uuid, "libvirt domain event {:?}", d.kind);
-                if d.kind == crate::host::libvirt::DomainEventKind::Undefined {
+                match d.kind {
+                    DomainEventKind::DeviceRemoved { .. }
+                    | DomainEventKind::DeviceRemovalFailed { .. } => self.device_event(&d).await,
+                    // Its live devices are gone with it.
+                    DomainEventKind::Stopped => {
+                        self.reconcile_claims(Some(d.uuid.clone())).await;
+                    }
+                    _ => {}
+                }
+                if d.kind == DomainEventKind::Undefined {
                     if let Err(e) = self.domain_undefined(&d.name, &d.uuid).await {
                         tracing::error!(
                             domain = %d.name,
@@ -187,7 +198,13 @@ impl Engine {
                 }
                 self.send(super::EngineEvent::Domain(d));
             }
-            LibvirtEvent::Connected { uri } => tracing::info!(uri, "connected to libvirt"),
+            LibvirtEvent::Connected { uri } => {
+                tracing::info!(uri, "connected to libvirt");
+                let changed = self.reconcile_claims(None).await;
+                if changed > 0 {
+                    tracing::info!("reconciled {changed} claim(s) with libvirt's domains");
+                }
+            }
             LibvirtEvent::Disconnected { uri, reason } => {
                 tracing::warn!(
                     uri,

@@ -176,12 +176,18 @@ pub fn run(
                         panic_message(&*p)
                     )))
                 });
+            let settled = rollback.is_ok() && job.settles_failures();
             let message = match rollback {
                 Ok(done) => format!("{}; rollback {done}", failure.message),
                 Err(e) => format!("{}; rollback failed too: {}", failure.message, e.message),
             };
-            tracing::error!(result = %message, "task failed");
-            cx.store.task_failed(id, &message)?
+            if settled {
+                tracing::warn!(result = %message, "task failed; its rollback settled it");
+                cx.store.task_settled(id, &message)?
+            } else {
+                tracing::error!(result = %message, "task failed");
+                cx.store.task_failed(id, &message)?
+            }
         }
     };
     notify(&t, Change::State);

@@ -29,6 +29,10 @@ pub enum TaskKind {
     Verify,
     /// Carry a device's work through a live migration (the migration issues).
     Migrate,
+    /// A claim's functions onto vfio-pci, then into a libvirt domain as hostdevs.
+    Attach,
+    /// A claim's hostdevs out of their libvirt domain, waiting for the guest to let go.
+    Detach,
     /// The test suite's own job (phases that sleep, told to fail); the daemon never creates one.
     Test,
 }
@@ -36,4 +40,5 @@ pub enum TaskKind {
 text_enum!(TaskKind as "task kind",
     Check => "check", Split => "split", Restore => "restore", Resplit => "resplit",
     Rebind => "rebind", Bind => "bind", Unbind => "unbind", Program => "program",
-    Verify => "verify", Migrate => "migrate", Test => "test");
+    Verify => "verify", Migrate => "migrate", Attach => "attach", Detach => "detach",
+    Test => "test");

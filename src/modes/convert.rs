@@ -51,7 +51,7 @@ impl ConvertError {
     }
 }
 
-fn binding(sysfs: &Sysfs, address: PciAddress) -> Result<Binding, SysfsError> {
+pub fn binding(sysfs: &Sysfs, address: PciAddress) -> Result<Binding, SysfsError> {
     let driver = sysfs.read_optional_link_name(&sysfs.device_attr(address, "driver"))?;
     let driver_override = match sysfs.read_text(&sysfs.device_attr(address, "driver_override")) {
         Ok(t) if t.is_empty() || t == "(null)" => None,

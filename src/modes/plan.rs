@@ -321,6 +321,22 @@ pub fn build(snapshot: &Snapshot, program: &Program, vf_driver: &str) -> Result<
     })
 }
 
+/// The plan that moves `functions` (a claim's, for an attach) onto `driver`; the ones already
+/// there get no step. Pure.
+pub fn bind_plan(device: PciAddress, functions: &[Binding], driver: &str) -> Plan {
+    let mut steps = Vec::new();
+    for b in functions {
+        bind_steps(&mut steps, b, driver);
+    }
+    Plan {
+        device,
+        program: Program::Bind {
+            driver: driver.to_string(),
+        },
+        steps,
+    }
+}
+
 /// The plan that takes the device from its state after a failed program back to `before`:
 /// the rollback. Built from the same primitives, so it is as inspectable as the forward plan.
 pub fn rollback(before: &Snapshot, now: &Snapshot) -> Plan {

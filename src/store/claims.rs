@@ -12,6 +12,7 @@
 use super::device_row::{DecodeError, Fields};
 use super::tasks::active_sql;
 use super::{insert_event, now_ms, NewEvent, Store, StoreError};
+use crate::claims::lifecycle::{self, Step};
 use crate::claims::{self, ClaimFunction, Held, Owner, Requirements, Snapshot};
 use crate::model::claim::ClaimState;
 use crate::model::device::Kind;
@@ -101,6 +102,17 @@ fn decode(row: &Row<'_>) -> Result<ClaimRecord, DecodeError> {
     })
 }
 
+/// What a step of a claim records besides its new state; `None` leaves a field as it is.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ClaimDetails {
+    /// The domain's name and UUID as libvirt knows them (an attach fills in the one the claim
+    /// was not made with).
+    pub vm_name: Option<String>,
+    pub vm_uuid: Option<String>,
+    /// `Some(None)` clears it.
+    pub guest_address: Option<Option<String>>,
+}
+
 /// One change of the claims, for [`Store::change_claims`].
 #[derive(Clone, Debug)]
 pub enum ClaimChange {
@@ -161,7 +173,22 @@ impl Store {
             let mut released = Vec::new();
             for id in ids {
                 let claim = self.must_read_claim(conn, action, id)?;
-                if claim.persistent {
+                if claim.state != ClaimState::Claimed && !claim.persistent {
+                    // A running domain that is undefined lives on as a transient one, with the
+                    // device: the claim goes when the domain stops (the engine reconciles it then).
+                    self.claim_event(
+                        conn,
+                        action,
+                        &claim,
+                        format!(
+                            "{}: domain {name} was undefined while the claim is {}; it stays \
+                             until the domain has stopped",
+                            claim.subject(),
+                            claim.state
+                        ),
+                        now_ms(),
+                    )?;
+                } else if claim.persistent {
                     self.claim_event(
                         conn,
                         action,
@@ -331,6 +358,7 @@ impl Store {
         if !claim.state.holds() {
             return Err(StoreError::ClaimReleased(id));
         }
+        lifecycle::next(id, claim.state, Step::Release).map_err(StoreError::ClaimStep)?;
         self.mark_released(conn, action, &claim, &format!("released by {by} ({why})"))
     }
 
@@ -361,6 +389,63 @@ impl Store {
             now,
         )?;
         Ok(released)
+    }
+
+    /// Takes `step` on claim `id` (see [`lifecycle::next`]) and records `details` with it; `what`
+    /// says what happened, for the claim's event. A step to `released` frees the functions.
+    pub fn step_claim(
+        &self,
+        id: i64,
+        step: Step,
+        details: ClaimDetails,
+        what: &str,
+    ) -> Result<ClaimRecord, StoreError> {
+        let action = "record a claim's step";
+        self.write(action, |conn| {
+            let claim = self.must_read_claim(conn, action, id)?;
+            if !claim.state.holds() {
+                return Err(StoreError::ClaimReleased(id));
+            }
+            let state = lifecycle::next(id, claim.state, step).map_err(StoreError::ClaimStep)?;
+            if state == ClaimState::Released {
+                return self.mark_released(conn, action, &claim, what);
+            }
+            let now = now_ms();
+            conn.prepare_cached(
+                "UPDATE claims SET state = :state, updated_ms = :now, \
+                 vm_name = COALESCE(:vm_name, vm_name), vm_uuid = COALESCE(:vm_uuid, vm_uuid), \
+                 guest_address = CASE WHEN :set_guest THEN :guest ELSE guest_address END, \
+                 lease_expires_ms = CASE WHEN :attached THEN NULL ELSE lease_expires_ms END \
+                 WHERE id = :id",
+            )
+            .and_then(|mut stmt| {
+                stmt.execute(named_params! {
+                    ":state": state.as_str(),
+                    ":now": now,
+                    ":vm_name": details.vm_name,
+                    ":vm_uuid": details.vm_uuid.map(|u| u.to_ascii_lowercase()),
+                    ":set_guest": details.guest_address.is_some(),
+                    ":guest": details.guest_address.flatten(),
+                    // An attached claim never lapses, nor does one that was attached once.
+                    ":attached": state == ClaimState::Attached,
+                    ":id": id,
+                })
+            })
+            .map_err(|e| self.sqlite(action, e))?;
+            let changed = self.must_read_claim(conn, action, id)?;
+            self.claim_event(conn, action, &changed, format!("{}: {what}", changed.subject()), now)?;
+            Ok(changed)
+        })
+    }
+
+    /// Records `what` about claim `id` as its event, changing nothing else.
+    pub fn claim_note(&self, id: i64, what: &str) -> Result<ClaimRecord, StoreError> {
+        let action = "record a claim's event";
+        self.write(action, |conn| {
+            let claim = self.must_read_claim(conn, action, id)?;
+            self.claim_event(conn, action, &claim, format!("{}: {what}", claim.subject()), now_ms())?;
+            Ok(claim)
+        })
     }
 
     /// The claim with this id, in any state.

@@ -19,7 +19,7 @@ mod original_drivers;
 mod task_state;
 mod tasks;
 
-pub use claims::{ClaimChange, ClaimRecord};
+pub use claims::{ClaimChange, ClaimDetails, ClaimRecord};
 pub use task_state::TaskState;
 pub use tasks::{TaskRecord, REFUSED_BY};
 
@@ -161,6 +161,9 @@ pub enum StoreError {
     /// The database refused a claim that would hold a function twice (or a PF beside its VFs).
     #[error("the claim conflicts with another claim: {0}")]
     ClaimConflict(String),
+    /// The claim's state does not allow the step (see [`crate::claims::lifecycle::next`]).
+    #[error(transparent)]
+    ClaimStep(crate::claims::lifecycle::Refusal),
 }
 
 /// One entry of the history, as stored.

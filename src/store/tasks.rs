@@ -144,6 +144,11 @@ enum Change<'a> {
     Refused {
         message: &'a str,
     },
+    /// Failed while it ran, and its rollback put everything back (a failed attach gives its
+    /// device back): it ends in error but does not hold its device.
+    Settled {
+        message: &'a str,
+    },
 }
 
 impl Change<'_> {
@@ -151,7 +156,9 @@ impl Change<'_> {
         match self {
             Change::Progress { .. } => TaskState::Running,
             Change::Succeeded { .. } => TaskState::Success,
-            Change::Failed { .. } | Change::Refused { .. } => TaskState::Error,
+            Change::Failed { .. } | Change::Refused { .. } | Change::Settled { .. } => {
+                TaskState::Error
+            }
         }
     }
 }
@@ -189,12 +196,21 @@ fn apply(current: &TaskRecord, change: &Change<'_>, now: i64) -> Option<TaskReco
             next.reset_ms = Some(now);
             next.reset_by = Some(REFUSED_BY.to_string());
         }
+        Change::Settled { message } => {
+            next.message = message.to_string();
+            next.finished_ms = Some(now);
+            next.reset_ms = Some(now);
+            next.reset_by = Some(SETTLED_BY.to_string());
+        }
     }
     Some(next)
 }
 
 /// Who "resets" a task refused before any change: nobody needs to, it never held its device.
 pub const REFUSED_BY: &str = "vfiod (refused before any change)";
+
+/// Who "resets" a task whose failure its rollback settled: nothing is left to check.
+pub const SETTLED_BY: &str = "vfiod (rolled back; nothing left to reset)";
 
 /// The event message of a task that has just reached `task.state`.
 fn event_message(task: &TaskRecord) -> String {
@@ -478,6 +494,13 @@ impl Store {
     pub fn task_refused(&self, id: i64, message: &str) -> Result<TaskRecord, StoreError> {
         check_not_empty("task refusal message", message)?;
         self.change(id, "record a task refusal", Change::Refused { message })
+    }
+
+    /// A task that failed while it ran and whose rollback put everything back: `error` with
+    /// `message`, reset at once (by [`SETTLED_BY`]) so that it does not hold its device.
+    pub fn task_settled(&self, id: i64, message: &str) -> Result<TaskRecord, StoreError> {
+        check_not_empty("task error message", message)?;
+        self.change(id, "record a settled task failure", Change::Settled { message })
     }
 
     /// What a task in `prepare` found it has to do: a mode task asked for VF mode learns there

@@ -17,8 +17,8 @@ mod worker;
 pub mod xml;
 
 pub use events::{CloseReason, DomainEvent, DomainEventKind, LibvirtEvent};
-pub use worker::{Affect, Definition, Libvirt};
-pub use xml::{assigned_functions, domain_devices};
+pub use worker::{Affect, Definition, DomainDefinitions, DomainInfo, Libvirt};
+pub use xml::{assigned_functions, domain_devices, hostdev_xml, hostdevs, Hostdev};
 
 use crate::model::pci::PciAddress;
 use std::path::Path;

@@ -45,6 +45,28 @@ pub enum Definition {
     Persistent,
 }
 
+/// A domain as libvirt knows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DomainInfo {
+    pub name: String,
+    /// Lower case, as libvirt prints it.
+    pub uuid: String,
+    /// Running (or paused): it has a live definition.
+    pub active: bool,
+    /// Defined: it has a persistent definition (a transient domain has none).
+    pub persistent: bool,
+}
+
+/// A domain and its definitions, for the reconcile of claims.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DomainDefinitions {
+    pub info: DomainInfo,
+    /// The live XML of an active domain.
+    pub live: Option<String>,
+    /// The persistent XML of a defined domain.
+    pub config: Option<String>,
+}
+
 /// Which definition of a domain a device change applies to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Affect {
@@ -217,6 +239,17 @@ impl Libvirt {
                 d.xml_desc(flags)
             })
         })
+    }
+
+    /// The domain named by `domain`: a name, else a UUID.
+    pub fn lookup(&self, domain: &str) -> Result<DomainInfo, LibvirtError> {
+        let domain = domain.to_string();
+        self.call(move |link| on_domain(link?, &domain, "look up", info))
+    }
+
+    /// Every domain libvirt has (running, or defined and stopped), with its definitions.
+    pub fn all_domains(&self) -> Result<Vec<DomainDefinitions>, LibvirtError> {
+        self.call(|link| list_all(link?))
     }
 
     /// Attaches a device (`<hostdev>` XML) to a domain. A live attach of a PCI device returns
@@ -678,8 +711,63 @@ fn on_domain<T>(
             }
         }
     };
-    let dom = c.conn.lookup_domain_by_name(domain).map_err(fail)?;
+    let dom = match c.conn.lookup_domain_by_name(domain) {
+        Err(e) if is_no_domain(&e) && looks_like_uuid(domain) => {
+            c.conn.lookup_domain_by_uuid_string(domain)
+        }
+        other => other,
+    }
+    .map_err(fail)?;
     f(&dom).map_err(fail)
+}
+
+/// 36 characters of hex digits and dashes in libvirt's UUID layout.
+fn looks_like_uuid(s: &str) -> bool {
+    s.len() == 36
+        && s.char_indices().all(|(i, c)| match i {
+            8 | 13 | 18 | 23 => c == '-',
+            _ => c.is_ascii_hexdigit(),
+        })
+}
+
+fn info(d: &virt::domain::Domain) -> Result<DomainInfo, virt::error::Error> {
+    Ok(DomainInfo {
+        name: d.name()?,
+        uuid: d.uuid_string()?.to_ascii_lowercase(),
+        active: d.is_active()?,
+        persistent: d.is_persistent()?,
+    })
+}
+
+fn list_all(c: Conn<'_>) -> Result<Vec<DomainDefinitions>, LibvirtError> {
+    let query = |e| LibvirtError::Query {
+        uri: c.uri.to_string(),
+        source: Cause(e),
+    };
+    let mut out = Vec::new();
+    for dom in c.conn.list_all_domains(0).map_err(query)? {
+        let read = || -> Result<DomainDefinitions, virt::error::Error> {
+            let info = info(&dom)?;
+            let live = if info.active {
+                Some(dom.xml_desc(0)?)
+            } else {
+                None
+            };
+            let config = if info.persistent {
+                Some(dom.xml_desc(virt::sys::VIR_DOMAIN_XML_INACTIVE)?)
+            } else {
+                None
+            };
+            Ok(DomainDefinitions { info, live, config })
+        };
+        match read() {
+            Ok(d) => out.push(d),
+            // Undefined between the listing and now: not a domain any more.
+            Err(e) if is_no_domain(&e) => continue,
+            Err(e) => return Err(query(e)),
+        }
+    }
+    Ok(out)
 }
 
 fn is_no_domain(e: &virt::error::Error) -> bool {

@@ -9,6 +9,23 @@ use crate::model::pci::PciAddress;
 /// Pure. Assignments by other means (a network of `forward mode='hostdev'` pools) show up in the
 /// XML of a running domain as one of these two.
 pub fn assigned_functions(xml: &str) -> Result<Vec<PciAddress>, String> {
+    Ok(hostdevs(xml)?.into_iter().map(|h| h.source).collect())
+}
+
+/// A PCI hostdev of a domain definition, as the claims need it: which host function, the
+/// device's alias (`<alias name=.../>`: libvirt's own, or a `ua-` alias the attacher chose), and
+/// where the guest sees it (`<address type='pci'>` beside `<source>`, in the live XML).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Hostdev {
+    pub source: PciAddress,
+    pub alias: Option<String>,
+    /// "0000:07:00.0"; `None` when the definition does not say (an inactive definition may not).
+    pub guest_address: Option<String>,
+}
+
+/// The PCI hostdevs (`<hostdev mode='subsystem' type='pci'>` and `<interface type='hostdev'>`)
+/// of a domain definition. Pure.
+pub fn hostdevs(xml: &str) -> Result<Vec<Hostdev>, String> {
     let doc = roxmltree::Document::parse(xml).map_err(|e| format!("invalid XML: {e}"))?;
     let root = doc.root_element();
     if !root.has_tag_name("domain") {
@@ -21,33 +38,60 @@ pub fn assigned_functions(xml: &str) -> Result<Vec<PciAddress>, String> {
     let Some(devices) = root.children().find(|n| n.has_tag_name("devices")) else {
         return Ok(out);
     };
-    for dev in devices.children().filter(|n| n.is_element()) {
-        let pci = match dev.tag_name().name() {
-            "hostdev" => {
-                dev.attribute("mode").unwrap_or("subsystem") == "subsystem"
-                    && dev.attribute("type") == Some("pci")
-            }
-            "interface" => dev.attribute("type") == Some("hostdev"),
-            _ => false,
-        };
-        if !pci {
-            continue;
-        }
-        let address = dev
+    for dev in devices.children().filter(|n| is_pci_hostdev(n)) {
+        let Some(address) = dev
             .children()
             .find(|n| n.has_tag_name("source"))
-            .and_then(|s| s.children().find(|n| n.has_tag_name("address")));
-        let Some(address) = address else {
-            // A hostdev whose source is not given by address (e.g. not yet resolved): nothing
-            // this function can name.
+            .and_then(|s| s.children().find(|n| n.has_tag_name("address")))
+            .filter(|a| a.attribute("type").is_none_or(|t| t == "pci"))
+        else {
             continue;
         };
-        if address.attribute("type").is_some_and(|t| t != "pci") {
-            continue;
-        }
-        out.push(source_address(address)?);
+        let source = source_address(address)?;
+        let alias = dev
+            .children()
+            .find(|n| n.has_tag_name("alias"))
+            .and_then(|a| a.attribute("name"))
+            .map(str::to_string);
+        let guest_address = dev
+            .children()
+            .find(|n| n.has_tag_name("address") && n.attribute("type") == Some("pci"))
+            .map(source_address)
+            .transpose()?
+            .map(|a| a.to_string());
+        out.push(Hostdev {
+            source,
+            alias,
+            guest_address,
+        });
     }
     Ok(out)
+}
+
+fn is_pci_hostdev(dev: &roxmltree::Node<'_, '_>) -> bool {
+    if !dev.is_element() {
+        return false;
+    }
+    match dev.tag_name().name() {
+        "hostdev" => {
+            dev.attribute("mode").unwrap_or("subsystem") == "subsystem"
+                && dev.attribute("type") == Some("pci")
+        }
+        "interface" => dev.attribute("type") == Some("hostdev"),
+        _ => false,
+    }
+}
+
+/// The `<hostdev>` that gives a domain host function `source`, with `managed='no'`: vfiod binds
+/// the function to vfio-pci itself, and libvirt must never rebind it behind vfiod's back. The
+/// alias (`ua-` prefix, libvirt's rule for user aliases) names it in libvirt's events and XML.
+pub fn hostdev_xml(source: PciAddress, alias: &str) -> String {
+    format!(
+        "<hostdev mode='subsystem' type='pci' managed='no'>\
+         <source><address domain='0x{:04x}' bus='0x{:02x}' slot='0x{:02x}' function='0x{:x}'/></source>\
+         <alias name='{alias}'/></hostdev>",
+        source.domain, source.bus, source.slot, source.function
+    )
 }
 
 /// `<address domain='0x0000' bus='0x3b' slot='0x02' function='0x0'/>`: values are hex with
@@ -129,6 +173,44 @@ mod tests {
             assigned_functions(xml).unwrap(),
             vec![a("0000:3b:02.1"), a("0000:af:00.2"), a("0000:17:00.0")]
         );
+    }
+
+    #[test]
+    fn hostdevs_carry_their_alias_and_guest_address() {
+        let xml = r#"<domain><name>n</name><devices>
+            <hostdev mode='subsystem' type='pci' managed='no'>
+              <driver name='vfio'/>
+              <source><address domain='0x0000' bus='0x01' slot='0x00' function='0x1'/></source>
+              <alias name='ua-vfiod-7-0'/>
+              <address type='pci' domain='0x0000' bus='0x07' slot='0x00' function='0x0'/>
+            </hostdev>
+            <hostdev mode='subsystem' type='pci'>
+              <source><address domain='0x0000' bus='0x01' slot='0x00' function='0x2'/></source>
+            </hostdev></devices></domain>"#;
+        assert_eq!(
+            hostdevs(xml).unwrap(),
+            vec![
+                Hostdev {
+                    source: a("0000:01:00.1"),
+                    alias: Some("ua-vfiod-7-0".into()),
+                    guest_address: Some("0000:07:00.0".into()),
+                },
+                Hostdev {
+                    source: a("0000:01:00.2"),
+                    alias: None,
+                    guest_address: None,
+                },
+            ]
+        );
+        // What vfiod attaches parses back to the same function and alias.
+        let mine = format!(
+            "<domain><devices>{}</devices></domain>",
+            hostdev_xml(a("0000:af:1f.7"), "ua-vfiod-12-1")
+        );
+        let back = hostdevs(&mine).unwrap();
+        assert_eq!(back[0].source, a("0000:af:1f.7"));
+        assert_eq!(back[0].alias.as_deref(), Some("ua-vfiod-12-1"));
+        assert!(mine.contains("managed='no'"), "{mine}");
     }
 
     #[test]
