@@ -11,6 +11,7 @@ use crate::engine::context::JobContext;
 use crate::engine::job::{Admission, Job, JobError, JobFailure, Phase, Progress};
 use crate::engine::removals::Waited;
 use crate::host::libvirt::{self, Definition, Hostdev, LibvirtError};
+use crate::model::claim::ClaimState;
 use crate::model::pci::PciAddress;
 use crate::model::task::TaskKind;
 use crate::store::{ClaimDetails, ClaimRecord};
@@ -47,10 +48,20 @@ impl DetachJob {
 
     /// The detach did not happen: the claim is attached as before, and the job fails with `why`.
     fn refused(&mut self, cx: &JobContext, why: String) -> JobFailure {
-        if let Err(e) = self.step(cx, Step::DetachRefused, &format!("detach failed: {why}")) {
+        let what = format!("detach failed: {why}");
+        let recorded = if self.claim.state == ClaimState::Detaching {
+            self.step(cx, Step::DetachRefused, &what)
+        } else {
+            // Nothing was asked of libvirt yet: the claim is as it was.
+            cx.store
+                .claim_note(self.claim.id, &what)
+                .map(drop)
+                .map_err(|e| JobFailure::from_error(&e))
+        };
+        if let Err(e) = recorded {
             return JobFailure::new(format!("{why}; {}", e.message));
         }
-        JobFailure::new(format!("{why}; the claim stays attached"))
+        JobFailure::new(format!("{why}; the claim stays {}", ClaimState::Attached))
     }
 
     /// The domain no longer has the claim's devices: the claim ends.
