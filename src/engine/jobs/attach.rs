@@ -196,6 +196,7 @@ impl Job for AttachJob {
                 &format!("attaching to {}", self.domain),
             )
             .map_err(|e| JobFailure::from_error(&e))?;
+        super::kill_point("attach:attaching");
 
         progress.phase(BIND.name);
         let mut bindings = Vec::new();
@@ -252,6 +253,8 @@ impl Job for AttachJob {
             }
             self.attached.push(alias);
         }
+
+        super::kill_point("attach:in-libvirt");
 
         progress.phase(READ_BACK.name);
         let definition = if affect.live {

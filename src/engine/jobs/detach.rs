@@ -168,6 +168,7 @@ impl Job for DetachJob {
             }
             aliases.push(alias);
         }
+        super::kill_point("detach:asked");
         if live.is_empty() {
             return self.detached(cx, &info.name);
         }

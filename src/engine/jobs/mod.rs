@@ -8,3 +8,18 @@ pub mod mode;
 pub use attach::AttachJob;
 pub use detach::DetachJob;
 pub use mode::ModeJob;
+
+/// For the crash tests (`tests/kill_claims.rs`), only in builds with the `test-hooks` feature:
+/// `VFIOD_TEST_KILL_AT=<point>` makes the daemon kill itself (SIGKILL, no cleanup) when a job
+/// reaches `point` ("attach:attaching", "attach:in-libvirt", "detach:asked"). Release builds
+/// carry neither the code nor the variable's name.
+#[cfg(feature = "test-hooks")]
+pub(crate) fn kill_point(point: &str) {
+    if std::env::var("VFIOD_TEST_KILL_AT").is_ok_and(|p| p == point) {
+        let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
+    }
+}
+
+#[cfg(not(feature = "test-hooks"))]
+#[inline(always)]
+pub(crate) fn kill_point(_point: &str) {}
