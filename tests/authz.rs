@@ -82,7 +82,7 @@ const CLAIM_THE_GPU: &[&str] = &["claim", "--kind", "gpu", "--vm", "desktop"];
 /// The claim calls (vfioctl command, action, details as the test rules log them), made while
 /// claim 1 ([`CLAIM_THE_GPU`]) holds the GPU group and every other device of [`claim_config`]
 /// is free: each would change something if it were allowed. A Claim that names no kind is
-/// asked with an empty `kind`. Attach and Detach get lines here when they come.
+/// asked with an empty `kind`.
 const CLAIMING: &[(&[&str], &str, &str)] = &[
     (
         &["claim", "--kind", "nic", "--vm", "db"],
@@ -99,6 +99,16 @@ const CLAIMING: &[(&[&str], &str, &str)] = &[
         &["release", "1"],
         CLAIM,
         "verb=Release device=0000:17:00.0 vm=desktop kind=gpu",
+    ),
+    (
+        &["attach", "1", "desktop", "--wait"],
+        CLAIM,
+        "verb=Attach device=0000:17:00.0 vm=desktop kind=gpu",
+    ),
+    (
+        &["detach", "1", "--wait"],
+        CLAIM,
+        "verb=Detach device=0000:17:00.0 vm=desktop kind=gpu",
     ),
 ];
 
@@ -454,12 +464,13 @@ async fn each_action_allows_its_methods_and_no_others() {
 }
 
 /// Reads of claims are open: an unprivileged caller finds devices and reads the claims and the
-/// devices' `Claim` as root does. Claim and Release are refused with NotAuthorized naming the
-/// claim action, asked with their details, and change nothing: no claim record, no event, no
-/// sysfs write, the same objects on the bus. Root may then do what was refused.
+/// devices' `Claim` as root does. Claim, Release, Attach and Detach are refused with
+/// NotAuthorized naming the claim action, asked with their details, and change nothing: no claim
+/// record, no event, no sysfs write, the same objects on the bus. Root may then do what was
+/// refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs root"]
-async fn an_unprivileged_caller_reads_claims_but_cannot_claim_or_release() {
+async fn an_unprivileged_caller_reads_claims_but_cannot_claim_release_attach_or_detach() {
     assert_root();
     let p = start_for_claims(&[VFIOD_ACTIONS], &[TEST_RULES]).await;
     let r = p.vfioctl(ROOT, CLAIM_THE_GPU).await;

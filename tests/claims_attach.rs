@@ -121,7 +121,9 @@ async fn an_attach_libvirt_refuses_releases_the_claim() {
     assert!(findable(&h, &c.address).await, "the VF is back in the pool");
     let events = claim_events(&h, &c.address);
     assert!(
-        events.iter().any(|e| e.contains("released: the attach to ghost failed")),
+        events
+            .iter()
+            .any(|e| e.contains("released: the attach to ghost failed")),
         "{events:?}"
     );
     // The failed task does not hold the device: it can be claimed and attached again.
@@ -137,11 +139,17 @@ async fn an_attach_libvirt_refuses_releases_the_claim() {
     );
     assert!(started.elapsed() < SLOW);
     assert_eq!(name, "org.vfiod.Vfiod1.Error.AttachFailed", "{message}");
-    assert!(message.contains("could not attach a device to domain vm1"), "{message}");
+    assert!(
+        message.contains("could not attach a device to domain vm1"),
+        "{message}"
+    );
     assert!(!active_paths(&h).await.contains(&again.to_string()));
     assert!(findable(&h, &c.address).await);
     let live = d.virsh_at(&d.qemu_uri(), &["dumpxml", "vm1"]);
-    assert!(!live.contains("ua-vfiod-"), "nothing of vfiod's is left: {live}");
+    assert!(
+        !live.contains("ua-vfiod-"),
+        "nothing of vfiod's is left: {live}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -151,8 +159,18 @@ async fn refusals_before_the_attach_change_nothing() {
     let path = claim_vf(&h, "vm1").await;
     let p = proxy(&h, &path).await;
     for (domain, flags, error, says) in [
-        ("vm2", vec!["config"], "InvalidArgument", "is for VM vm1, not vm2"),
-        ("vm1", vec!["hot"], "InvalidArgument", "unknown attach flag \"hot\""),
+        (
+            "vm2",
+            vec!["config"],
+            "InvalidArgument",
+            "is for VM vm1, not vm2",
+        ),
+        (
+            "vm1",
+            vec!["hot"],
+            "InvalidArgument",
+            "unknown attach flag \"hot\"",
+        ),
         ("", vec![], "InvalidArgument", "the domain must be named"),
     ] {
         let (name, message) = refusal(p.attach(domain, &flags).await, domain);
@@ -220,8 +238,14 @@ async fn a_config_attach_and_detach_and_a_detach_that_fails() {
     let config = d.virsh_at(&d.qemu_uri(), &["dumpxml", "--inactive", "vm1"]);
     assert!(!config.contains(&alias), "{config}");
     let events = claim_events(&h, &c.address);
-    assert!(events.iter().any(|e| e.contains("detach failed")), "{events:?}");
-    assert!(events.iter().any(|e| e.contains("detached from vm1")), "{events:?}");
+    assert!(
+        events.iter().any(|e| e.contains("detach failed")),
+        "{events:?}"
+    );
+    assert!(
+        events.iter().any(|e| e.contains("detached from vm1")),
+        "{events:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -230,9 +254,14 @@ async fn the_reconcile_repairs_claims_libvirt_disagrees_with() {
     define(&d, "vm1", false);
     // Attached to vm1's configuration, then removed from it behind vfiod's back.
     let path = claim_vf(&h, "vm1").await;
-    proxy(&h, &path).await.attach("vm1", &["config"]).await.unwrap();
+    proxy(&h, &path)
+        .await
+        .attach("vm1", &["config"])
+        .await
+        .unwrap();
     let c = claims::claim_view(&h.client, path.as_str()).await.unwrap();
-    let hostdev = vfiod::host::libvirt::hostdev_xml(addr(&c.address), &format!("ua-vfiod-{}-0", c.id));
+    let hostdev =
+        vfiod::host::libvirt::hostdev_xml(addr(&c.address), &format!("ua-vfiod-{}-0", c.id));
     let file = d.dir.path().join("hostdev.xml");
     std::fs::write(&file, &hostdev).unwrap();
     // And the reverse: a managed VF assigned to vm1 by hand, that no claim holds.
@@ -254,8 +283,19 @@ async fn the_reconcile_repairs_claims_libvirt_disagrees_with() {
     )
     .unwrap();
     let uri = d.qemu_uri();
-    d.virsh_at(&uri, &["detach-device", "vm1", file.to_str().unwrap(), "--config"]);
-    d.virsh_at(&uri, &["attach-device", "vm1", hand_file.to_str().unwrap(), "--config"]);
+    d.virsh_at(
+        &uri,
+        &["detach-device", "vm1", file.to_str().unwrap(), "--config"],
+    );
+    d.virsh_at(
+        &uri,
+        &[
+            "attach-device",
+            "vm1",
+            hand_file.to_str().unwrap(),
+            "--config",
+        ],
+    );
 
     // vfiod learns of it when libvirt reconnects (as after a restart of either).
     d.restart();
@@ -265,7 +305,9 @@ async fn the_reconcile_repairs_claims_libvirt_disagrees_with() {
     let (first, by_hand_ref) = (&first, &by_hand);
     let list = eventually_async(SLOW, "the reconcile has both claims right", || async move {
         let list = claims::list_claims(client).await.unwrap();
-        let back = list.iter().any(|c| &c.path == first && c.state == "claimed");
+        let back = list
+            .iter()
+            .any(|c| &c.path == first && c.state == "claimed");
         let adopted = list
             .iter()
             .any(|c| &c.address == by_hand_ref && c.state == "attached" && c.vm_name == "vm1");
@@ -275,7 +317,9 @@ async fn the_reconcile_repairs_claims_libvirt_disagrees_with() {
     assert_eq!(list.len(), 2, "{list:?}");
     let events = claim_events(&h, &c.address);
     assert!(
-        events.iter().any(|e| e.contains("reconcile: domain vm1 no longer has its devices")),
+        events
+            .iter()
+            .any(|e| e.contains("reconcile: domain vm1 no longer has its devices")),
         "{events:?}"
     );
     let events = claim_events(&h, &by_hand);
@@ -299,7 +343,10 @@ async fn without_libvirt_attach_says_so_and_claims_still_work() {
         "attach without libvirt",
     );
     assert_eq!(name, "org.vfiod.Vfiod1.Error.Failed", "{message}");
-    assert!(message.contains("libvirt is off in this configuration"), "{message}");
+    assert!(
+        message.contains("libvirt is off in this configuration"),
+        "{message}"
+    );
     let c = claims::claim_view(&h.client, path.as_str()).await.unwrap();
     assert_eq!(c.state, "claimed", "a refusal changes nothing");
     proxy(&h, &path).await.release().await.unwrap();
@@ -332,9 +379,15 @@ async fn vfioctl_attaches_and_detaches() {
 
     let (ok, out) = run(args(&["attach", &id, "vm1", "--live", "--wait"])).await;
     assert!(!ok, "a live attach to a stopped domain fails: {out}");
-    assert!(out.contains("AttachFailed") && out.contains("not running"), "{out}");
+    assert!(
+        out.contains("AttachFailed") && out.contains("not running"),
+        "{out}"
+    );
     let (ok, out) = run(args(&["claims"])).await;
-    assert!(ok && out.contains("no claims"), "the failed attach released it: {out}");
+    assert!(
+        ok && out.contains("no claims"),
+        "the failed attach released it: {out}"
+    );
 
     let (ok, out) = run(args(&["claim", "--vf", "--vm", "vm1"])).await;
     assert!(ok, "{out}");
@@ -354,9 +407,16 @@ async fn vfioctl_attaches_and_detaches() {
     assert!(out.contains(&format!("claim {id} ")), "{out}");
     let client = &h.client;
     eventually_async(SLOW, "the claim is gone after the detach", || async move {
-        claims::list_claims(client).await.unwrap().is_empty().then_some(())
+        claims::list_claims(client)
+            .await
+            .unwrap()
+            .is_empty()
+            .then_some(())
     })
     .await;
     let (ok, out) = run(args(&["detach", &id, "--wait"])).await;
-    assert!(!ok && out.contains(&format!("no active claim {id}")), "{out}");
+    assert!(
+        !ok && out.contains(&format!("no active claim {id}")),
+        "{out}"
+    );
 }

@@ -638,7 +638,10 @@ async fn run(args: Args) -> Result<(), String> {
                     } else {
                         format!(" at guest address {}", c.guest_address)
                     };
-                    println!("claim {claim}: {} attached to {domain}{at}", c.functions.join(" + "));
+                    println!(
+                        "claim {claim}: {} attached to {domain}{at}",
+                        c.functions.join(" + ")
+                    );
                 }
                 claims::Progress::Started(state) => println!(
                     "claim {claim} is {state} to {domain} (vfioctl claims shows when it is \

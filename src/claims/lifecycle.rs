@@ -132,14 +132,18 @@ pub fn affect(flags: &[String], running: bool, persistent: bool) -> Result<Affec
         };
     }
     if a.live && !running {
-        return Err("the domain is not running: a live attach needs a running domain (use the \
+        return Err(
+            "the domain is not running: a live attach needs a running domain (use the \
                     flag \"config\" for its next start)"
-            .into());
+                .into(),
+        );
     }
     if a.config && !persistent {
-        return Err("the domain is transient: it has no configuration to attach to (use the \
+        return Err(
+            "the domain is transient: it has no configuration to attach to (use the \
                     flag \"live\")"
-            .into());
+                .into(),
+        );
     }
     Ok(a)
 }
@@ -250,10 +254,9 @@ pub fn reconcile(
             why: format!("its attach to {} did not complete", d.name),
         },
         Attached if live || config => Repair::Keep,
-        Attached if anywhere => Repair::Report(format!(
-            "domain {} has only some of its functions",
-            d.name
-        )),
+        Attached if anywhere => {
+            Repair::Report(format!("domain {} has only some of its functions", d.name))
+        }
         Attached => Repair::BackToClaimed {
             why: format!("domain {} no longer has its devices", d.name),
         },
@@ -322,7 +325,11 @@ mod tests {
         };
         for state in [Claimed, Attaching, Attached, Detaching, Released] {
             for step in all {
-                assert_eq!(next(1, state, step).ok(), expect(state, step), "{state} {step:?}");
+                assert_eq!(
+                    next(1, state, step).ok(),
+                    expect(state, step),
+                    "{state} {step:?}"
+                );
             }
         }
         // Refusals say why, and an attach or detach under way is Busy.

@@ -30,7 +30,10 @@ pub enum Progress {
 /// Which change of a claim an attach or detach waits for.
 #[derive(Clone, Copy, Debug)]
 pub enum Change<'a> {
-    Attach { domain: &'a str, flags: &'a [&'a str] },
+    Attach {
+        domain: &'a str,
+        flags: &'a [&'a str],
+    },
     Detach,
 }
 

@@ -128,19 +128,22 @@ impl Engine {
         let Some(claim) = core.store().claim_record(id)? else {
             return Ok(());
         };
-        let busy = core
-            .store()
-            .active_task(claim.address)?
-            .is_some_and(|t| {
-                matches!(t.kind, TaskKind::Detach | TaskKind::Attach) && !t.state.is_final()
-            });
+        let busy = core.store().active_task(claim.address)?.is_some_and(|t| {
+            matches!(t.kind, TaskKind::Detach | TaskKind::Attach) && !t.state.is_final()
+        });
         if busy || !matches!(claim.state, ClaimState::Detaching | ClaimState::Attached) {
             return Ok(());
         }
         if !removed {
             let what = format!("the guest of {name} refused to release the device");
             if claim.state == ClaimState::Detaching {
-                self.claim_step(core, id, Step::DetachRefused, ClaimDetails::default(), &what)?;
+                self.claim_step(
+                    core,
+                    id,
+                    Step::DetachRefused,
+                    ClaimDetails::default(),
+                    &what,
+                )?;
             } else {
                 core.store().claim_note(id, &what)?;
             }
@@ -157,7 +160,9 @@ impl Engine {
         let what = if claim.state == ClaimState::Detaching {
             format!("detached from {name} late: libvirt reported the device removed; the device returns to the pool")
         } else {
-            format!("{name} no longer has the device (removed outside vfiod); the VM keeps the claim")
+            format!(
+                "{name} no longer has the device (removed outside vfiod); the VM keeps the claim"
+            )
         };
         tracing::info!(claim_id = id, domain = name, "{what}");
         self.claim_step(core, id, Step::Detached, ClaimDetails::default(), &what)?;
@@ -202,7 +207,11 @@ impl Engine {
         }
     }
 
-    fn reconcile_claims_now(&self, core: &Core, only: Option<&str>) -> Result<usize, ReconcileError> {
+    fn reconcile_claims_now(
+        &self,
+        core: &Core,
+        only: Option<&str>,
+    ) -> Result<usize, ReconcileError> {
         if core.libvirt().uri().is_none() {
             return Ok(0);
         }
@@ -247,7 +256,10 @@ impl Engine {
                 continue;
             }
             let domain = domains.iter().find(|d| {
-                claim.vm_uuid.as_deref().is_some_and(|u| u.eq_ignore_ascii_case(&d.uuid))
+                claim
+                    .vm_uuid
+                    .as_deref()
+                    .is_some_and(|u| u.eq_ignore_ascii_case(&d.uuid))
                     || (claim.vm_uuid.is_none() && claim.vm_name.as_deref() == Some(&d.name))
             });
             let repair =
@@ -257,11 +269,9 @@ impl Engine {
             }
             match self.repair(core, &claim, domain, repair) {
                 Ok(()) => changed += 1,
-                Err(e) => tracing::error!(
-                    claim_id = claim.id,
-                    "reconcile: {}",
-                    crate::error_chain(&e)
-                ),
+                Err(e) => {
+                    tracing::error!(claim_id = claim.id, "reconcile: {}", crate::error_chain(&e))
+                }
             }
         }
         // The reverse: functions vfiod manages that a domain has and no claim holds.
@@ -272,7 +282,10 @@ impl Engine {
             .collect();
         let devices = store.devices()?;
         let managed = |f| devices.iter().any(|d| d.address == f && d.managed);
-        for d in domains.iter().filter(|d| concerns(Some(&d.name), Some(&d.uuid))) {
+        for d in domains
+            .iter()
+            .filter(|d| concerns(Some(&d.name), Some(&d.uuid)))
+        {
             for f in lifecycle::unclaimed_assignments(d, &held, &managed) {
                 changed += usize::from(self.adopt(core, d, f));
             }
@@ -330,14 +343,22 @@ impl Engine {
                     return Ok(());
                 };
                 if claim.state == ClaimState::Claimed {
-                    step(Step::Attach, ClaimDetails::default(), format!("reconcile: {why}"))?;
+                    step(
+                        Step::Attach,
+                        ClaimDetails::default(),
+                        format!("reconcile: {why}"),
+                    )?;
                 }
                 let details = ClaimDetails {
                     vm_name: Some(d.name.clone()),
                     vm_uuid: Some(d.uuid.clone()),
                     guest_address: Some(d.guest_address(claim.address)),
                 };
-                step(Step::Attached, details, format!("reconcile: {why}: attached"))
+                step(
+                    Step::Attached,
+                    details,
+                    format!("reconcile: {why}: attached"),
+                )
             }
             Repair::BackToClaimed { why } => {
                 let s = if claim.state == ClaimState::Detaching {
@@ -357,7 +378,11 @@ impl Engine {
                     ClaimState::Detaching => Step::Detached,
                     // Out of the domain first: an attached claim cannot be released.
                     ClaimState::Attached => {
-                        step(Step::Detached, ClaimDetails::default(), format!("reconcile: {why}"))?;
+                        step(
+                            Step::Detached,
+                            ClaimDetails::default(),
+                            format!("reconcile: {why}"),
+                        )?;
                         Step::Release
                     }
                     ClaimState::Claimed | ClaimState::Released => Step::Release,
@@ -398,7 +423,10 @@ impl Engine {
                 let _ = core.store().record_event(crate::store::NewEvent::new(
                     Some(f),
                     crate::model::event::EventKind::Claim,
-                    format!("reconcile: {why}, and it cannot be claimed for it: {}", crate::error_chain(&e)),
+                    format!(
+                        "reconcile: {why}, and it cannot be claimed for it: {}",
+                        crate::error_chain(&e)
+                    ),
                 ));
                 return false;
             }
@@ -410,7 +438,15 @@ impl Engine {
         let what = format!("reconcile: {why}: claimed for it");
         let r = self
             .claim_step(core, claim.id, Step::Attach, ClaimDetails::default(), &what)
-            .and_then(|_| self.claim_step(core, claim.id, Step::Attached, details, "reconcile: attached"));
+            .and_then(|_| {
+                self.claim_step(
+                    core,
+                    claim.id,
+                    Step::Attached,
+                    details,
+                    "reconcile: attached",
+                )
+            });
         if let Err(e) = r {
             tracing::error!(claim_id = claim.id, "reconcile: {}", crate::error_chain(&e));
         }

@@ -81,7 +81,10 @@ impl ClaimSteps {
         details: ClaimDetails,
         what: &str,
     ) -> Result<ClaimRecord, StoreError> {
-        let _publishing = self.publishing.lock().unwrap_or_else(PoisonError::into_inner);
+        let _publishing = self
+            .publishing
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         let claim = self.store.step_claim(id, step, details, what)?;
         (self.publish)(&claim);
         Ok(claim)

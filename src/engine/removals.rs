@@ -66,11 +66,21 @@ impl Removals {
 
     /// Waits until every one of `aliases` of domain `domain_uuid` has been removed by an event
     /// after `mark`, one was refused, or `deadline` passed.
-    pub fn wait(&self, mark: u64, domain_uuid: &str, aliases: &[String], deadline: Instant) -> Waited {
+    pub fn wait(
+        &self,
+        mark: u64,
+        domain_uuid: &str,
+        aliases: &[String],
+        deadline: Instant,
+    ) -> Waited {
         let uuid = domain_uuid.to_ascii_lowercase();
         let mut seen = self.lock();
         loop {
-            let after = || seen.1.iter().filter(|r| r.seq > mark && r.domain_uuid == uuid);
+            let after = || {
+                seen.1
+                    .iter()
+                    .filter(|r| r.seq > mark && r.domain_uuid == uuid)
+            };
             if let Some(r) = after().find(|r| !r.removed && aliases.contains(&r.alias)) {
                 return Waited::Refused(r.alias.clone());
             }
@@ -124,7 +134,12 @@ mod tests {
         });
         let deadline = Instant::now() + Duration::from_secs(5);
         assert_eq!(
-            r.wait(mark, "u", &aliases(&["ua-vfiod-1-0", "ua-vfiod-1-1"]), deadline),
+            r.wait(
+                mark,
+                "u",
+                &aliases(&["ua-vfiod-1-0", "ua-vfiod-1-1"]),
+                deadline
+            ),
             Waited::Removed
         );
         later.join().unwrap();

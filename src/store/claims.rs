@@ -433,7 +433,13 @@ impl Store {
             })
             .map_err(|e| self.sqlite(action, e))?;
             let changed = self.must_read_claim(conn, action, id)?;
-            self.claim_event(conn, action, &changed, format!("{}: {what}", changed.subject()), now)?;
+            self.claim_event(
+                conn,
+                action,
+                &changed,
+                format!("{}: {what}", changed.subject()),
+                now,
+            )?;
             Ok(changed)
         })
     }
@@ -443,7 +449,13 @@ impl Store {
         let action = "record a claim's event";
         self.write(action, |conn| {
             let claim = self.must_read_claim(conn, action, id)?;
-            self.claim_event(conn, action, &claim, format!("{}: {what}", claim.subject()), now_ms())?;
+            self.claim_event(
+                conn,
+                action,
+                &claim,
+                format!("{}: {what}", claim.subject()),
+                now_ms(),
+            )?;
             Ok(claim)
         })
     }

@@ -500,7 +500,11 @@ impl Store {
     /// `message`, reset at once (by [`SETTLED_BY`]) so that it does not hold its device.
     pub fn task_settled(&self, id: i64, message: &str) -> Result<TaskRecord, StoreError> {
         check_not_empty("task error message", message)?;
-        self.change(id, "record a settled task failure", Change::Settled { message })
+        self.change(
+            id,
+            "record a settled task failure",
+            Change::Settled { message },
+        )
     }
 
     /// What a task in `prepare` found it has to do: a mode task asked for VF mode learns there

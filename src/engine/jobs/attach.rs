@@ -203,18 +203,26 @@ impl Job for AttachJob {
         for f in &self.claim.functions {
             match convert::binding(&cx.sysfs, *f) {
                 Ok(b) => bindings.push(b),
-                Err(e) => return Err(self.fail(format!("cannot read {f}: {}", crate::error_chain(&e)))),
+                Err(e) => {
+                    return Err(self.fail(format!("cannot read {f}: {}", crate::error_chain(&e))))
+                }
             }
         }
         let bind = plan::bind_plan(self.claim.address, &bindings, VFIO_PCI);
-        if bind.steps.iter().any(|s| matches!(s, plan::Step::Write { .. })) {
+        if bind
+            .steps
+            .iter()
+            .any(|s| matches!(s, plan::Step::Write { .. }))
+        {
             if let Err(e) = cx.modules.ensure_loaded(&cx.sysfs, VFIO_PCI) {
                 return Err(self.fail(e));
             }
             for b in &bindings {
                 if b.driver.as_deref() != Some(VFIO_PCI) {
                     // Remembered, so that a restore later returns the function to it.
-                    let _ = cx.store.remember_original_driver(b.address, b.driver.as_deref());
+                    let _ = cx
+                        .store
+                        .remember_original_driver(b.address, b.driver.as_deref());
                 }
             }
             let ran = convert::run(&cx.sysfs, &bind, &mut |done, total, step| {
@@ -332,7 +340,10 @@ impl Job for AttachJob {
             .clone()
             .unwrap_or_else(|| "the attach failed".into());
         let state = cx.store.claim_record(self.claim.id).ok().flatten();
-        if state.as_ref().is_some_and(|c| c.state == ClaimState::Attaching) {
+        if state
+            .as_ref()
+            .is_some_and(|c| c.state == ClaimState::Attaching)
+        {
             cx.claims
                 .step(
                     self.claim.id,

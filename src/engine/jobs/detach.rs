@@ -148,9 +148,9 @@ impl Job for DetachJob {
         // its next start whatever the guest does now.
         for h in &config {
             let xml = libvirt::hostdev_xml(h.source, h.alias.as_deref().unwrap_or(""));
-            if let Err(e) =
-                cx.libvirt
-                    .detach_device(&info.name, &xml, libvirt::Affect::Persistent)
+            if let Err(e) = cx
+                .libvirt
+                .detach_device(&info.name, &xml, libvirt::Affect::Persistent)
             {
                 return Err(self.refused(cx, libvirt_message(&e)));
             }
@@ -198,7 +198,11 @@ impl Job for DetachJob {
                     left.join(", "),
                     timeout.as_secs()
                 );
-                if let Err(e) = self.step(cx, Step::DetachTimedOut, &format!("detach timed out: {why}")) {
+                if let Err(e) = self.step(
+                    cx,
+                    Step::DetachTimedOut,
+                    &format!("detach timed out: {why}"),
+                ) {
                     return Err(JobFailure::new(format!("{why}; {}", e.message)));
                 }
                 Err(JobFailure::new(format!(
@@ -213,8 +217,7 @@ impl Job for DetachJob {
         // A detach takes nothing back: the records already say where the device is.
         Ok(format!(
             "kept claim {} ({})",
-            self.claim.id,
-            self.claim.state
+            self.claim.id, self.claim.state
         ))
     }
 
