@@ -303,18 +303,17 @@ async fn the_reconcile_repairs_claims_libvirt_disagrees_with() {
     let client = &h.client;
     let first = path.to_string();
     let (first, by_hand_ref) = (&first, &by_hand);
-    let list = eventually_async(SLOW, "the reconcile has both claims right", || async move {
+    let list = eventually_async(SLOW, "the reconcile puts the claim back", || async move {
         let list = claims::list_claims(client).await.unwrap();
         let back = list
             .iter()
             .any(|c| &c.path == first && c.state == "claimed");
-        let adopted = list
-            .iter()
-            .any(|c| &c.address == by_hand_ref && c.state == "attached" && c.vm_name == "vm1");
-        (back && adopted).then_some(list)
+        back.then_some(list)
     })
     .await;
-    assert_eq!(list.len(), 2, "{list:?}");
+    // The function assigned by hand is reported, not claimed behind the operator's back.
+    assert_eq!(list.len(), 1, "{list:?}");
+    assert!(list.iter().all(|c| &c.address != by_hand_ref), "{list:?}");
     let events = claim_events(&h, &c.address);
     assert!(
         events
@@ -326,7 +325,7 @@ async fn the_reconcile_repairs_claims_libvirt_disagrees_with() {
     assert!(
         events
             .iter()
-            .any(|e| e.contains("has") && e.contains("assigned but no claim held it")),
+            .any(|e| e.contains("domain vm1 has") && e.contains("assigned but no claim holds it")),
         "{events:?}"
     );
 }
@@ -419,4 +418,39 @@ async fn vfioctl_attaches_and_detaches() {
         !ok && out.contains(&format!("no active claim {id}")),
         "{out}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn undefining_a_stopped_domain_ends_its_attached_claims() {
+    let (d, h) = setup().await;
+    define(&d, "vm1", false);
+    define(&d, "vm2", false);
+    let one = claim_vf(&h, "vm1").await;
+    proxy(&h, &one).await.attach("vm1", &[]).await.unwrap();
+    let m = claims::claims_proxy(&h.client).await.unwrap();
+    let two = m
+        .claim(
+            dict(&[("role", Variant::from("vf"))]),
+            dict(&[
+                ("vm_name", Variant::from("vm2")),
+                ("persistent", Variant::from(true)),
+            ]),
+        )
+        .await
+        .unwrap();
+    proxy(&h, &two).await.attach("vm2", &[]).await.unwrap();
+    let uri = d.qemu_uri();
+    d.virsh_at(&uri, &["undefine", "vm1"]);
+    d.virsh_at(&uri, &["undefine", "vm2"]);
+    let client = &h.client;
+    let (one_s, two_s) = (one.to_string(), two.to_string());
+    let (one_s, two_s) = (&one_s, &two_s);
+    let list = eventually_async(SLOW, "vm1's claim ends, vm2's persistent one stays", || async move {
+        let list = claims::list_claims(client).await.unwrap();
+        let gone = !list.iter().any(|c| &c.path == one_s);
+        let kept = list.iter().any(|c| &c.path == two_s && c.state == "claimed");
+        (gone && kept).then_some(list)
+    })
+    .await;
+    assert_eq!(list.len(), 1, "{list:?}");
 }

@@ -8,15 +8,15 @@
 use super::jobs::{detach::claim_of_alias, AttachJob, DetachJob};
 use super::{Core, Engine, EngineEvent, JobError};
 use crate::claims::lifecycle::{self, Assigned, DomainDefinitions, Repair, Step};
-use crate::claims::{Owner, Requirements};
 use crate::host::libvirt::{self, DomainEvent, DomainEventKind, LibvirtError};
 use crate::model::claim::ClaimState;
+use crate::model::pci::PciAddress;
 use crate::model::task::TaskKind;
 use crate::store::TaskState;
 use crate::store::{ClaimDetails, ClaimRecord, StoreError, TaskRecord};
 use std::sync::Arc;
 
-/// Who the reconcile acts as, in events and in the claims it makes.
+/// Who the reconcile acts as, in events.
 const RECONCILE: &str = "vfiod (reconcile with libvirt)";
 
 /// How an attach or detach a caller waits for ended badly.
@@ -287,7 +287,7 @@ impl Engine {
             .filter(|d| concerns(Some(&d.name), Some(&d.uuid)))
         {
             for f in lifecycle::unclaimed_assignments(d, &held, &managed) {
-                changed += usize::from(self.adopt(core, d, f));
+                self.report_unclaimed(core, d, f);
             }
         }
         if only.is_none() {
@@ -396,61 +396,25 @@ impl Engine {
         }
     }
 
-    /// A managed function a domain has and no claim holds: claimed for that domain, so that no
-    /// one else gets it, and marked attached. Reported either way.
-    fn adopt(&self, core: &Core, d: &DomainDefinitions, f: crate::model::pci::PciAddress) -> bool {
-        let why = format!("domain {} has {f} assigned but no claim held it", d.name);
-        tracing::warn!(domain = %d.name, device = %f, "reconcile: {why}");
-        let owner = Owner {
-            vm_name: Some(d.name.clone()),
-            vm_uuid: Some(d.uuid.clone()),
-            lease_seconds: None,
-            persistent: false,
-        };
-        let req = Requirements {
-            address: Some(f),
-            ..Requirements::default()
-        };
-        let claimed = {
-            let _p = self.publishing.lock().unwrap_or_else(|p| p.into_inner());
-            core.store().claim(&req, &owner, RECONCILE).inspect(|c| {
-                let _ = self.events.send(EngineEvent::Claim(c.clone()));
-            })
-        };
-        let claim = match claimed {
-            Ok(c) => c,
-            Err(e) => {
-                let _ = core.store().record_event(crate::store::NewEvent::new(
-                    Some(f),
-                    crate::model::event::EventKind::Claim,
-                    format!(
-                        "reconcile: {why}, and it cannot be claimed for it: {}",
-                        crate::error_chain(&e)
-                    ),
-                ));
-                return false;
-            }
-        };
-        let details = ClaimDetails {
-            guest_address: Some(d.guest_address(claim.address)),
-            ..ClaimDetails::default()
-        };
-        let what = format!("reconcile: {why}: claimed for it");
-        let r = self
-            .claim_step(core, claim.id, Step::Attach, ClaimDetails::default(), &what)
-            .and_then(|_| {
-                self.claim_step(
-                    core,
-                    claim.id,
-                    Step::Attached,
-                    details,
-                    "reconcile: attached",
-                )
-            });
-        if let Err(e) = r {
-            tracing::error!(claim_id = claim.id, "reconcile: {}", crate::error_chain(&e));
+    /// A managed function a domain has and no claim holds: reported, not claimed. Claiming it
+    /// for the domain would keep it out of the pool and block its PF's conversions for as long
+    /// as the domain's configuration names it, which the operator did not ask for; the tasks'
+    /// guard already refuses to touch what a running domain has.
+    fn report_unclaimed(&self, core: &Core, d: &DomainDefinitions, f: PciAddress) {
+        let why = format!(
+            "reconcile: domain {} has {f} assigned but no claim holds it (claim it for the \
+             domain to record it: vfioctl claim --address {f} --vm {})",
+            d.name, d.name
+        );
+        tracing::warn!(domain = %d.name, device = %f, "{why}");
+        let recorded = core.store().record_event(crate::store::NewEvent::new(
+            Some(f),
+            crate::model::event::EventKind::Claim,
+            why,
+        ));
+        if let Err(e) = recorded {
+            tracing::error!(device = %f, "cannot record: {}", crate::error_chain(&e));
         }
-        true
     }
 }
 

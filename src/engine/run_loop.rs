@@ -195,6 +195,9 @@ impl Engine {
                             crate::error_chain(&e)
                         );
                     }
+                    // Attached claims go once the domain no longer runs (a running domain that
+                    // is undefined lives on as a transient one, with its devices).
+                    self.reconcile_claims(Some(d.uuid.clone())).await;
                 }
                 self.send(super::EngineEvent::Domain(d));
             }

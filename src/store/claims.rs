@@ -181,8 +181,8 @@ impl Store {
                         action,
                         &claim,
                         format!(
-                            "{}: domain {name} was undefined while the claim is {}; it stays \
-                             until the domain has stopped",
+                            "{}: domain {name} was undefined while the claim is {}; it ends \
+                             when the domain no longer runs",
                             claim.subject(),
                             claim.state
                         ),
