@@ -445,12 +445,18 @@ async fn undefining_a_stopped_domain_ends_its_attached_claims() {
     let client = &h.client;
     let (one_s, two_s) = (one.to_string(), two.to_string());
     let (one_s, two_s) = (&one_s, &two_s);
-    let list = eventually_async(SLOW, "vm1's claim ends, vm2's persistent one stays", || async move {
-        let list = claims::list_claims(client).await.unwrap();
-        let gone = !list.iter().any(|c| &c.path == one_s);
-        let kept = list.iter().any(|c| &c.path == two_s && c.state == "claimed");
-        (gone && kept).then_some(list)
-    })
+    let list = eventually_async(
+        SLOW,
+        "vm1's claim ends, vm2's persistent one stays",
+        || async move {
+            let list = claims::list_claims(client).await.unwrap();
+            let gone = !list.iter().any(|c| &c.path == one_s);
+            let kept = list
+                .iter()
+                .any(|c| &c.path == two_s && c.state == "claimed");
+            (gone && kept).then_some(list)
+        },
+    )
     .await;
     assert_eq!(list.len(), 1, "{list:?}");
 }
