@@ -58,7 +58,12 @@ install:
 	fi
 ifneq ($(HOOKS),)
 	$(INSTALL) -d -m 0755 $(DESTDIR)$(HOOKDIR)
-	$(INSTALL) -m 0755 $(HOOKS) $(DESTDIR)$(HOOKDIR)/
+	@# The shims exec the vfioctl installed above, wherever BINDIR put it.
+	for h in $(HOOKS); do \
+	  sed -e 's|/usr/local/bin/vfioctl|$(BINDIR)/vfioctl|' $$h > $(DESTDIR)$(HOOKDIR)/$$(basename $$h) && \
+	  chmod 0755 $(DESTDIR)$(HOOKDIR)/$$(basename $$h) || exit 1; \
+	done
+	@echo "libvirt reads its hook directory when it starts: restart libvirtd (or virtqemud) once"
 endif
 
 uninstall:

@@ -1114,3 +1114,45 @@ async fn polkitd_sees_only_the_test_policy_and_the_host_is_untouched() {
     let after: Vec<_> = host_dirs.iter().map(|d| snapshot(d)).collect();
     assert_eq!(after, before, "the host's polkit directories changed");
 }
+
+/// libvirt runs its hooks as root: `Manager.Hook` is accepted from uid 0 only, without asking
+/// polkit (a hook cannot wait for an agent). Another user's hook call is refused, which the
+/// hook reports: a `prepare` fails (its XML cannot be checked), a notification passes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn the_hook_call_is_accepted_from_root_only() {
+    assert_root();
+    let p = start_for_claims(&[VFIOD_ACTIONS], &[TEST_RULES]).await;
+    let before = footprint(&p.h);
+    let r = p
+        .vfioctl(NOBODY, &["hook", "qemu", "vm1", "prepare", "begin", "-"])
+        .await;
+    assert!(!r.ok, "{}", r.stdout);
+    assert!(
+        r.stderr.contains("Manager.Hook is accepted from root only")
+            && r.stderr.contains(NOT_AUTHORIZED),
+        "{}",
+        r.stderr
+    );
+    let r = p
+        .vfioctl(NOBODY, &["hook", "qemu", "vm1", "stopped", "end", "-"])
+        .await;
+    assert!(r.ok, "a notification never fails: {}", r.stderr);
+    assert!(r.stderr.contains("root only"), "{}", r.stderr);
+    assert_unchanged(&p.h, &before, "hook calls as nobody");
+    // Root is answered by vfiod itself (here: the empty XML is refused).
+    let r = p
+        .vfioctl(ROOT, &["hook", "qemu", "vm1", "prepare", "begin", "-"])
+        .await;
+    assert!(!r.ok);
+    assert!(
+        r.stderr.contains("cannot read the XML of domain vm1") && !r.stderr.contains("root only"),
+        "{}",
+        r.stderr
+    );
+    assert!(
+        !p.polkitd.log().contains("org.vfiod.vfiod1"),
+        "the hook call asked polkit:\n{}",
+        p.polkitd.log()
+    );
+}

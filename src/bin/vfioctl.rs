@@ -140,10 +140,29 @@ enum Command {
         /// The claim's number (as `vfioctl claims` shows) or object path.
         claim: String,
     },
+    /// libvirt's hook: what `/etc/libvirt/hooks/qemu.d/vfiod` runs, with libvirt's arguments and
+    /// the domain XML on stdin. Exits with the hook's verdict within `[hooks]` deadlines, also
+    /// when vfiod does not answer. Reads the daemon's configuration ($VFIOD_CONFIG, else
+    /// /etc/vfiod) for the deadlines.
+    #[command(subcommand)]
+    Hook(HookCommand),
     /// Re-read the configuration (needs authorization).
     Reload,
     /// Rescan the PCI devices now (needs authorization).
     Rescan,
+}
+
+#[derive(Subcommand, Debug)]
+enum HookCommand {
+    /// The qemu driver's hook: DOMAIN OPERATION SUB-OPERATION EXTRA, the XML on stdin.
+    Qemu {
+        domain: String,
+        operation: String,
+        sub_operation: String,
+        /// libvirt passes "-" when it has nothing to say; absent is accepted too.
+        #[arg(default_value = "-")]
+        extra: String,
+    },
 }
 
 /// What a claim asks for; every option is optional and all must match.
@@ -315,6 +334,19 @@ async fn main() -> ExitCode {
         );
     }
     let args = Args::parse();
+    if let Command::Hook(_) = &args.command {
+        let target = match bus(&args) {
+            Ok(t) => t,
+            Err(e) => {
+                eprintln!("vfiod: {e}");
+                BusTarget::System
+            }
+        };
+        let Command::Hook(command) = args.command else {
+            unreachable!("matched above")
+        };
+        return hook(target, command).await;
+    }
     match run(args).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -322,6 +354,53 @@ async fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// `vfioctl hook qemu`: never fails for its own reasons where libvirt would suffer from it;
+/// see `vfiod::client::hook`.
+async fn hook(target: BusTarget, command: HookCommand) -> ExitCode {
+    let HookCommand::Qemu {
+        domain,
+        operation,
+        sub_operation,
+        extra,
+    } = command;
+    let mut xml = Vec::new();
+    use std::io::Read;
+    let read = std::io::stdin()
+        .take(client::hook::MAX_XML as u64 + 1)
+        .read_to_end(&mut xml);
+    let xml = match read {
+        Ok(_) if xml.len() <= client::hook::MAX_XML => String::from_utf8_lossy(&xml).into_owned(),
+        Ok(_) => {
+            eprintln!(
+                "vfiod: the domain XML on stdin is larger than {} bytes",
+                client::hook::MAX_XML
+            );
+            return ExitCode::FAILURE;
+        }
+        Err(e) => {
+            eprintln!("vfiod: cannot read the domain XML on stdin: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let settings = client::hook::settings();
+    let args = client::hook::HookArgs {
+        domain,
+        operation,
+        sub_operation,
+        extra,
+    };
+    let out = client::hook::run(&target, &args, xml, &settings.hooks, &settings.state_dir).await;
+    use std::io::Write;
+    let _ = std::io::stdout().write_all(out.stdout.as_bytes());
+    if !out.stderr.is_empty() {
+        eprintln!("{}", out.stderr);
+        if out.exit_code != 0 || out.stderr.contains("not recorded") {
+            client::hook::journal(&out.stderr);
+        }
+    }
+    ExitCode::from(u8::try_from(out.exit_code.clamp(0, 255)).unwrap_or(1))
 }
 
 async fn run(args: Args) -> Result<(), String> {
@@ -671,6 +750,7 @@ async fn run(args: Args) -> Result<(), String> {
                 .map_err(|e| gone_claim(&claim, e))?;
             println!("claim {claim} released");
         }
+        Command::Hook(_) => unreachable!("vfioctl hook is run before connecting"),
         Command::Reload => {
             let m = client::manager(&conn).await.map_err(describe)?;
             m.reload().await.map_err(|e| describe(e.into()))?;

@@ -2,6 +2,7 @@
 //! device, and the table `vfioctl list` prints.
 
 pub mod claims;
+pub mod hook;
 
 use crate::dbus::wire::{Dict, Entry};
 use crate::dbus::{BusTarget, BUS_NAME, ROOT_PATH};
@@ -36,6 +37,14 @@ pub trait Manager {
     fn get_plan(&self, address: &str) -> zbus::Result<Dict>;
     fn get_plans(&self) -> zbus::Result<Vec<Dict>>;
     fn get_tasks(&self, query: Dict) -> zbus::Result<Vec<Dict>>;
+    fn hook(
+        &self,
+        domain: &str,
+        operation: &str,
+        sub_operation: &str,
+        extra: &str,
+        xml: &str,
+    ) -> zbus::Result<(i32, String, String)>;
     fn reload(&self) -> zbus::Result<()>;
     fn rescan(&self) -> zbus::Result<()>;
     fn find_devices(&self, requirements: Dict) -> zbus::Result<Vec<zbus::OwnedObjectPath>>;

@@ -77,6 +77,7 @@
 
 mod bounded;
 mod claims;
+mod hooks;
 mod daemon;
 mod error;
 mod files;
@@ -94,6 +95,7 @@ pub use daemon::{Scenario, DEFAULT_LIBVIRT_URI};
 pub(crate) use error::Quoted;
 pub use error::{ConfigError, FileRefusal};
 pub use files::{MAX_DROPINS, MAX_FILE_BYTES, MAX_TOTAL_BYTES};
+pub use hooks::HookSettings;
 pub use position::Origin;
 pub use select::{DeviceRule, RuleOrigin};
 pub(crate) use selector::parse_id;
@@ -131,6 +133,8 @@ pub struct Settings {
     pub protect: Vec<Selector>,
     /// `[claims]`.
     pub claims: ClaimSettings,
+    /// `[hooks]`.
+    pub hooks: HookSettings,
     /// files that were read, in order (for logs and `vfioctl` status)
     pub sources: Vec<PathBuf>,
 }
@@ -149,6 +153,7 @@ impl Default for Settings {
             select_origins: Vec::new(),
             protect: Vec::new(),
             claims: ClaimSettings::default(),
+            hooks: HookSettings::default(),
             sources: Vec::new(),
         }
     }
@@ -219,6 +224,7 @@ fn settle(inputs: &Inputs) -> Result<Settings, ConfigError> {
         select_origins,
         protect: protect::validate(inputs.entries(|f| &f.protect))?,
         claims: claims::validate(inputs.values(|f| f.claims.as_ref()))?,
+        hooks: hooks::validate(inputs.values(|f| f.hooks.as_ref()))?,
         sources: inputs.sources(),
     })
 }
@@ -249,6 +255,15 @@ mod tests {
         assert_eq!(s.claims.detach_timeout_seconds, 30, "the default");
         let s = parse("[claims]\ndetach_timeout = 5\n");
         assert_eq!(s.claims.detach_timeout_seconds, 5);
+        let s = parse("[hooks]\nauto_claim = false\ndeadline_ms = 5000\n");
+        assert_eq!(
+            s.hooks,
+            HookSettings {
+                auto_claim: false,
+                deadline_ms: 5000,
+                notify_deadline_ms: 2000
+            }
+        );
         for (text, wanted) in [
             (
                 "[claims]\ndefault_lease_seconds = -1\n",
@@ -260,6 +275,11 @@ mod tests {
                 "out of range",
             ),
             ("[claims]\nlease = 1\n", "unknown field `lease`"),
+            (
+                "[hooks]\nnotify_deadline_ms = 10\n",
+                "test.toml:2:22: `hooks.notify_deadline_ms`: 10 is out of range",
+            ),
+            ("[hooks]\nauto_claim = 1\n", "invalid type"),
             (
                 "[claims]\ndetach_timeout = 0\n",
                 "test.toml:2:18: `claims.detach_timeout`: 0 is out of range",

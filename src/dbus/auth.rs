@@ -233,6 +233,31 @@ impl Authorizer {
     }
 }
 
+impl Authorizer {
+    /// Succeeds for a caller running as root (libvirt runs its hooks as root; a hook's call
+    /// may not wait for a polkit agent), or for anyone under [`Authorizer::AllowAll`].
+    pub async fn require_root(
+        &self,
+        requesters: &Requesters,
+        conn: &zbus::Connection,
+        header: &Header<'_>,
+        what: &str,
+    ) -> Result<(), Error> {
+        if *self == Authorizer::AllowAll {
+            return Ok(());
+        }
+        match requesters.uid(conn, header).await {
+            Some(0) => Ok(()),
+            Some(uid) => Err(Error::NotAuthorized(format!(
+                "{what} is accepted from root only (libvirt runs its hooks as root), not uid {uid}"
+            ))),
+            None => Err(Error::NotAuthorized(format!(
+                "{what} is accepted from root only, and the bus does not say who the caller is"
+            ))),
+        }
+    }
+}
+
 /// True when the error says no polkitd answered (not running, or gone while asked), as opposed
 /// to an error polkitd itself returned. zbus reports these bus errors as `Error::FDO`.
 fn polkit_absent(e: &zbus::Error) -> bool {
@@ -265,6 +290,15 @@ impl Requesters {
         let Some(sender) = header.sender() else {
             return "unknown".into();
         };
+        match self.uid(conn, header).await {
+            Some(u) => format!("uid {u} ({sender})"),
+            None => sender.to_string(),
+        }
+    }
+
+    /// The caller's uid, as the bus tells it (asked once per unique name).
+    pub async fn uid(&self, conn: &zbus::Connection, header: &Header<'_>) -> Option<u32> {
+        let sender = header.sender()?;
         let known = self.uids().get(sender.as_str()).copied();
         let uid = match known {
             Some(uid) => Some(uid),
@@ -283,10 +317,7 @@ impl Requesters {
                 uid
             }
         };
-        match uid {
-            Some(u) => format!("uid {u} ({sender})"),
-            None => sender.to_string(),
-        }
+        uid
     }
 }
 

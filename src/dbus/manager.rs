@@ -242,6 +242,44 @@ impl Manager {
             .collect()
     }
 
+    /// libvirt's qemu hook, forwarded by `vfioctl hook qemu` (the shim in
+    /// `/etc/libvirt/hooks/qemu.d/vfiod`): one call per run of the hook, with libvirt's
+    /// arguments and the domain XML it gave on stdin. Returns the hook's exit code, its output
+    /// (an XML filter's new XML; empty means unchanged) and a message. Decided from the XML and
+    /// vfiod's records, never by asking libvirt (it waits for the hook), within `[hooks]`
+    /// deadlines. Accepted from root only: libvirt runs hooks as root.
+    async fn hook(
+        &self,
+        domain: String,
+        operation: String,
+        sub_operation: String,
+        extra: String,
+        xml: String,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] conn: &Connection,
+    ) -> Result<(i32, String, String), Error> {
+        let o = &self.objects;
+        o.authorizer
+            .require_root(&o.requesters, conn, &header, "Manager.Hook")
+            .await?;
+        const MAX_XML: usize = 16 << 20;
+        if xml.len() > MAX_XML {
+            return Err(Error::InvalidArgument(format!(
+                "the domain XML is {} bytes, more than {MAX_XML}",
+                xml.len()
+            )));
+        }
+        let call = crate::engine::HookCall {
+            domain,
+            operation,
+            sub_operation,
+            extra,
+            xml,
+        };
+        let v = o.engine.hook(call).await;
+        Ok((v.exit_code, v.stdout, v.message))
+    }
+
     /// Re-reads the configuration (as SIGHUP does), runs an inventory pass and starts the tasks
     /// the new settings call for. A bad file is refused with InvalidConfig and the running
     /// settings are kept.

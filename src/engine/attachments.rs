@@ -170,7 +170,7 @@ impl Engine {
     }
 
     /// A claim step outside a job, published in commit order.
-    fn claim_step(
+    pub(super) fn claim_step(
         &self,
         core: &Core,
         id: i64,

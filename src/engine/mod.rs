@@ -11,6 +11,7 @@
 mod attachments;
 mod claims;
 pub mod context;
+mod hooks;
 mod core;
 pub mod events;
 pub mod removals;
@@ -24,6 +25,7 @@ pub use attachments::AttachError;
 pub use claims::ClaimError;
 pub use context::{ClaimSteps, JobContext, Modprobe, ModuleLoader};
 pub use events::{DeviceTasks, DeviceView, EngineEvent, EventStream};
+pub use hooks::HookCall;
 pub use job::{Admission, Job, JobError, JobFailure, Phase, Progress};
 
 use crate::config::Settings;

@@ -235,6 +235,31 @@ pub struct Store {
     path: PathBuf,
 }
 
+/// The functions the configuration selected, as the daemon last recorded them, read without a
+/// running daemon and without changing anything (the database opened read-only): how the
+/// libvirt hook tells, when vfiod does not answer, whether a domain has devices vfiod manages.
+pub fn managed_functions_read_only(state_dir: &Path) -> Result<Vec<PciAddress>, StoreError> {
+    use rusqlite::OpenFlags;
+    let path = state_dir.join(DB_FILE_NAME);
+    let conn = Connection::open_with_flags(
+        &path,
+        OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )
+    .map_err(|source| StoreError::Open {
+        path: path.clone(),
+        source,
+    })?;
+    let _ = conn.execute_batch("PRAGMA busy_timeout = 1000");
+    let rows: Vec<String> = conn
+        .prepare("SELECT address FROM devices WHERE managed = 1")
+        .and_then(|mut stmt| {
+            stmt.query_map([], |r| r.get(0))?
+                .collect::<rusqlite::Result<_>>()
+        })
+        .map_err(|source| StoreError::Open { path, source })?;
+    Ok(rows.iter().filter_map(|a| a.parse().ok()).collect())
+}
+
 impl Store {
     /// Opens `<state_dir>/vfiod.db`, creating the directory (mode 0700) and the database if
     /// missing, and migrates it to [`SCHEMA_VERSION`].

@@ -85,6 +85,43 @@ pub(super) fn libvirt_message(e: &LibvirtError) -> String {
     crate::error_chain(e)
 }
 
+/// Binds `functions` (of `device`) to vfio-pci where they are not, remembering the drivers they
+/// had so that a restore can return them. `progress(done, total, step)` follows the writes.
+pub fn bind_to_vfio(
+    cx: &JobContext,
+    device: PciAddress,
+    functions: &[PciAddress],
+    progress: &mut dyn FnMut(usize, usize, &str),
+) -> Result<(), String> {
+    let mut bindings = Vec::new();
+    for f in functions {
+        bindings.push(
+            convert::binding(&cx.sysfs, *f)
+                .map_err(|e| format!("cannot read {f}: {}", crate::error_chain(&e)))?,
+        );
+    }
+    let bind = plan::bind_plan(device, &bindings, VFIO_PCI);
+    if !bind
+        .steps
+        .iter()
+        .any(|s| matches!(s, plan::Step::Write { .. }))
+    {
+        return Ok(());
+    }
+    cx.modules.ensure_loaded(&cx.sysfs, VFIO_PCI)?;
+    for b in &bindings {
+        if b.driver.as_deref() != Some(VFIO_PCI) {
+            cx.store
+                .remember_original_driver(b.address, b.driver.as_deref())
+                .map_err(|e| crate::error_chain(&e))?;
+        }
+    }
+    convert::run(&cx.sysfs, &bind, &mut |done, total, step| {
+        progress(done, total, &step.to_string())
+    })
+    .map_err(|e| format!("cannot bind to vfio-pci: {}", crate::error_chain(&e)))
+}
+
 impl Job for AttachJob {
     fn device(&self) -> PciAddress {
         self.claim.address
@@ -199,41 +236,14 @@ impl Job for AttachJob {
         super::kill_point("attach:attaching");
 
         progress.phase(BIND.name);
-        let mut bindings = Vec::new();
-        for f in &self.claim.functions {
-            match convert::binding(&cx.sysfs, *f) {
-                Ok(b) => bindings.push(b),
-                Err(e) => {
-                    return Err(self.fail(format!("cannot read {f}: {}", crate::error_chain(&e))))
-                }
-            }
-        }
-        let bind = plan::bind_plan(self.claim.address, &bindings, VFIO_PCI);
-        if bind
-            .steps
-            .iter()
-            .any(|s| matches!(s, plan::Step::Write { .. }))
-        {
-            if let Err(e) = cx.modules.ensure_loaded(&cx.sysfs, VFIO_PCI) {
-                return Err(self.fail(e));
-            }
-            for b in &bindings {
-                if b.driver.as_deref() != Some(VFIO_PCI) {
-                    // Remembered, so that a restore later returns the function to it.
-                    let _ = cx
-                        .store
-                        .remember_original_driver(b.address, b.driver.as_deref());
-                }
-            }
-            let ran = convert::run(&cx.sysfs, &bind, &mut |done, total, step| {
-                progress.step(done, total, &step.to_string())
-            });
-            if let Err(e) = ran {
-                return Err(self.fail(format!(
-                    "cannot bind to vfio-pci: {}",
-                    crate::error_chain(&e)
-                )));
-            }
+        let functions = self.claim.functions.clone();
+        if let Err(e) = bind_to_vfio(
+            cx,
+            self.claim.address,
+            &functions,
+            &mut |done, total, step| progress.step(done, total, step),
+        ) {
+            return Err(self.fail(e));
         }
 
         progress.phase(ATTACH.name);

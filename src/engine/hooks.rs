@@ -1,0 +1,327 @@
+//! libvirt's qemu hook, carried out: [`crate::hooks`] decides from the domain XML the hook was
+//! given and vfiod's records; this module reads the records, makes the claims and bindings
+//! `prepare` needs, and records what `started`, `stopped` and `release` mean for the claims.
+//! It never asks libvirt (libvirt waits for the hook: a call back would deadlock it), and the
+//! whole answer is bounded by `[hooks]` deadlines.
+
+use super::jobs::attach::bind_to_vfio;
+use super::Engine;
+use crate::claims::lifecycle::Step;
+use crate::claims::{Owner, Requirements};
+use crate::hooks::{self, AfterStop, DomainId, Operation, Verdict};
+use crate::host::libvirt;
+use crate::model::claim::ClaimState;
+use crate::model::pci::PciAddress;
+use crate::store::{ClaimDetails, ClaimRecord, StoreError};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Who the claims a hook makes and changes name.
+const BY: &str = "libvirt hook";
+
+/// One run of the hook, as libvirt called it.
+#[derive(Clone, Debug)]
+pub struct HookCall {
+    pub domain: String,
+    pub operation: String,
+    pub sub_operation: String,
+    pub extra: String,
+    pub xml: String,
+}
+
+/// The domain XML as the hook needs it: its UUID and PCI hostdevs.
+struct Parsed {
+    uuid: Option<String>,
+    /// Host function and guest address.
+    assigned: Vec<(PciAddress, Option<String>)>,
+}
+
+fn parse(xml: &str) -> Result<Parsed, String> {
+    let assigned = libvirt::hostdevs(xml)?
+        .into_iter()
+        .map(|h| (h.source, h.guest_address))
+        .collect();
+    Ok(Parsed {
+        uuid: domain_uuid(xml)?,
+        assigned,
+    })
+}
+
+/// The domain's `<uuid>`, lower case.
+fn domain_uuid(xml: &str) -> Result<Option<String>, String> {
+    let doc = roxmltree::Document::parse(xml).map_err(|e| format!("invalid XML: {e}"))?;
+    Ok(doc
+        .root_element()
+        .children()
+        .find(|n| n.has_tag_name("uuid"))
+        .and_then(|n| n.text())
+        .map(|t| t.trim().to_ascii_lowercase())
+        .filter(|t| !t.is_empty()))
+}
+
+impl Engine {
+    /// Answers one run of the hook, within its deadline: an operation that may stop libvirt
+    /// fails closed when the answer does not come in time, a notification passes.
+    pub async fn hook(self: &Arc<Self>, call: HookCall) -> Verdict {
+        let op = Operation::parse(&call.operation);
+        let settings = self.settings().hooks.clone();
+        let deadline = Duration::from_millis(u64::from(if op.may_fail() {
+            settings.deadline_ms
+        } else {
+            settings.notify_deadline_ms
+        }));
+        let what = format!(
+            "{} {} {} of {}",
+            call.operation, call.sub_operation, call.extra, call.domain
+        );
+        let verdict = match tokio::time::timeout(deadline, self.decide_hook(op, &call)).await {
+            Ok(v) => v,
+            Err(_) if op.may_fail() => Verdict::fail(format!(
+                "vfiod: no answer for {what} within {} ms",
+                deadline.as_millis()
+            )),
+            Err(_) => Verdict::pass(format!(
+                "vfiod: {what} not recorded within {} ms; the reconcile will catch up",
+                deadline.as_millis()
+            )),
+        };
+        if verdict.exit_code != 0 {
+            tracing::warn!(domain = %call.domain, "hook {what}: {}", verdict.message);
+        } else if !verdict.message.is_empty() {
+            tracing::info!(domain = %call.domain, "hook {what}: {}", verdict.message);
+        }
+        verdict
+    }
+
+    async fn decide_hook(self: &Arc<Self>, op: Operation, call: &HookCall) -> Verdict {
+        if matches!(op, Operation::Other | Operation::Attach | Operation::Start) {
+            return Verdict::pass("");
+        }
+        if op == Operation::Reconnect {
+            // Never fails (libvirt kills the VM if it does), and never waits for libvirt.
+            let me = Arc::clone(self);
+            let domain = call.domain.clone();
+            tokio::spawn(async move {
+                me.reconcile_claims(Some(domain)).await;
+            });
+            return Verdict::pass("reconcile scheduled");
+        }
+        let parsed = match parse(&call.xml) {
+            Ok(p) => p,
+            Err(e) if op.may_fail() => {
+                return Verdict::fail(format!(
+                    "vfiod: cannot read the XML of domain {}: {e}",
+                    call.domain
+                ))
+            }
+            Err(e) => return Verdict::pass(format!("cannot read the domain XML: {e}")),
+        };
+        match op {
+            Operation::Prepare => self.hook_prepare(call, parsed).await,
+            Operation::Started => self.hook_started(call, parsed).await,
+            Operation::Stopped | Operation::Release => self.hook_stopped(call, parsed).await,
+            // Filters: the XML stays as it is (empty output).
+            _ => Verdict::pass(""),
+        }
+    }
+
+    async fn hook_prepare(self: &Arc<Self>, call: &HookCall, parsed: Parsed) -> Verdict {
+        let name = call.domain.clone();
+        let uuid = parsed.uuid.clone();
+        let functions: Vec<PciAddress> = parsed.assigned.iter().map(|(f, _)| *f).collect();
+        let auto_claim = self.settings().hooks.auto_claim;
+        let (n, u, fs) = (name.clone(), uuid.clone(), functions.clone());
+        let decided = self
+            .read(move |core| {
+                let snapshot = core.store().claim_snapshot()?;
+                let claims = core.store().active_claim_records()?;
+                let domain = DomainId {
+                    name: &n,
+                    uuid: u.as_deref(),
+                };
+                Ok::<_, StoreError>(hooks::prepare(
+                    domain,
+                    &fs,
+                    &snapshot.devices,
+                    &claims,
+                    &snapshot.busy,
+                    auto_claim,
+                ))
+            })
+            .await;
+        let plan = match decided {
+            Ok(Ok(Ok(plan))) => plan,
+            Ok(Ok(Err(refusal))) => return Verdict::fail(refusal),
+            Ok(Err(e)) => return Verdict::fail(format!("vfiod: {}", crate::error_chain(&e))),
+            Err(e) => return Verdict::fail(format!("vfiod: {}", crate::error_chain(&e))),
+        };
+        let mut claimed = Vec::new();
+        for f in &plan.to_claim {
+            // A claim takes a function's whole IOMMU group: an earlier one may hold it now.
+            let f = *f;
+            let (n, u) = (name.clone(), uuid.clone());
+            let mine = self
+                .read(move |core| {
+                    core.store().active_claim_records().map(|all| {
+                        all.iter().any(|c| {
+                            c.functions.contains(&f)
+                                && DomainId {
+                                    name: &n,
+                                    uuid: u.as_deref(),
+                                }
+                                .owns(c)
+                        })
+                    })
+                })
+                .await;
+            if matches!(mine, Ok(Ok(true))) {
+                continue;
+            }
+            let req = Requirements {
+                address: Some(f),
+                ..Requirements::default()
+            };
+            let owner = Owner {
+                vm_name: Some(name.clone()),
+                vm_uuid: uuid.clone(),
+                lease_seconds: None,
+                persistent: false,
+            };
+            match self.claim(req, owner, BY).await {
+                Ok(c) => claimed.push(format!("claim {} on {}", c.id, c.address)),
+                Err(e) => {
+                    return Verdict::fail(format!(
+                        "vfiod: domain {name} cannot start: {f} cannot be claimed for it: {}",
+                        crate::error_chain(&e)
+                    ))
+                }
+            }
+        }
+        if !plan.to_bind.is_empty() {
+            let me = Arc::clone(self);
+            let to_bind = plan.to_bind.clone();
+            let bound = self
+                .read(move |_| {
+                    let cx = me.job_context();
+                    bind_to_vfio(&cx, to_bind[0], &to_bind, &mut |_, _, _| {})
+                })
+                .await;
+            match bound {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return Verdict::fail(format!("vfiod: domain {name}: {e}")),
+                Err(e) => return Verdict::fail(format!("vfiod: domain {name}: {e}")),
+            }
+        }
+        self.flush().await;
+        if claimed.is_empty() {
+            Verdict::pass("")
+        } else {
+            Verdict::pass(format!("claimed {} for {name}", claimed.join(", ")))
+        }
+    }
+
+    async fn hook_started(self: &Arc<Self>, call: &HookCall, parsed: Parsed) -> Verdict {
+        let name = call.domain.clone();
+        let me = Arc::clone(self);
+        let done = self
+            .read(move |core| {
+                let claims = core.store().active_claim_records()?;
+                let domain = DomainId {
+                    name: &name,
+                    uuid: parsed.uuid.as_deref(),
+                };
+                let mut marked = Vec::new();
+                for (c, guest) in hooks::started(domain, &parsed.assigned, &claims) {
+                    let details = ClaimDetails {
+                        vm_name: Some(name.clone()),
+                        vm_uuid: parsed.uuid.clone(),
+                        guest_address: Some(guest),
+                    };
+                    let what = format!("attached: domain {name} started with it");
+                    if c.state == ClaimState::Claimed {
+                        me.claim_step(core, c.id, Step::Attach, ClaimDetails::default(), &what)?;
+                    }
+                    if matches!(c.state, ClaimState::Claimed | ClaimState::Attaching) {
+                        me.claim_step(core, c.id, Step::Attached, details, &what)?;
+                        marked.push(c.id.to_string());
+                    }
+                }
+                Ok::<_, StoreError>(marked)
+            })
+            .await;
+        self.flush().await;
+        match done {
+            Ok(Ok(m)) if m.is_empty() => Verdict::pass(""),
+            Ok(Ok(m)) => Verdict::pass(format!("claims {} attached", m.join(", "))),
+            Ok(Err(e)) => Verdict::pass(format!("not recorded: {}", crate::error_chain(&e))),
+            Err(e) => Verdict::pass(format!("not recorded: {e}")),
+        }
+    }
+
+    async fn hook_stopped(self: &Arc<Self>, call: &HookCall, parsed: Parsed) -> Verdict {
+        let name = call.domain.clone();
+        let me = Arc::clone(self);
+        let done = self
+            .read(move |core| {
+                let claims = core.store().active_claim_records()?;
+                let domain = DomainId {
+                    name: &name,
+                    uuid: parsed.uuid.as_deref(),
+                };
+                let mut changed = Vec::new();
+                for (c, after) in hooks::stopped(domain, &claims) {
+                    me.after_stop(core, c, after, &name)?;
+                    changed.push(c.id.to_string());
+                }
+                Ok::<_, StoreError>(changed)
+            })
+            .await;
+        self.flush().await;
+        match done {
+            Ok(Ok(c)) if c.is_empty() => Verdict::pass(""),
+            Ok(Ok(c)) => Verdict::pass(format!("claims {} out of the domain", c.join(", "))),
+            Ok(Err(e)) => Verdict::pass(format!("not recorded: {}", crate::error_chain(&e))),
+            Err(e) => Verdict::pass(format!("not recorded: {e}")),
+        }
+    }
+
+    /// The domain stopped: `claim` is out of it, and released unless it outlives the run.
+    fn after_stop(
+        &self,
+        core: &super::Core,
+        claim: &ClaimRecord,
+        after: AfterStop,
+        domain: &str,
+    ) -> Result<(), StoreError> {
+        let what = format!("domain {domain} stopped");
+        let none = ClaimDetails::default;
+        match claim.state {
+            ClaimState::Attaching => {
+                self.claim_step(core, claim.id, Step::AttachFailed, none(), &what)?;
+                return Ok(());
+            }
+            ClaimState::Detaching => {
+                self.claim_step(core, claim.id, Step::Detached, none(), &what)?;
+                return Ok(());
+            }
+            ClaimState::Attached => {
+                let details = ClaimDetails {
+                    guest_address: Some(None),
+                    ..ClaimDetails::default()
+                };
+                self.claim_step(core, claim.id, Step::Detached, details, &what)?;
+            }
+            ClaimState::Claimed | ClaimState::Released => {}
+        }
+        if after == AfterStop::Release {
+            self.claim_step(
+                core,
+                claim.id,
+                Step::Release,
+                none(),
+                &format!("released: {what} (the claim was for its run)"),
+            )?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,366 @@
+//! libvirt's qemu hook through `vfioctl hook qemu` (the binary libvirt's shim execs), against
+//! vfiod on the simulated host and a private bus: each operation on real domain XML, what it
+//! does to the claims and bindings, idempotence, and the hard deadlines when vfiod is down or
+//! does not answer.
+
+mod common;
+
+use common::{addr, dict, Harness};
+use std::io::Write;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+use vfiod::client::claims;
+use zbus::Variant;
+
+/// The FPGA (selected, private scenario: PF mode, left on its own driver) and the NIC split into
+/// VFs on vfio-pci.
+const CONFIG: &str = "scenario = \"private\"\npoll_interval = 3600\nlibvirt_uri = \"\"\n\
+     [[select]]\nclass = \"0x12\"\n\
+     [[select]]\nid = \"8086:1572\"\nmode = \"vf\"\nnum_vfs = 4\n";
+const FPGA: &str = "0000:af:00.0";
+const VF0: &str = "0000:3b:02.0";
+const VF1: &str = "0000:3b:02.1";
+/// A function vfiod does not manage (the host's NIC).
+const UNMANAGED: &str = "0000:02:00.0";
+const UUID: &str = "6ba7b810-9dad-11d1-80b4-00c04fd430c8";
+
+fn hostdev(a: &str, guest_bus: u8) -> String {
+    let p = addr(a);
+    format!(
+        "<hostdev mode='subsystem' type='pci' managed='no'>\
+         <source><address domain='0x{:04x}' bus='0x{:02x}' slot='0x{:02x}' function='0x{:x}'/></source>\
+         <address type='pci' domain='0x0000' bus='0x{guest_bus:02x}' slot='0x00' function='0x0'/>\
+         </hostdev>",
+        p.domain, p.bus, p.slot, p.function
+    )
+}
+
+fn domain_xml(name: &str, devices: &[&str]) -> String {
+    let hostdevs: String = devices
+        .iter()
+        .enumerate()
+        .map(|(i, a)| hostdev(a, 7 + i as u8))
+        .collect();
+    format!(
+        "<domain type='kvm'><name>{name}</name><uuid>{UUID}</uuid><memory>65536</memory>\
+         <devices><disk type='file' device='disk'><source file='/x.qcow2'/><target dev='vda'/></disk>\
+         <hostdev mode='subsystem' type='usb'><source><vendor id='0x1234'/><product id='0x5678'/></source>\
+         <address type='usb' bus='0' port='1'/></hostdev>{hostdevs}</devices></domain>"
+    )
+}
+
+struct Ran {
+    code: i32,
+    stdout: String,
+    stderr: String,
+    took: Duration,
+}
+
+/// Runs `vfioctl hook qemu ARGS` with `xml` on stdin, as libvirt would.
+fn hook(bus: &str, config: &std::path::Path, args: &[&str], xml: &str) -> Ran {
+    let started = Instant::now();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_vfioctl"))
+        .args(["hook", "qemu"])
+        .args(args)
+        .env("VFIOD_BUS", bus)
+        .env("VFIOD_CONFIG", config)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(xml.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    Ran {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into(),
+        stderr: String::from_utf8_lossy(&out.stderr).into(),
+        took: started.elapsed(),
+    }
+}
+
+async fn harness() -> (Harness, std::path::PathBuf, String) {
+    let h = Harness::start(CONFIG).await;
+    // What the hook reads: the deadlines, and the state directory the daemon uses.
+    let config = h.dir.path().join("hook.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "state_dir = \"{}\"\n{CONFIG}[hooks]\ndeadline_ms = 3000\nnotify_deadline_ms = 1000\n",
+            h.dir.path().join("state").display()
+        ),
+    )
+    .unwrap();
+    let bus = h.bus.address().to_string();
+    (h, config, bus)
+}
+
+async fn claims_now(h: &Harness) -> Vec<claims::ClaimView> {
+    claims::list_claims(&h.client).await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_lifecycle_of_a_domain_claims_binds_attaches_and_releases() {
+    let (h, config, bus) = harness().await;
+    let xml = domain_xml("vm1", &[FPGA, VF0, UNMANAGED]);
+    assert_eq!(h.kernel.driver_of(addr(FPGA)).as_deref(), Some("dfl-pci"));
+    let unmanaged_driver = h.kernel.driver_of(addr(UNMANAGED));
+
+    // prepare: the managed functions are claimed for vm1 and bound to vfio-pci; the USB and
+    // the unmanaged hostdevs are left alone.
+    let r = hook(&bus, &config, &["vm1", "prepare", "begin", "-"], &xml);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(r.stdout.is_empty(), "prepare is no filter: {}", r.stdout);
+    let list = claims_now(&h).await;
+    let mut held: Vec<_> = list
+        .iter()
+        .map(|c| (c.address.clone(), c.state.clone()))
+        .collect();
+    held.sort();
+    assert_eq!(
+        held,
+        [
+            (VF0.to_string(), "claimed".to_string()),
+            (FPGA.to_string(), "claimed".to_string())
+        ]
+    );
+    assert!(
+        list.iter().all(|c| c.vm_name == "vm1" && c.vm_uuid == UUID),
+        "{list:?}"
+    );
+    assert_eq!(h.kernel.driver_of(addr(FPGA)).as_deref(), Some("vfio-pci"));
+    assert_eq!(h.kernel.driver_of(addr(UNMANAGED)), unmanaged_driver);
+    // The same operation again changes nothing.
+    let r = hook(&bus, &config, &["vm1", "prepare", "begin", "-"], &xml);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(claims_now(&h).await.len(), 2);
+
+    // started: attached, with the guest addresses of the XML.
+    for _ in 0..2 {
+        let r = hook(&bus, &config, &["vm1", "started", "begin", "-"], &xml);
+        assert_eq!(r.code, 0, "{}", r.stderr);
+    }
+    let list = claims_now(&h).await;
+    let fpga = list.iter().find(|c| c.address == FPGA).unwrap();
+    assert_eq!(
+        (fpga.state.as_str(), fpga.guest_address.as_str()),
+        ("attached", "0000:07:00.0")
+    );
+    let vf = list.iter().find(|c| c.address == VF0).unwrap();
+    assert_eq!(
+        (vf.state.as_str(), vf.guest_address.as_str()),
+        ("attached", "0000:08:00.0")
+    );
+
+    // Another domain naming a function vm1 holds cannot start, and is told why in one line.
+    let other = domain_xml("vm2", &[VF0]).replace(UUID, "00000000-0000-0000-0000-000000000002");
+    let r = hook(&bus, &config, &["vm2", "prepare", "begin", "-"], &other);
+    assert_eq!(r.code, 1);
+    assert_eq!(r.stderr.trim().lines().count(), 1, "{}", r.stderr);
+    assert!(
+        r.stderr.contains(&format!("{VF0} is claimed by VM vm1")),
+        "{}",
+        r.stderr
+    );
+
+    // stopped, release: out of the domain and released (claims for the VM's run); twice is
+    // the same as once.
+    for op in ["stopped", "release", "release"] {
+        let r = hook(&bus, &config, &["vm1", op, "end", "-"], &xml);
+        assert_eq!(r.code, 0, "{op}: {}", r.stderr);
+    }
+    assert!(claims_now(&h).await.is_empty());
+    let events = h.store().events(Some(addr(VF0)), 0, 100).unwrap();
+    assert!(
+        events
+            .iter()
+            .any(|e| e.message.contains("released: domain vm1 stopped")),
+        "{events:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn persistent_claims_outlive_the_run_and_auto_claim_can_be_off() {
+    let (h, config, bus) = harness().await;
+    let m = claims::claims_proxy(&h.client).await.unwrap();
+    m.claim(
+        dict(&[("address", Variant::from(VF1))]),
+        dict(&[
+            ("vm_name", Variant::from("vm1")),
+            ("persistent", Variant::from(true)),
+        ]),
+    )
+    .await
+    .unwrap();
+    let xml = domain_xml("vm1", &[VF1]);
+    for (op, sub) in [
+        ("prepare", "begin"),
+        ("started", "begin"),
+        ("stopped", "end"),
+    ] {
+        let r = hook(&bus, &config, &["vm1", op, sub, "-"], &xml);
+        assert_eq!(r.code, 0, "{op}: {}", r.stderr);
+    }
+    let list = claims_now(&h).await;
+    assert_eq!(list.len(), 1);
+    assert_eq!(
+        (list[0].state.as_str(), list[0].guest_address.as_str()),
+        ("claimed", "")
+    );
+
+    // Without auto_claim, a managed function no claim holds stops the start.
+    let strict = h.dir.path().join("strict.toml");
+    let text = std::fs::read_to_string(&config)
+        .unwrap()
+        .replace("[hooks]\n", "[hooks]\nauto_claim = false\n");
+    std::fs::write(&strict, &text).unwrap();
+    h.replace_config(&text);
+    h.manager().await.reload().await.unwrap();
+    let r = hook(
+        &bus,
+        &strict,
+        &["vm3", "prepare", "begin", "-"],
+        &domain_xml("vm3", &[VF0]),
+    );
+    assert_eq!(r.code, 1, "{}", r.stderr);
+    assert!(r.stderr.contains("is not claimed for vm3"), "{}", r.stderr);
+    assert_eq!(claims_now(&h).await.len(), 1, "nothing was claimed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn filters_notifications_and_bad_xml() {
+    let (h, config, bus) = harness().await;
+    let xml = domain_xml("vm1", &[VF0]);
+    for (op, sub) in [
+        ("migrate", "begin"),
+        ("restore", "begin"),
+        ("reconnect", "begin"),
+        ("attach", "begin"),
+        ("some-future-op", "x"),
+    ] {
+        let r = hook(&bus, &config, &["vm1", op, sub, "-"], &xml);
+        assert_eq!(r.code, 0, "{op}: {}", r.stderr);
+        assert!(
+            r.stdout.is_empty(),
+            "{op}: a filter with empty output leaves the XML: {}",
+            r.stdout
+        );
+    }
+    assert!(claims_now(&h).await.is_empty(), "none of these claims");
+    // Malformed XML: prepare fails with a clear message, a notification passes.
+    let r = hook(
+        &bus,
+        &config,
+        &["vm1", "prepare", "begin", "-"],
+        "<domain><name>vm1",
+    );
+    assert_eq!(r.code, 1);
+    assert!(
+        r.stderr.contains("cannot read the XML of domain vm1"),
+        "{}",
+        r.stderr
+    );
+    let r = hook(&bus, &config, &["vm1", "stopped", "end", "-"], "not xml");
+    assert_eq!(r.code, 0, "{}", r.stderr);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_vfiod_notifications_pass_and_prepare_fails_closed_only_for_managed_devices() {
+    let (mut h, config, bus) = harness().await;
+    // The daemon has recorded its inventory (managed functions) in its state directory.
+    h.stop_server().await;
+    let managed = domain_xml("vm1", &[VF0]);
+    let unmanaged = domain_xml("vm2", &[UNMANAGED]);
+    let none = domain_xml("vm3", &[]);
+    for (op, sub) in [
+        ("stopped", "end"),
+        ("release", "end"),
+        ("reconnect", "begin"),
+        ("started", "begin"),
+    ] {
+        let r = hook(&bus, &config, &["vm1", op, sub, "-"], &managed);
+        assert_eq!(r.code, 0, "{op}: {}", r.stderr);
+        assert!(r.took < Duration::from_secs(5), "{op} took {:?}", r.took);
+    }
+    let r = hook(&bus, &config, &["vm1", "prepare", "begin", "-"], &managed);
+    assert_eq!(r.code, 1);
+    assert!(
+        r.stderr.contains(VF0)
+            && r.stderr.contains("vfiod cannot check them")
+            && r.stderr.contains("systemctl start vfiod"),
+        "{}",
+        r.stderr
+    );
+    for xml in [&unmanaged, &none] {
+        let r = hook(&bus, &config, &["vm2", "prepare", "begin", "-"], xml);
+        assert_eq!(r.code, 0, "{}", r.stderr);
+    }
+    let r = hook(&bus, &config, &["vm1", "migrate", "begin", "-"], &managed);
+    assert_eq!(r.code, 1, "migrate fails closed too: {}", r.stderr);
+}
+
+#[test]
+fn a_daemon_that_does_not_answer_is_given_up_on_at_the_deadline() {
+    // A bus socket that accepts connections and never says a word.
+    let dir = common::fast_tempdir();
+    let socket = dir.path().join("silent");
+    let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    let _keep = std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for c in listener.incoming() {
+            held.push(c);
+        }
+    });
+    let config = dir.path().join("hook.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "state_dir = \"{}\"\n[hooks]\ndeadline_ms = 1500\nnotify_deadline_ms = 500\n",
+            dir.path().join("state").display()
+        ),
+    )
+    .unwrap();
+    let bus = format!("unix:path={}", socket.display());
+    let xml = domain_xml("vm1", &[VF0]);
+    let r = hook(&bus, &config, &["vm1", "stopped", "end", "-"], &xml);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(
+        r.took < Duration::from_millis(1500),
+        "notification took {:?}",
+        r.took
+    );
+    assert!(
+        r.stderr.contains("did not answer within 500 ms"),
+        "{}",
+        r.stderr
+    );
+    // prepare: no records either (no state directory): any PCI hostdev may be vfiod's.
+    let r = hook(&bus, &config, &["vm1", "prepare", "begin", "-"], &xml);
+    assert_eq!(r.code, 1, "{}", r.stderr);
+    assert!(
+        r.took < Duration::from_millis(3000),
+        "prepare took {:?}",
+        r.took
+    );
+    assert!(
+        r.stderr.contains("did not answer within 1500 ms"),
+        "{}",
+        r.stderr
+    );
+    let r = hook(
+        &bus,
+        &config,
+        &["vm3", "prepare", "begin", "-"],
+        &domain_xml("vm3", &[]),
+    );
+    assert_eq!(
+        r.code, 0,
+        "a domain without PCI hostdevs always passes: {}",
+        r.stderr
+    );
+}
