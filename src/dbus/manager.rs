@@ -248,6 +248,9 @@ impl Manager {
     /// (an XML filter's new XML; empty means unchanged) and a message. Decided from the XML and
     /// vfiod's records, never by asking libvirt (it waits for the hook), within `[hooks]`
     /// deadlines. Accepted from root only: libvirt runs hooks as root.
+    // libvirt's four arguments and the XML, as the hook gets them, plus zbus's header and
+    // connection.
+    #[allow(clippy::too_many_arguments)]
     async fn hook(
         &self,
         domain: String,
