@@ -39,7 +39,7 @@ const ACTIONS: [&str; 5] = [CONFIGURE, MODE, CLAIM, PROGRAM, MIGRATE];
 /// The actions no method asks yet (the FPGA and migration issues add them): checked with
 /// polkitd directly. Every other action is asked by a method that [`MUTATING`] or [`CLAIMING`]
 /// lists.
-const NOT_ASKED_YET: [&str; 2] = [PROGRAM, MIGRATE];
+const NOT_ASKED_YET: [&str; 1] = [PROGRAM];
 
 /// Every mutating vfioctl command, the polkit action it needs and the details vfiod sends with
 /// it, as the test rules log them. A new mutating method (SetMode, ResetTask, starting a task,
@@ -109,6 +109,11 @@ const CLAIMING: &[(&[&str], &str, &str)] = &[
         &["detach", "1", "--wait"],
         CLAIM,
         "verb=Detach device=0000:17:00.0 vm=desktop kind=gpu",
+    ),
+    (
+        &["migrate", "desktop", "qemu+ssh://hostb/system", "--wait"],
+        MIGRATE,
+        "verb=Migrate vm=desktop",
     ),
 ];
 

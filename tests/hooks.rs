@@ -364,3 +364,71 @@ fn a_daemon_that_does_not_answer_is_given_up_on_at_the_deadline() {
         r.stderr
     );
 }
+
+/// The destination's side of a migration: the incoming XML carries vfiod's metadata (what the
+/// VM had on the source) and no hostdev (the source detached it). The `migrate` hook claims an
+/// equivalent free device here, leaves the XML unchanged, and refuses when there is none,
+/// claiming nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_migrate_hook_claims_equivalents_or_refuses() {
+    use vfiod::host::libvirt::xml::{metadata_element, MetadataDevice};
+    let (h, config, bus) = harness().await;
+    let incoming = |name: &str, n: usize| {
+        let devices: Vec<MetadataDevice> = (0..n)
+            .map(|i| MetadataDevice {
+                source: addr(&format!("0000:81:00.{i}")),
+                kind: "nic".into(),
+                id: "8086:154c".into(),
+                role: "vf".into(),
+                claim: Some(40 + i as i64),
+            })
+            .collect();
+        domain_xml(name, &[]).replace(
+            "<memory>",
+            &format!(
+                "<metadata>{}</metadata><memory>",
+                metadata_element(&devices)
+            ),
+        )
+    };
+    let xml = incoming("mover", 2);
+    for _ in 0..2 {
+        let r = hook(&bus, &config, &["mover", "migrate", "begin", "-"], &xml);
+        assert_eq!(r.code, 0, "{}", r.stderr);
+        assert!(
+            r.stdout.is_empty(),
+            "the XML stays as it came: {}",
+            r.stdout
+        );
+    }
+    let list = claims_now(&h).await;
+    assert_eq!(list.len(), 2, "twice the same hook claims once: {list:?}");
+    assert!(list
+        .iter()
+        .all(|c| c.vm_name == "mover" && c.kind == "nic" && c.state == "claimed"));
+
+    // 4 VFs, 2 held: a VM that needs 3 more cannot come, and nothing is left claimed for it.
+    let r = hook(
+        &bus,
+        &config,
+        &["big", "migrate", "begin", "-"],
+        &incoming("big", 3).replace(UUID, "00000000-0000-0000-0000-0000000000bb"),
+    );
+    assert_eq!(r.code, 1);
+    assert!(
+        r.stderr
+            .contains("cannot come here: no free nic vf 8086:154c"),
+        "{}",
+        r.stderr
+    );
+    assert_eq!(
+        claims_now(&h).await.len(),
+        2,
+        "the refused migration holds nothing"
+    );
+
+    // The incoming domain never ran here: its stopped/release hooks give the claims back.
+    let r = hook(&bus, &config, &["mover", "release", "end", "-"], &xml);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(claims_now(&h).await.is_empty());
+}

@@ -140,6 +140,25 @@ enum Command {
         /// The claim's number (as `vfioctl claims` shows) or object path.
         claim: String,
     },
+    /// Live-migrate a running VM with the devices vfiod manages for it to another host (needs
+    /// authorization): devices whose driver cannot migrate are detached first and the
+    /// destination's vfiod attaches equivalent ones; if the migration fails they come back
+    /// here. Runs as a task on the VM's first device.
+    Migrate {
+        /// The libvirt domain (name or UUID).
+        domain: String,
+        /// The destination's libvirt URI, e.g. qemu+ssh://hostb/system.
+        destination: String,
+        /// Where the memory goes when not the destination's default address (tcp://10.0.0.2).
+        #[arg(long)]
+        migrate_uri: Option<String>,
+        /// Pause the VM while its memory is copied (default: live).
+        #[arg(long)]
+        offline: bool,
+        /// Show progress until the task ends; exit non-zero if it fails.
+        #[arg(long)]
+        wait: bool,
+    },
     /// libvirt's hook: what `/etc/libvirt/hooks/qemu.d/vfiod` runs, with libvirt's arguments and
     /// the domain XML on stdin. Exits with the hook's verdict within `[hooks]` deadlines, also
     /// when vfiod does not answer. Reads the daemon's configuration ($VFIOD_CONFIG, else
@@ -749,6 +768,24 @@ async fn run(args: Args) -> Result<(), String> {
                 .await
                 .map_err(|e| gone_claim(&claim, e))?;
             println!("claim {claim} released");
+        }
+        Command::Migrate {
+            domain,
+            destination,
+            migrate_uri,
+            offline,
+            wait,
+        } => {
+            let m = client::manager(&conn).await.map_err(describe)?;
+            let options = client::query(vec![
+                ("live", Some((!offline).into())),
+                ("migrate_uri", migrate_uri.map(zbus::Variant::from)),
+            ]);
+            let path = m
+                .migrate(&domain, &destination, options)
+                .await
+                .map_err(|e| describe(e.into()))?;
+            start_and_follow(&conn, path, wait).await?;
         }
         Command::Hook(_) => unreachable!("vfioctl hook is run before connecting"),
         Command::Reload => {

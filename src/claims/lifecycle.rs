@@ -34,6 +34,9 @@ pub enum Step {
     DetachTimedOut,
     /// An operator's release, or a lapsed lease.
     Release,
+    /// Out of the domain for a live migration, the reservation kept: the migration takes the VM
+    /// away (the claim is then released) or fails (the device is attached again).
+    Park,
 }
 
 /// Why a step is not possible in a claim's state; each maps to a named D-Bus error.
@@ -75,6 +78,7 @@ pub fn next(id: i64, state: ClaimState, step: Step) -> Result<ClaimState, Refusa
         (Detaching, Step::DetachTimedOut) => Ok(Detaching),
         // A detach that timed out may be asked again.
         (Detaching, Step::Detach) => Ok(Detaching),
+        (Detaching, Step::Park) => Ok(Claimed),
         (Detaching, Step::Release) => {
             wrong("its domain may still have the device: the detach must complete first")
         }
@@ -307,6 +311,7 @@ mod tests {
             Step::DetachRefused,
             Step::DetachTimedOut,
             Step::Release,
+            Step::Park,
         ];
         let expect = |state, step| -> Option<ClaimState> {
             Some(match (state, step) {
@@ -320,6 +325,7 @@ mod tests {
                 (Detaching, Step::DetachRefused) => Attached,
                 (Detaching, Step::DetachTimedOut) => Detaching,
                 (Detaching, Step::Detach) => Detaching,
+                (Detaching, Step::Park) => Claimed,
                 _ => return None,
             })
         };

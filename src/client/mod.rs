@@ -37,6 +37,12 @@ pub trait Manager {
     fn get_plan(&self, address: &str) -> zbus::Result<Dict>;
     fn get_plans(&self) -> zbus::Result<Vec<Dict>>;
     fn get_tasks(&self, query: Dict) -> zbus::Result<Vec<Dict>>;
+    fn migrate(
+        &self,
+        domain: &str,
+        destination: &str,
+        options: crate::dbus::wire::Dict,
+    ) -> zbus::Result<zbus::OwnedObjectPath>;
     fn hook(
         &self,
         domain: &str,
@@ -258,6 +264,9 @@ pub struct DeviceView {
     /// The VM that claim is for (its name, else its UUID).
     #[serde(default)]
     pub vm: Option<String>,
+    /// What a live migration of its VM does to it: yes, detach, no.
+    #[serde(default)]
+    pub migratable: String,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -364,6 +373,7 @@ pub fn view_from_properties(
         managed: prop(p, path, "Managed")?,
         state: s("State")?,
         state_reason: s("StateReason")?,
+        migratable: s("Migratable")?,
         task_state: s("TaskState")?,
         current_task: {
             let p: zbus::OwnedObjectPath = prop(p, path, "CurrentTask")?;

@@ -139,6 +139,7 @@ pub fn properties(d: &Device) -> Vec<(&'static str, OwnedVariant)> {
         ("Managed", v(d.managed)),
         ("State", v(d.state.as_str())),
         ("StateReason", v(d.state_reason.clone())),
+        ("Migratable", v(crate::migration::migratable(d).as_str())),
     ]
 }
 
@@ -275,6 +276,16 @@ impl DeviceObject {
     fn state_reason(&self) -> zbus::fdo::Result<String> {
         let d = self.device()?;
         Ok(d.state_reason.clone())
+    }
+
+    /// What a live migration of its VM does to it: `yes` (its VFIO variant driver migrates its
+    /// state: it moves with the VM), `detach` (vfiod detaches it, and the destination attaches
+    /// an equivalent device of its own), `no` (vfiod cannot carry it: not managed, broken,
+    /// protected).
+    #[zbus(property)]
+    fn migratable(&self) -> zbus::fdo::Result<String> {
+        let d = self.device()?;
+        Ok(crate::migration::migratable(&d).as_str().into())
     }
 
     /// idle, prepare, running or error (error until an operator calls ResetTask): of the task

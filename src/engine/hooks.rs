@@ -37,26 +37,15 @@ struct Parsed {
 }
 
 fn parse(xml: &str) -> Result<Parsed, String> {
-    let assigned = libvirt::hostdevs(xml)?
-        .into_iter()
-        .map(|h| (h.source, h.guest_address))
-        .collect();
+    let d = libvirt::xml::parse_domain(xml)?;
     Ok(Parsed {
-        uuid: domain_uuid(xml)?,
-        assigned,
+        uuid: d.uuid,
+        assigned: d
+            .hostdevs
+            .into_iter()
+            .map(|h| (h.source, h.guest_address))
+            .collect(),
     })
-}
-
-/// The domain's `<uuid>`, lower case.
-fn domain_uuid(xml: &str) -> Result<Option<String>, String> {
-    let doc = roxmltree::Document::parse(xml).map_err(|e| format!("invalid XML: {e}"))?;
-    Ok(doc
-        .root_element()
-        .children()
-        .find(|n| n.has_tag_name("uuid"))
-        .and_then(|n| n.text())
-        .map(|t| t.trim().to_ascii_lowercase())
-        .filter(|t| !t.is_empty()))
 }
 
 impl Engine {
@@ -96,6 +85,9 @@ impl Engine {
     async fn decide_hook(self: &Arc<Self>, op: Operation, call: &HookCall) -> Verdict {
         if matches!(op, Operation::Other | Operation::Attach | Operation::Start) {
             return Verdict::pass("");
+        }
+        if op == Operation::Migrate {
+            return self.hook_migrate(&call.domain, &call.xml).await;
         }
         if op == Operation::Reconnect {
             // Never fails (libvirt kills the VM if it does), and never waits for libvirt.

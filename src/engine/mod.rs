@@ -12,6 +12,7 @@ mod attachments;
 mod claims;
 pub mod context;
 mod hooks;
+mod migration;
 mod core;
 pub mod events;
 pub mod removals;
@@ -51,6 +52,8 @@ pub struct Engine {
     publishing: Arc<Mutex<()>>,
     /// Claim changes waiting for their shared commit (see [`claims`]).
     claims: Arc<Mutex<claims::ClaimQueue>>,
+    /// Claims made for domains migrating here, attached once they run (see [`migration`]).
+    incoming: migration::Incoming,
 }
 
 impl Engine {
@@ -64,6 +67,7 @@ impl Engine {
             watches: Mutex::new(HashMap::new()),
             publishing: Arc::new(Mutex::new(())),
             claims: Arc::default(),
+            incoming: migration::Incoming::default(),
         };
         (Arc::new(engine), stream)
     }

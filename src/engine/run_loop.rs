@@ -183,9 +183,10 @@ impl Engine {
                     | DomainEventKind::DeviceRemovalFailed { .. } => self.device_event(&d).await,
                     // Its live devices are gone with it.
                     DomainEventKind::Stopped => {
+                        self.incoming_event(&d).await;
                         self.reconcile_claims(Some(d.uuid.clone())).await;
                     }
-                    _ => {}
+                    _ => self.incoming_event(&d).await,
                 }
                 if d.kind == DomainEventKind::Undefined {
                     if let Err(e) = self.domain_undefined(&d.name, &d.uuid).await {

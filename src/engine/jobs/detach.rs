@@ -120,89 +120,35 @@ impl Job for DetachJob {
             Err(e) => return Err(self.refused(cx, libvirt_message(&e))),
         };
         let functions = self.claim.functions.clone();
-        let read = |which| {
-            cx.libvirt
-                .domain_xml(&info.name, which)
-                .map_err(|e| libvirt_message(&e))
-                .and_then(|xml| mine(&functions, &xml))
+        let unplug = Unplug {
+            cx,
+            info: &info,
+            functions: &functions,
         };
-        let live = if info.active {
-            match read(Definition::Live) {
-                Ok(h) => h,
-                Err(e) => return Err(self.refused(cx, e)),
-            }
-        } else {
-            Vec::new()
-        };
-        let config = if info.persistent {
-            match read(Definition::Persistent) {
-                Ok(h) => h,
-                Err(e) => return Err(self.refused(cx, e)),
-            }
-        } else {
-            Vec::new()
+        let (live, config) = match unplug.definitions() {
+            Ok(d) => d,
+            Err(e) => return Err(self.refused(cx, e)),
         };
         self.step(cx, Step::Detach, &format!("detaching from {}", info.name))?;
-
-        // Out of the configuration first: immediate, and the VM does not get the device back at
-        // its next start whatever the guest does now.
-        for h in &config {
-            let xml = libvirt::hostdev_xml(h.source, h.alias.as_deref().unwrap_or(""));
-            if let Err(e) = cx
-                .libvirt
-                .detach_device(&info.name, &xml, libvirt::Affect::Persistent)
-            {
-                return Err(self.refused(cx, libvirt_message(&e)));
-            }
-        }
-        let mark = cx.removals.mark();
-        let mut aliases = Vec::new();
-        for h in &live {
-            let alias = h.alias.clone().unwrap_or_default();
-            let xml = libvirt::hostdev_xml(h.source, &alias);
-            if let Err(e) = cx
-                .libvirt
-                .detach_device(&info.name, &xml, libvirt::Affect::Live)
-            {
-                return Err(self.refused(cx, libvirt_message(&e)));
-            }
-            aliases.push(alias);
-        }
+        let asked = match unplug.request(&live, &config) {
+            Ok(a) => a,
+            Err(e) => return Err(self.refused(cx, e)),
+        };
         super::kill_point("detach:asked");
         if live.is_empty() {
             return self.detached(cx, &info.name);
         }
 
         progress.phase(WAIT.name);
-        let timeout = Duration::from_secs(u64::from(cx.settings.claims.detach_timeout_seconds));
-        let waited = cx
-            .removals
-            .wait(mark, &info.uuid, &aliases, Instant::now() + timeout);
-        match waited {
+        match unplug.wait(asked) {
             Waited::Removed => self.detached(cx, &info.name),
             Waited::Refused(alias) => Err(self.refused(
                 cx,
                 format!("the guest of {} refused to release {alias}", info.name),
             )),
             Waited::TimedOut(left) => {
-                // The event may have been lost (a libvirtd restart): the live XML has the last word.
-                if let Ok(now) = read(Definition::Live) {
-                    if now.is_empty() {
-                        return self.detached(cx, &info.name);
-                    }
-                }
-                let why = format!(
-                    "the guest of {} did not release {} within {} s (the guest must acknowledge \
-                     the PCI hot-unplug)",
-                    info.name,
-                    left.join(", "),
-                    timeout.as_secs()
-                );
-                if let Err(e) = self.step(
-                    cx,
-                    Step::DetachTimedOut,
-                    &format!("detach timed out: {why}"),
-                ) {
+                let why = unplug.timed_out(&left);
+                if let Err(e) = self.step(cx, Step::DetachTimedOut, &why) {
                     return Err(JobFailure::new(format!("{why}; {}", e.message)));
                 }
                 Err(JobFailure::new(format!(
@@ -223,6 +169,105 @@ impl Job for DetachJob {
 
     fn settles_failures(&self) -> bool {
         true
+    }
+}
+
+/// Takes functions out of a domain: out of its configuration at once, out of the running domain
+/// when the guest lets go (libvirt's device-removed event), bounded by `[claims]
+/// detach_timeout`. The steps of a detach, and of a migration's detach before it moves a VM.
+pub(super) struct Unplug<'a> {
+    pub cx: &'a JobContext,
+    pub info: &'a libvirt::DomainInfo,
+    pub functions: &'a [PciAddress],
+}
+
+/// What [`Unplug::request`] asked: the mark events are counted from, and the live aliases.
+pub(super) struct Asked {
+    mark: u64,
+    aliases: Vec<String>,
+}
+
+impl Unplug<'_> {
+    /// The hostdevs of the functions in one definition.
+    fn read(&self, which: Definition) -> Result<Vec<Hostdev>, String> {
+        self.cx
+            .libvirt
+            .domain_xml(&self.info.name, which)
+            .map_err(|e| libvirt_message(&e))
+            .and_then(|xml| mine(self.functions, &xml))
+    }
+
+    /// The hostdevs of the functions in the running domain and in its configuration.
+    pub fn definitions(&self) -> Result<(Vec<Hostdev>, Vec<Hostdev>), String> {
+        let live = if self.info.active {
+            self.read(Definition::Live)?
+        } else {
+            Vec::new()
+        };
+        let config = if self.info.persistent {
+            self.read(Definition::Persistent)?
+        } else {
+            Vec::new()
+        };
+        Ok((live, config))
+    }
+
+    /// Asks libvirt: out of the configuration first (immediate, and the VM does not get the
+    /// device back at its next start whatever the guest does now), then out of the running
+    /// domain.
+    pub fn request(&self, live: &[Hostdev], config: &[Hostdev]) -> Result<Asked, String> {
+        let name = &self.info.name;
+        for h in config {
+            let xml = libvirt::hostdev_xml(h.source, h.alias.as_deref().unwrap_or(""));
+            self.cx
+                .libvirt
+                .detach_device(name, &xml, libvirt::Affect::Persistent)
+                .map_err(|e| libvirt_message(&e))?;
+        }
+        let mark = self.cx.removals.mark();
+        let mut aliases = Vec::new();
+        for h in live {
+            let alias = h.alias.clone().unwrap_or_default();
+            let xml = libvirt::hostdev_xml(h.source, &alias);
+            self.cx
+                .libvirt
+                .detach_device(name, &xml, libvirt::Affect::Live)
+                .map_err(|e| libvirt_message(&e))?;
+            aliases.push(alias);
+        }
+        Ok(Asked { mark, aliases })
+    }
+
+    /// Waits for the guest to let go of what [`Unplug::request`] asked.
+    pub fn wait(&self, asked: Asked) -> Waited {
+        let deadline = Instant::now() + self.timeout();
+        match self
+            .cx
+            .removals
+            .wait(asked.mark, &self.info.uuid, &asked.aliases, deadline)
+        {
+            // The event may have been lost (a libvirtd restart): the live XML has the last word.
+            Waited::TimedOut(left) => match self.read(Definition::Live) {
+                Ok(now) if now.is_empty() => Waited::Removed,
+                _ => Waited::TimedOut(left),
+            },
+            other => other,
+        }
+    }
+
+    fn timeout(&self) -> Duration {
+        Duration::from_secs(u64::from(self.cx.settings.claims.detach_timeout_seconds))
+    }
+
+    /// Why a wait timed out, for the task and the claim's event.
+    pub fn timed_out(&self, left: &[String]) -> String {
+        format!(
+            "the detach timed out: the guest of {} did not release {} within {} s (the guest \
+             must acknowledge the PCI hot-unplug)",
+            self.info.name,
+            left.join(", "),
+            self.timeout().as_secs()
+        )
     }
 }
 

@@ -3,10 +3,12 @@
 
 pub mod attach;
 pub mod detach;
+pub mod migrate;
 pub mod mode;
 
 pub use attach::AttachJob;
 pub use detach::DetachJob;
+pub use migrate::MigrateJob;
 pub use mode::ModeJob;
 
 /// For the crash tests (`tests/kill_claims.rs`), only in builds with the `test-hooks` feature:

@@ -17,7 +17,7 @@ mod worker;
 pub mod xml;
 
 pub use events::{CloseReason, DomainEvent, DomainEventKind, LibvirtEvent};
-pub use worker::{Affect, Definition, DomainDefinitions, DomainInfo, Libvirt};
+pub use worker::{migrate, Affect, Definition, DomainDefinitions, DomainInfo, Libvirt, Migration};
 pub use xml::{assigned_functions, domain_devices, hostdev_xml, hostdevs, Hostdev};
 
 use crate::model::pci::PciAddress;

@@ -57,6 +57,53 @@ pub struct DomainInfo {
     pub persistent: bool,
 }
 
+/// How a domain is migrated.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Migration {
+    /// The destination's libvirt URI (`qemu+ssh://hostb/system`).
+    pub destination: String,
+    /// Where the memory goes (`tcp://10.0.0.2`), when not the destination's default address.
+    pub migrate_uri: Option<String>,
+    /// A live migration (else the domain is paused while its memory is copied).
+    pub live: bool,
+}
+
+/// Migrates `domain` from the libvirt at `source` to `m.destination`, on connections of its own:
+/// a migration takes seconds to minutes, and the worker's connection must keep answering
+/// meanwhile. The domain is defined on the destination and undefined here when it was
+/// persistent. Blocks until libvirt says the migration is over.
+pub fn migrate(source: &str, domain: &str, m: &Migration) -> Result<(), LibvirtError> {
+    let connect = |uri: &str| {
+        Connect::open(Some(uri)).map_err(|e| LibvirtError::Connect {
+            uri: uri.to_string(),
+            source: Cause(e),
+        })
+    };
+    // Closed when dropped.
+    let src = connect(source)?;
+    let dst = connect(&m.destination)?;
+    let fail = |e: virt::error::Error| LibvirtError::Domain {
+        uri: m.destination.clone(),
+        domain: domain.to_string(),
+        action: "migrate",
+        source: Cause(e),
+    };
+    let outcome = (|| {
+        let dom = src.lookup_domain_by_name(domain).map_err(fail)?;
+        let mut flags = virt::sys::VIR_MIGRATE_PERSIST_DEST;
+        if m.live {
+            flags |= virt::sys::VIR_MIGRATE_LIVE;
+        }
+        if dom.is_persistent().map_err(fail)? {
+            flags |= virt::sys::VIR_MIGRATE_UNDEFINE_SOURCE;
+        }
+        dom.migrate(&dst, flags, None, m.migrate_uri.as_deref(), 0)
+            .map(drop)
+            .map_err(fail)
+    })();
+    outcome
+}
+
 /// A domain and its definitions, for the reconcile of claims.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DomainDefinitions {
@@ -250,6 +297,28 @@ impl Libvirt {
     /// Every domain libvirt has (running, or defined and stopped), with its definitions.
     pub fn all_domains(&self) -> Result<Vec<DomainDefinitions>, LibvirtError> {
         self.call(|link| list_all(link?))
+    }
+
+    /// Writes vfiod's element (`xml`, in [`super::xml::VFIOD_NS`]) in a domain's `<metadata>`,
+    /// replacing what vfiod wrote before; `None` removes it.
+    pub fn set_metadata(
+        &self,
+        domain: &str,
+        xml: Option<&str>,
+        affect: Affect,
+    ) -> Result<(), LibvirtError> {
+        let (domain, xml) = (domain.to_string(), xml.map(str::to_string));
+        self.call(move |link| {
+            on_domain(link?, &domain, "write the metadata of", |d| {
+                d.set_metadata(
+                    virt::sys::VIR_DOMAIN_METADATA_ELEMENT as i32,
+                    xml.as_deref(),
+                    Some(super::xml::METADATA_KEY),
+                    Some(super::xml::VFIOD_NS),
+                    affect.flags(),
+                )
+            })
+        })
     }
 
     /// Attaches a device (`<hostdev>` XML) to a domain. A live attach of a PCI device returns
