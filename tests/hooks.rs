@@ -432,3 +432,22 @@ async fn the_migrate_hook_claims_equivalents_or_refuses() {
     assert_eq!(r.code, 0, "{}", r.stderr);
     assert!(claims_now(&h).await.is_empty());
 }
+
+/// What a live migration would do to each device, before anyone tries: a managed VF on
+/// vfio-pci is detached and re-claimed on the destination, an unmanaged function cannot be
+/// carried.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn devices_say_whether_they_can_be_migrated() {
+    let (h, _, _) = harness().await;
+    let devices = vfiod::client::list_devices(&h.client).await.unwrap();
+    let of = |a: &str| {
+        devices
+            .iter()
+            .find(|d| d.address == a)
+            .map(|d| d.migratable.clone())
+            .unwrap_or_else(|| panic!("{a} not listed"))
+    };
+    assert_eq!(of(VF0), "detach");
+    assert_eq!(of(FPGA), "detach");
+    assert_eq!(of(UNMANAGED), "no");
+}

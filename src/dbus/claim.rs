@@ -22,6 +22,26 @@ pub struct ClaimObject {
 }
 
 impl ClaimObject {
+    /// Asks polkit whether the caller may take `verb` on this claim (`org.vfiod.vfiod1.claim`,
+    /// with the device, the VM (`vm`, else the claim's) and the kind); returns who asked.
+    async fn authorize(
+        &self,
+        verb: &'static str,
+        vm: Option<&str>,
+        header: &zbus::message::Header<'_>,
+        conn: &zbus::Connection,
+    ) -> Result<String, Error> {
+        let claim = self
+            .claim()
+            .map_err(|_| Error::NoSuchClaim(format!("no claim {}", self.id)))?;
+        let o = &self.objects;
+        let check = Check::on_device(ACTION_CLAIM, verb, claim.address)
+            .with(Detail::Vm, vm.unwrap_or(claim.vm()))
+            .with(Detail::Kind, claim.kind.map_or("", |k| k.as_str()));
+        o.authorizer.check(conn, header, &check).await?;
+        Ok(o.requesters.of(conn, header).await)
+    }
+
     fn claim(&self) -> zbus::fdo::Result<ClaimRecord> {
         self.objects
             .view
@@ -152,15 +172,10 @@ impl ClaimObject {
         #[zbus(header)] header: zbus::message::Header<'_>,
         #[zbus(connection)] conn: &zbus::Connection,
     ) -> Result<(), Error> {
-        let claim = self
-            .claim()
-            .map_err(|_| Error::NoSuchClaim(format!("no claim {}", self.id)))?;
+        let who = self
+            .authorize("Attach", Some(&domain), &header, conn)
+            .await?;
         let o = &self.objects;
-        let check = Check::on_device(ACTION_CLAIM, "Attach", claim.address)
-            .with(Detail::Vm, &domain)
-            .with(Detail::Kind, claim.kind.map_or("", |k| k.as_str()));
-        o.authorizer.check(conn, &header, &check).await?;
-        let who = o.requesters.of(conn, &header).await;
         let outcome = o.engine.attach_claim(self.id, &domain, flags, &who).await;
         o.engine.flush().await;
         outcome.map(drop).map_err(Error::from)
@@ -176,15 +191,8 @@ impl ClaimObject {
         #[zbus(header)] header: zbus::message::Header<'_>,
         #[zbus(connection)] conn: &zbus::Connection,
     ) -> Result<(), Error> {
-        let claim = self
-            .claim()
-            .map_err(|_| Error::NoSuchClaim(format!("no claim {}", self.id)))?;
+        let who = self.authorize("Detach", None, &header, conn).await?;
         let o = &self.objects;
-        let check = Check::on_device(ACTION_CLAIM, "Detach", claim.address)
-            .with(Detail::Vm, claim.vm())
-            .with(Detail::Kind, claim.kind.map_or("", |k| k.as_str()));
-        o.authorizer.check(conn, &header, &check).await?;
-        let who = o.requesters.of(conn, &header).await;
         let outcome = o.engine.detach_claim(self.id, &who).await;
         o.engine.flush().await;
         outcome.map(drop).map_err(Error::from)
@@ -197,15 +205,8 @@ impl ClaimObject {
         #[zbus(header)] header: zbus::message::Header<'_>,
         #[zbus(connection)] conn: &zbus::Connection,
     ) -> Result<(), Error> {
-        let claim = self
-            .claim()
-            .map_err(|_| Error::NoSuchClaim(format!("no claim {}", self.id)))?;
+        let who = self.authorize("Release", None, &header, conn).await?;
         let o = &self.objects;
-        let check = Check::on_device(ACTION_CLAIM, "Release", claim.address)
-            .with(Detail::Vm, claim.vm())
-            .with(Detail::Kind, claim.kind.map_or("", |k| k.as_str()));
-        o.authorizer.check(conn, &header, &check).await?;
-        let who = o.requesters.of(conn, &header).await;
         o.engine
             .release_claim(self.id, &who, "Claim.Release")
             .await?;

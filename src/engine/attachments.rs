@@ -6,7 +6,7 @@
 //! [`crate::claims::lifecycle::reconcile`]).
 
 use super::jobs::{detach::claim_of_alias, AttachJob, DetachJob};
-use super::{Core, Engine, EngineEvent, JobError};
+use super::{Core, Engine, JobError};
 use crate::claims::lifecycle::{self, Assigned, DomainDefinitions, Repair, Step};
 use crate::host::libvirt::{self, DomainEvent, DomainEventKind, LibvirtError};
 use crate::model::claim::ClaimState;
@@ -137,13 +137,7 @@ impl Engine {
         if !removed {
             let what = format!("the guest of {name} refused to release the device");
             if claim.state == ClaimState::Detaching {
-                self.claim_step(
-                    core,
-                    id,
-                    Step::DetachRefused,
-                    ClaimDetails::default(),
-                    &what,
-                )?;
+                self.claim_step(id, Step::DetachRefused, ClaimDetails::default(), &what)?;
             } else {
                 core.store().claim_note(id, &what)?;
             }
@@ -165,23 +159,19 @@ impl Engine {
             )
         };
         tracing::info!(claim_id = id, domain = name, "{what}");
-        self.claim_step(core, id, Step::Detached, ClaimDetails::default(), &what)?;
+        self.claim_step(id, Step::Detached, ClaimDetails::default(), &what)?;
         Ok(())
     }
 
     /// A claim step outside a job, published in commit order.
     pub(super) fn claim_step(
         &self,
-        core: &Core,
         id: i64,
         step: Step,
         details: ClaimDetails,
         what: &str,
     ) -> Result<ClaimRecord, StoreError> {
-        let _publishing = self.publishing.lock().unwrap_or_else(|p| p.into_inner());
-        let c = core.store().step_claim(id, step, details, what)?;
-        let _ = self.events.send(EngineEvent::Claim(c.clone()));
-        Ok(c)
+        self.claim_steps().step(id, step, details, what)
     }
 
     /// Reconciles the claims with libvirt's domains (all of them, or the one named `only`).
@@ -328,7 +318,7 @@ impl Engine {
         let id = claim.id;
         let step = |step, details, what: String| {
             tracing::warn!(claim_id = id, "{what}");
-            self.claim_step(core, id, step, details, &what).map(drop)
+            self.claim_step(id, step, details, &what).map(drop)
         };
         match repair {
             Repair::Keep => Ok(()),

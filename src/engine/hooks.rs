@@ -48,6 +48,19 @@ fn parse(xml: &str) -> Result<Parsed, String> {
     })
 }
 
+/// A notification's verdict: it passes whatever happened, and says what it recorded.
+fn notified(
+    done: Result<Result<Vec<String>, StoreError>, super::EngineError>,
+    what: &str,
+) -> Verdict {
+    match done {
+        Ok(Ok(ids)) if ids.is_empty() => Verdict::pass(""),
+        Ok(Ok(ids)) => Verdict::pass(format!("claims {} {what}", ids.join(", "))),
+        Ok(Err(e)) => Verdict::pass(format!("not recorded: {}", crate::error_chain(&e))),
+        Err(e) => Verdict::pass(format!("not recorded: {}", crate::error_chain(&e))),
+    }
+}
+
 impl Engine {
     /// Answers one run of the hook, within its deadline: an operation that may stop libvirt
     /// fails closed when the answer does not come in time, a notification passes.
@@ -231,10 +244,10 @@ impl Engine {
                     };
                     let what = format!("attached: domain {name} started with it");
                     if c.state == ClaimState::Claimed {
-                        me.claim_step(core, c.id, Step::Attach, ClaimDetails::default(), &what)?;
+                        me.claim_step(c.id, Step::Attach, ClaimDetails::default(), &what)?;
                     }
                     if matches!(c.state, ClaimState::Claimed | ClaimState::Attaching) {
-                        me.claim_step(core, c.id, Step::Attached, details, &what)?;
+                        me.claim_step(c.id, Step::Attached, details, &what)?;
                         marked.push(c.id.to_string());
                     }
                 }
@@ -242,12 +255,7 @@ impl Engine {
             })
             .await;
         self.flush().await;
-        match done {
-            Ok(Ok(m)) if m.is_empty() => Verdict::pass(""),
-            Ok(Ok(m)) => Verdict::pass(format!("claims {} attached", m.join(", "))),
-            Ok(Err(e)) => Verdict::pass(format!("not recorded: {}", crate::error_chain(&e))),
-            Err(e) => Verdict::pass(format!("not recorded: {e}")),
-        }
+        notified(done, "attached")
     }
 
     async fn hook_stopped(self: &Arc<Self>, call: &HookCall, parsed: Parsed) -> Verdict {
@@ -262,25 +270,19 @@ impl Engine {
                 };
                 let mut changed = Vec::new();
                 for (c, after) in hooks::stopped(domain, &claims) {
-                    me.after_stop(core, c, after, &name)?;
+                    me.after_stop(c, after, &name)?;
                     changed.push(c.id.to_string());
                 }
                 Ok::<_, StoreError>(changed)
             })
             .await;
         self.flush().await;
-        match done {
-            Ok(Ok(c)) if c.is_empty() => Verdict::pass(""),
-            Ok(Ok(c)) => Verdict::pass(format!("claims {} out of the domain", c.join(", "))),
-            Ok(Err(e)) => Verdict::pass(format!("not recorded: {}", crate::error_chain(&e))),
-            Err(e) => Verdict::pass(format!("not recorded: {e}")),
-        }
+        notified(done, "out of the domain")
     }
 
     /// The domain stopped: `claim` is out of it, and released unless it outlives the run.
     fn after_stop(
         &self,
-        core: &super::Core,
         claim: &ClaimRecord,
         after: AfterStop,
         domain: &str,
@@ -289,11 +291,11 @@ impl Engine {
         let none = ClaimDetails::default;
         match claim.state {
             ClaimState::Attaching => {
-                self.claim_step(core, claim.id, Step::AttachFailed, none(), &what)?;
+                self.claim_step(claim.id, Step::AttachFailed, none(), &what)?;
                 return Ok(());
             }
             ClaimState::Detaching => {
-                self.claim_step(core, claim.id, Step::Detached, none(), &what)?;
+                self.claim_step(claim.id, Step::Detached, none(), &what)?;
                 return Ok(());
             }
             ClaimState::Attached => {
@@ -301,13 +303,12 @@ impl Engine {
                     guest_address: Some(None),
                     ..ClaimDetails::default()
                 };
-                self.claim_step(core, claim.id, Step::Detached, details, &what)?;
+                self.claim_step(claim.id, Step::Detached, details, &what)?;
             }
             ClaimState::Claimed | ClaimState::Released => {}
         }
         if after == AfterStop::Release {
             self.claim_step(
-                core,
                 claim.id,
                 Step::Release,
                 none(),

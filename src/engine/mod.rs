@@ -87,15 +87,20 @@ impl Engine {
     /// What a job of this engine runs with: the core's context, with claim steps published.
     pub fn job_context(&self) -> JobContext {
         let mut cx = self.core.job_context();
+        cx.claims = self.claim_steps();
+        cx
+    }
+
+    /// Claim steps committed and published in commit order, by jobs and by the engine itself.
+    fn claim_steps(&self) -> ClaimSteps {
         let events = self.events.clone();
-        cx.claims = ClaimSteps::new(
-            Arc::clone(&cx.store),
+        ClaimSteps::new(
+            Arc::clone(self.core.store()),
             Arc::clone(&self.publishing),
             Arc::new(move |c: &crate::store::ClaimRecord| {
                 let _ = events.send(EngineEvent::Claim(c.clone()));
             }),
-        );
-        cx
+        )
     }
 
     fn send(&self, event: EngineEvent) {
