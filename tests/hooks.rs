@@ -451,3 +451,52 @@ async fn devices_say_whether_they_can_be_migrated() {
     assert_eq!(of(FPGA), "detach");
     assert_eq!(of(UNMANAGED), "no");
 }
+
+/// A device whose driver migrates its state moves with the VM: the incoming XML still has its
+/// hostdev, naming the source host's function. The destination's hook claims an equivalent
+/// function here and outputs the XML with the hostdev pointed at it (libvirt takes a filter's
+/// output as the domain's XML); once the domain runs, `started` marks the claim attached.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_that_moves_with_the_vm_lands_on_a_function_here() {
+    use vfiod::host::libvirt::xml::{hostdevs, metadata_element, MetadataDevice};
+    let (h, config, bus) = harness().await;
+    let source = "0000:81:00.1";
+    let meta = metadata_element(&[MetadataDevice {
+        source: addr(source),
+        kind: "nic".into(),
+        id: "8086:154c".into(),
+        role: "vf".into(),
+        claim: Some(9),
+    }]);
+    let xml = domain_xml("mover", &[source])
+        .replace("<memory>", &format!("<metadata>{meta}</metadata><memory>"));
+    let r = hook(&bus, &config, &["mover", "migrate", "begin", "-"], &xml);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let list = claims_now(&h).await;
+    assert_eq!(list.len(), 1, "{list:?}");
+    let local = list[0].address.clone();
+    let now = hostdevs(&r.stdout).unwrap_or_else(|e| panic!("{e}: {}", r.stdout));
+    assert_eq!(now.len(), 1);
+    assert_eq!(
+        now[0].source,
+        addr(&local),
+        "the hostdev lands on our function"
+    );
+    assert_eq!(
+        now[0].guest_address.as_deref(),
+        Some("0000:07:00.0"),
+        "the guest sees the same slot"
+    );
+    let r = hook(
+        &bus,
+        &config,
+        &["mover", "started", "begin", "-"],
+        &r.stdout,
+    );
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let list = claims_now(&h).await;
+    assert_eq!(
+        (list[0].state.as_str(), list[0].guest_address.as_str()),
+        ("attached", "0000:07:00.0")
+    );
+}

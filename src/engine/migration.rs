@@ -83,12 +83,11 @@ impl Engine {
             return Verdict::pass("");
         }
         let uuid = parsed.uuid.clone();
-        let carried: Vec<_> = parsed
-            .metadata
-            .iter()
-            .filter(|m| !parsed.hostdevs.iter().any(|h| h.source == m.source))
-            .cloned()
-            .collect();
+        // What the source detached (no hostdev in the XML) and what moves with the VM (its
+        // driver migrates its state: the hostdev stays, and must land on a function of ours).
+        let moving = |m: &crate::host::libvirt::xml::MetadataDevice| {
+            parsed.hostdevs.iter().any(|h| h.source == m.source)
+        };
         // The same hook twice (libvirt retrying): what the domain already holds counts.
         let (n, u) = (name.to_string(), uuid.clone());
         let held = self
@@ -111,7 +110,9 @@ impl Engine {
             _ => 0,
         };
         let mut made = Vec::new();
-        for m in carried.iter().skip(held) {
+        let mut waiting = Vec::new();
+        let mut retarget = Vec::new();
+        for m in parsed.metadata.iter().skip(held) {
             let req = match crate::migration::requirements_for(&m.kind, &m.id, &m.role) {
                 Ok(r) => r,
                 Err(e) => {
@@ -132,7 +133,14 @@ impl Engine {
                 .claim(req, owner, "libvirt hook (incoming migration)")
                 .await
             {
-                Ok(c) => made.push(c.id),
+                Ok(c) => {
+                    made.push(c.id);
+                    if moving(m) {
+                        retarget.push((m.source, c.address));
+                    } else {
+                        waiting.push(c.id);
+                    }
+                }
                 Err(e) => {
                     self.release_all(&made, "its migration was refused").await;
                     return Verdict::fail(format!(
@@ -147,22 +155,39 @@ impl Engine {
                 }
             }
         }
+        // The moving devices' hostdevs point at our functions in the XML libvirt goes on with.
+        let stdout = if retarget.is_empty() {
+            String::new()
+        } else {
+            match libvirt::xml::retarget_hostdevs(xml, &retarget) {
+                Ok(x) => x,
+                Err(e) => {
+                    self.release_all(&made, "its migration was refused").await;
+                    return Verdict::fail(format!("vfiod: domain {name}: {e}"));
+                }
+            }
+        };
+        let made_text = made
+            .iter()
+            .map(|i| format!("claim {i}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let made = waiting;
         if let Some(u) = uuid {
             if !made.is_empty() {
                 self.incoming.lock().entry(u).or_default().extend(&made);
             }
         }
         self.flush().await;
-        if made.is_empty() {
-            Verdict::pass("")
+        let message = if made_text.is_empty() {
+            String::new()
         } else {
-            Verdict::pass(format!(
-                "claimed {} for {name}; attached once it runs here",
-                made.iter()
-                    .map(|i| format!("claim {i}"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ))
+            format!("claimed {made_text} for {name}")
+        };
+        Verdict {
+            exit_code: 0,
+            stdout,
+            message,
         }
     }
 

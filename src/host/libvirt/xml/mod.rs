@@ -17,10 +17,12 @@
 mod devices;
 mod metadata;
 mod number;
+mod retarget;
 
 pub use metadata::{
     metadata_element, metadata_xml, parse_metadata, MetadataDevice, METADATA_KEY, VFIOD_NS,
 };
+pub use retarget::retarget_hostdevs;
 
 use super::DomainDevices;
 use crate::model::pci::PciAddress;
