@@ -1,0 +1,4 @@
+//! FPGA images and programming decisions, as pure code: the image headers vfiod reads
+//! (`image`), and what makes an image legal for a device.
+
+pub mod image;
