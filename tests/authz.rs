@@ -1161,3 +1161,118 @@ async fn the_hook_call_is_accepted_from_root_only() {
         p.polkitd.log()
     );
 }
+
+/// The image catalog: everyone reads it; adding (from a descriptor), deactivating, activating
+/// and removing ask `program` with the image's name, and an unprivileged caller is refused
+/// with NotAuthorized and changes nothing; adding from a path is root's only, without polkit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn the_image_catalog_is_read_by_all_and_changed_under_the_program_action() {
+    use std::os::unix::fs::PermissionsExt;
+    assert_root();
+    let p = PolkitHarness::start(CONFIG).await;
+    let gbs = vfiod::fpga::image::build::gbs(
+        "3a00972e7aac41debbd13901124e8cda",
+        &["d8424dc4a4a3c413f89e433683f9040b"],
+        b"bits",
+    );
+    let file = p.h.dir.path().join("nlb.gbs");
+    std::fs::write(&file, &gbs).unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let f = file.to_str().unwrap();
+    let digest: String = {
+        use sha2::Digest;
+        sha2::Sha256::digest(&gbs)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    };
+    let add = |name: &'static str| -> Vec<String> {
+        ["image", "add", name, f, "--sha256", &digest]
+            .iter()
+            .map(|s| s.to_string())
+            .collect()
+    };
+    assert_ok(
+        &p.vfioctl(ROOT, &strs(&add("nlb"))).await,
+        "image add as root",
+    );
+    let reads: &[&[&str]] = &[
+        &["image", "list", "--json"],
+        &["image", "list"],
+        &["image", "show", "nlb", "--json"],
+    ];
+    nobody_reads_what_root_reads(&p, reads).await;
+
+    let before = event_count(&p.h);
+    let changes: Vec<(Vec<String>, &str)> = vec![
+        (add("other"), "verb=AddImage image=other"),
+        (
+            vec!["image".into(), "deactivate".into(), "nlb".into()],
+            "verb=DeactivateImage image=nlb",
+        ),
+        (
+            vec!["image".into(), "activate".into(), "nlb".into()],
+            "verb=ActivateImage image=nlb",
+        ),
+        (
+            vec!["image".into(), "remove".into(), "nlb".into()],
+            "verb=RemoveImage image=nlb",
+        ),
+    ];
+    for (cmd, _) in &changes {
+        let what = format!("vfioctl {} as nobody", cmd.join(" "));
+        assert_refused(&p.vfioctl(NOBODY, &strs(cmd)).await, PROGRAM, &what);
+        let what = format!("vfioctl {} as {MODE_USER}", cmd.join(" "));
+        assert_refused(
+            &p.vfioctl(uid_of(MODE_USER), &strs(cmd)).await,
+            PROGRAM,
+            &what,
+        );
+    }
+    let mut from_path = add("other");
+    from_path.push("--from-path".into());
+    let r = p.vfioctl(NOBODY, &strs(&from_path)).await;
+    assert!(
+        !r.ok
+            && r.stderr
+                .contains("Images.AddFromPath is accepted from root only"),
+        "{}",
+        r.stderr
+    );
+    assert_eq!(
+        event_count(&p.h),
+        before,
+        "refused catalog calls left events"
+    );
+    let names: Vec<String> =
+        p.h.store()
+            .images()
+            .unwrap()
+            .into_iter()
+            .map(|i| i.name)
+            .collect();
+    assert_eq!(names, ["nlb"]);
+
+    let granted = uid_of(GRANTED_USER);
+    for (cmd, _) in &changes {
+        let what = format!("vfioctl {} as {GRANTED_USER}", cmd.join(" "));
+        assert_ok(&p.vfioctl(granted, &strs(cmd)).await, &what);
+    }
+    let mut root_path = from_path.clone();
+    root_path[2] = "root-copy".into();
+    assert_ok(
+        &p.vfioctl(ROOT, &strs(&root_path)).await,
+        "image add --from-path as root",
+    );
+    let log = p.polkitd.log();
+    for (_, details) in &changes {
+        for user in ["nobody", GRANTED_USER] {
+            assert_asked(&log, PROGRAM, user, details);
+        }
+    }
+}
+
+fn strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}

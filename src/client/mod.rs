@@ -2,6 +2,7 @@
 //! device, and the table `vfioctl list` prints.
 
 pub mod claims;
+pub mod images;
 pub mod hook;
 
 use crate::dbus::wire::{Dict, Entry};
