@@ -36,10 +36,25 @@ const PROGRAM: &str = "org.vfiod.vfiod1.program";
 const MIGRATE: &str = "org.vfiod.vfiod1.migrate";
 /// Every action the policy file declares.
 const ACTIONS: [&str; 5] = [CONFIGURE, MODE, CLAIM, PROGRAM, MIGRATE];
-/// The actions no method asks yet (the FPGA and migration issues add them): checked with
-/// polkitd directly. Every other action is asked by a method that [`MUTATING`] or [`CLAIMING`]
-/// lists.
-const NOT_ASKED_YET: [&str; 1] = [PROGRAM];
+/// The actions no method asks yet: checked with polkitd directly. Every other action is asked
+/// by a method that [`MUTATING`], [`CLAIMING`] or [`PROGRAMMING`] lists.
+const NOT_ASKED_YET: [&str; 0] = [];
+
+/// The FPGA task calls (vfioctl command, action, details as the test rules log them), made
+/// with image `nlb` in the catalog (see [`start_for_programming`]). The catalog's own calls are
+/// in `the_image_catalog_is_read_by_all_and_changed_under_the_program_action`.
+const PROGRAMMING: &[(&[&str], &str, &str)] = &[
+    (
+        &["fpga", "program", "0000:af:00.0", "nlb", "--wait"],
+        PROGRAM,
+        "verb=Program device=0000:af:00.0 image=nlb",
+    ),
+    (
+        &["fpga", "verify", "0000:af:00.0", "nlb", "--wait"],
+        PROGRAM,
+        "verb=Verify device=0000:af:00.0 image=nlb",
+    ),
+];
 
 /// Every mutating vfioctl command, the polkit action it needs and the details vfiod sends with
 /// it, as the test rules log them. A new mutating method (SetMode, ResetTask, starting a task,
@@ -978,7 +993,7 @@ fn the_actions_and_details_are_documented_where_operators_look() {
         );
     }
     // Each verb the tested methods send, among the `verb` values the page lists.
-    for (_, _, details) in MUTATING.iter().chain(CLAIMING) {
+    for (_, _, details) in MUTATING.iter().chain(CLAIMING).chain(PROGRAMMING) {
         let verb = details
             .strip_prefix("verb=")
             .and_then(|d| d.split(' ').next())
@@ -997,6 +1012,7 @@ fn every_declared_action_is_exercised() {
     let mut asked: Vec<&str> = MUTATING
         .iter()
         .chain(CLAIMING)
+        .chain(PROGRAMMING)
         .map(|(_, action, _)| *action)
         .collect();
     asked.sort();
@@ -1275,4 +1291,85 @@ async fn the_image_catalog_is_read_by_all_and_changed_under_the_program_action()
 
 fn strs(v: &[String]) -> Vec<&str> {
     v.iter().map(String::as_str).collect()
+}
+
+/// vfiod with the FPGA card's NLB image `nlb` in its catalog (added by root).
+async fn start_for_programming() -> PolkitHarness {
+    use std::os::unix::fs::PermissionsExt;
+    let p = PolkitHarness::start(CONFIG).await;
+    let gbs = vfiod::fpga::image::build::gbs(
+        vfiod::sim::kernel::REFERENCE_FPGA_INTERFACE,
+        &["d8424dc4a4a3c413f89e433683f9040b"],
+        b"bits",
+    );
+    let file = p.h.dir.path().join("nlb.gbs");
+    std::fs::write(&file, &gbs).unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let digest: String = {
+        use sha2::Digest;
+        sha2::Sha256::digest(&gbs)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    };
+    let r = p
+        .vfioctl(
+            ROOT,
+            &[
+                "image",
+                "add",
+                "nlb",
+                file.to_str().unwrap(),
+                "--sha256",
+                &digest,
+            ],
+        )
+        .await;
+    assert_ok(&r, "image add as root");
+    p
+}
+
+/// Program and Verify: an unprivileged caller (and one granted only the mode action) reads the
+/// device's task state and gets NotAuthorized naming the program action, asked with the device
+/// and the image, and nothing changes; whoever is granted the action (and root) programs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn program_and_verify_need_the_program_action() {
+    assert_root();
+    let p = start_for_programming().await;
+    nobody_reads_what_root_reads(
+        &p,
+        &[&["show", "0000:af:00.0", "--json"], &["task", "list"]],
+    )
+    .await;
+    for (args, action, details) in PROGRAMMING {
+        for user in ["nobody", MODE_USER] {
+            let what = format!("vfioctl {} as {user}", args.join(" "));
+            let before = footprint(&p.h);
+            assert_refused(&p.vfioctl(uid_of(user), args).await, action, &what);
+            assert_unchanged(&p.h, &before, &what);
+        }
+        for uid in [uid_of(GRANTED_USER), ROOT] {
+            let what = format!("vfioctl {} as uid {uid}", args.join(" "));
+            assert_ok(&p.vfioctl(uid, args).await, &what);
+            // The next call finds the card idle once the task's end is published.
+            let h = &p.h;
+            eventually_async(Duration::from_secs(30), "the FPGA is idle", || async move {
+                h.store()
+                    .active_task(addr("0000:af:00.0"))
+                    .unwrap()
+                    .is_none()
+                    .then_some(())
+            })
+            .await;
+        }
+        let log = p.polkitd.log();
+        for user in ["nobody", GRANTED_USER] {
+            assert_asked(&log, action, user, details);
+        }
+    }
+    assert_eq!(
+        p.h.kernel.afu_id_of(addr("0000:af:00.0")).as_deref(),
+        Some("d8424dc4a4a3c413f89e433683f9040b")
+    );
 }

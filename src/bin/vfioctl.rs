@@ -165,6 +165,9 @@ enum Command {
     /// /etc/vfiod) for the deadlines.
     #[command(subcommand)]
     Hook(HookCommand),
+    /// FPGA tasks: program an image into a card, verify what it runs.
+    #[command(subcommand)]
+    Fpga(FpgaCommand),
     /// The FPGA image catalog: add, list, show, deactivate, activate, remove.
     #[command(subcommand)]
     Image(ImageCommand),
@@ -172,6 +175,25 @@ enum Command {
     Reload,
     /// Rescan the PCI devices now (needs authorization).
     Rescan,
+}
+
+#[derive(Subcommand, Debug)]
+enum FpgaCommand {
+    /// Write catalog image IMAGE into the FPGA at DEVICE, as a task (needs authorization).
+    Program {
+        device: String,
+        image: String,
+        /// Show progress until the task ends; exit non-zero if it fails.
+        #[arg(long)]
+        wait: bool,
+    },
+    /// Check what the FPGA at DEVICE runs against IMAGE, as a task (needs authorization).
+    Verify {
+        device: String,
+        image: String,
+        #[arg(long)]
+        wait: bool,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -837,6 +859,24 @@ async fn run(args: Args) -> Result<(), String> {
             start_and_follow(&conn, path, wait).await?;
         }
         Command::Image(command) => image(&conn, command).await?,
+        Command::Fpga(FpgaCommand::Program {
+            device,
+            image,
+            wait,
+        }) => {
+            let d = client::device(&conn, &device).await.map_err(describe)?;
+            let path = d.program(&image).await.map_err(|e| describe(e.into()))?;
+            start_and_follow(&conn, path, wait).await?;
+        }
+        Command::Fpga(FpgaCommand::Verify {
+            device,
+            image,
+            wait,
+        }) => {
+            let d = client::device(&conn, &device).await.map_err(describe)?;
+            let path = d.verify(&image).await.map_err(|e| describe(e.into()))?;
+            start_and_follow(&conn, path, wait).await?;
+        }
         Command::Hook(_) => unreachable!("vfioctl hook is run before connecting"),
         Command::Reload => {
             let m = client::manager(&conn).await.map_err(describe)?;
