@@ -269,7 +269,7 @@ async fn one_program_at_a_time_per_card_and_two_cards_at_once() {
     for a in [af, b1] {
         h.kernel.inject(
             FaultTarget::DeviceAttr(a, "dfl-fme-pr".into()),
-            FaultAction::Delay(Duration::from_millis(700)),
+            FaultAction::Delay(Duration::from_millis(1200)),
             None,
         );
     }
@@ -299,7 +299,7 @@ async fn one_program_at_a_time_per_card_and_two_cards_at_once() {
         "{sa:?} {sb:?}"
     );
     assert!(
-        started.elapsed() < Duration::from_millis(1400),
+        started.elapsed() < Duration::from_millis(2300),
         "the two cards ran one after the other"
     );
     assert_eq!(h.kernel.afu_id_of(b1).as_deref(), Some(NLB));
@@ -317,6 +317,19 @@ async fn a_card_in_vf_mode_is_refused_when_a_vf_is_claimed_else_restored_program
         "success"
     );
     assert_eq!(settled_state(&h, AF).await, "idle");
+    // The inventory pass after the split records the VFs.
+    let h_ = &h;
+    eventually_async(
+        Duration::from_secs(30),
+        "the VFs are recorded",
+        || async move {
+            h_.store()
+                .device(common::addr("0000:af:00.1"))
+                .unwrap()
+                .map(|_| ())
+        },
+    )
+    .await;
     let m = client::claims::claims_proxy(&h.client).await.unwrap();
     let claim = m
         .claim(
@@ -350,6 +363,21 @@ async fn a_card_in_vf_mode_is_refused_when_a_vf_is_claimed_else_restored_program
         h.kernel.driver_of(common::addr("0000:af:00.1")).as_deref(),
         Some("vfio-pci")
     );
+
+    // A failed write after the restore: the card is split again, the task stays in error.
+    h.kernel.inject(
+        FaultTarget::DeviceAttr(af, "dfl-fme-pr".into()),
+        FaultAction::Errno(libc::EIO),
+        Some(1),
+    );
+    let (state, result) = finish(&h, &d.program("nlb").await.unwrap()).await;
+    assert_eq!(state, "error");
+    assert!(
+        result.contains("rollback split again into 2 VFs"),
+        "{result}"
+    );
+    assert_eq!(h.kernel.num_vfs(af), Some(2));
+    assert_eq!(settled_state(&h, AF).await, "error");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -439,6 +467,11 @@ async fn vfioctl_fpga_program_and_verify() {
     let (ok, out) = vfioctl(&bus, &["fpga", "verify", AF, "nlb", "--wait"]);
     assert!(ok && out.contains("runs image nlb"), "{out}");
     settled_state(&h, AF).await;
+    let (ok, out) = vfioctl(&bus, &["task", "show", AF]);
+    assert!(
+        ok && out.contains("0000:af:00.0: idle") && out.contains("verify: success"),
+        "{out}"
+    );
     let (ok, out) = vfioctl(&bus, &["fpga", "program", AF, "missing"]);
     assert!(!ok && out.contains("InvalidArgument"), "{out}");
 }

@@ -313,8 +313,9 @@ enum TaskCommand {
         #[arg(long)]
         wait: bool,
     },
-    /// A task's current state (by id).
-    Show { id: i64 },
+    /// A task's current state, by id; or, given a device's address, the task that holds the
+    /// device now, else its last result.
+    Show { task: String },
     /// Clear a device's task left in error (after looking at the device).
     Reset { address: String },
     /// Task history, newest first.
@@ -647,7 +648,39 @@ async fn run(args: Args) -> Result<(), String> {
             .map_err(|e| describe(e.into()))?;
             start_and_follow(&conn, path, wait).await?;
         }
-        Command::Task(TaskCommand::Show { id }) => {
+        Command::Task(TaskCommand::Show { task }) if task.parse::<i64>().is_err() => {
+            let d = client::show_device(&conn, &task).await.map_err(describe)?;
+            match &d.current_task {
+                Some(path) => {
+                    let t = client::task(
+                        &conn,
+                        zbus::OwnedObjectPath::try_from(path.as_str())
+                            .map_err(|e| e.to_string())?,
+                    )
+                    .await
+                    .map_err(describe)?;
+                    let get = async {
+                        Ok::<_, zbus::Error>((
+                            t.id().await?,
+                            t.kind().await?,
+                            t.step().await?,
+                            t.percent().await?,
+                        ))
+                    };
+                    let (id, kind, step, pct) = get.await.map_err(|e| describe(e.into()))?;
+                    println!("{}: task {id} {kind}: {} ({pct}%)", d.address, d.task_state);
+                    if !step.is_empty() {
+                        println!("step:   {step}");
+                    }
+                }
+                None => println!("{}: {}", d.address, d.task_state),
+            }
+            if !d.last_result.is_empty() {
+                println!("last:   {}", d.last_result);
+            }
+        }
+        Command::Task(TaskCommand::Show { task }) => {
+            let id: i64 = task.parse().map_err(|e| format!("{task}: {e}"))?;
             let path =
                 zbus::OwnedObjectPath::try_from(format!("{}/task/{id}", vfiod::dbus::ROOT_PATH))
                     .map_err(|e| e.to_string())?;

@@ -40,6 +40,8 @@ pub struct FpgaJob {
     image: String,
     backend: Option<FpgaBackend>,
     prepared: Option<Prepared>,
+    /// Set once a card in VF mode was restored: a failure after it splits the card again.
+    restored: Option<Resplit>,
 }
 
 struct Prepared {
@@ -50,6 +52,7 @@ struct Prepared {
     resplit: Option<Resplit>,
 }
 
+#[derive(Clone)]
 struct Resplit {
     restore: Plan,
     before: Snapshot,
@@ -73,6 +76,7 @@ impl FpgaJob {
             image: image.to_string(),
             backend: None,
             prepared: None,
+            restored: None,
         }
     }
 
@@ -306,6 +310,7 @@ impl Job for FpgaJob {
                 ))
             })?;
             let _ = cx.store.forget_original_driver(address);
+            self.restored = Some(r.clone());
             notes.push(format!("restored to PF mode (from {} VFs)", r.num_vfs));
         }
         progress.step(1, 3, &format!("programming {}", image.name));
@@ -350,6 +355,7 @@ impl Job for FpgaJob {
         if let Some(r) = &prepared.resplit {
             progress.step(2, 3, "split into VFs again");
             self.split_again(cx, r)?;
+            self.restored = None;
             notes.push(format!(
                 "split again into {} VFs on {}",
                 r.num_vfs, r.vf_driver
@@ -364,10 +370,20 @@ impl Job for FpgaJob {
         ))
     }
 
-    fn rollback(&mut self, _cx: &JobContext) -> Result<String, JobFailure> {
+    fn rollback(&mut self, cx: &JobContext) -> Result<String, JobFailure> {
         // A partial reconfiguration cannot be undone: what the port holds after a failed write
-        // is for an operator to look at (the task stays in error until reset).
-        Ok("nothing to roll back: the card is as the failed step left it".into())
+        // is for an operator to look at (the task stays in error until reset). A card this job
+        // restored from VF mode is split again, as a failed mode change is put back.
+        match self.restored.take() {
+            Some(r) => {
+                self.split_again(cx, &r)?;
+                Ok(format!(
+                    "split again into {} VFs on {}; the port is as the failed step left it",
+                    r.num_vfs, r.vf_driver
+                ))
+            }
+            None => Ok("nothing to roll back: the card is as the failed step left it".into()),
+        }
     }
 }
 
