@@ -5,6 +5,7 @@
 //! (policy, plans, the task state machine) take no I/O; host, store and dbus are the edges.
 
 pub mod model; // PciAddress, class codes, the device record, task and event kinds: plain values
+pub mod fpga; // FPGA image headers (gbs, xclbin) and image legality: pure code
 pub mod config; // settings from vfiod.toml and conf.d drop-ins, validated once at load
 pub mod claims; // which device a claim gets: requirements, what is claimable, the choice
 pub mod store; // SQLite state store (WAL), schema migrations: the single source of truth

@@ -36,10 +36,25 @@ const PROGRAM: &str = "org.vfiod.vfiod1.program";
 const MIGRATE: &str = "org.vfiod.vfiod1.migrate";
 /// Every action the policy file declares.
 const ACTIONS: [&str; 5] = [CONFIGURE, MODE, CLAIM, PROGRAM, MIGRATE];
-/// The actions no method asks yet (the FPGA and migration issues add them): checked with
-/// polkitd directly. Every other action is asked by a method that [`MUTATING`] or [`CLAIMING`]
-/// lists.
-const NOT_ASKED_YET: [&str; 1] = [PROGRAM];
+/// The actions no method asks yet: checked with polkitd directly. Every other action is asked
+/// by a method that [`MUTATING`], [`CLAIMING`] or [`PROGRAMMING`] lists.
+const NOT_ASKED_YET: [&str; 0] = [];
+
+/// The FPGA task calls (vfioctl command, action, details as the test rules log them), made
+/// with image `nlb` in the catalog (see [`start_for_programming`]). The catalog's own calls are
+/// in `the_image_catalog_is_read_by_all_and_changed_under_the_program_action`.
+const PROGRAMMING: &[(&[&str], &str, &str)] = &[
+    (
+        &["fpga", "program", "0000:af:00.0", "nlb", "--wait"],
+        PROGRAM,
+        "verb=Program device=0000:af:00.0 image=nlb",
+    ),
+    (
+        &["fpga", "verify", "0000:af:00.0", "nlb", "--wait"],
+        PROGRAM,
+        "verb=Verify device=0000:af:00.0 image=nlb",
+    ),
+];
 
 /// Every mutating vfioctl command, the polkit action it needs and the details vfiod sends with
 /// it, as the test rules log them. A new mutating method (SetMode, ResetTask, starting a task,
@@ -978,7 +993,7 @@ fn the_actions_and_details_are_documented_where_operators_look() {
         );
     }
     // Each verb the tested methods send, among the `verb` values the page lists.
-    for (_, _, details) in MUTATING.iter().chain(CLAIMING) {
+    for (_, _, details) in MUTATING.iter().chain(CLAIMING).chain(PROGRAMMING) {
         let verb = details
             .strip_prefix("verb=")
             .and_then(|d| d.split(' ').next())
@@ -997,6 +1012,7 @@ fn every_declared_action_is_exercised() {
     let mut asked: Vec<&str> = MUTATING
         .iter()
         .chain(CLAIMING)
+        .chain(PROGRAMMING)
         .map(|(_, action, _)| *action)
         .collect();
     asked.sort();
@@ -1159,5 +1175,201 @@ async fn the_hook_call_is_accepted_from_root_only() {
         !p.polkitd.log().contains("org.vfiod.vfiod1"),
         "the hook call asked polkit:\n{}",
         p.polkitd.log()
+    );
+}
+
+/// The image catalog: everyone reads it; adding (from a descriptor), deactivating, activating
+/// and removing ask `program` with the image's name, and an unprivileged caller is refused
+/// with NotAuthorized and changes nothing; adding from a path is root's only, without polkit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn the_image_catalog_is_read_by_all_and_changed_under_the_program_action() {
+    use std::os::unix::fs::PermissionsExt;
+    assert_root();
+    let p = PolkitHarness::start(CONFIG).await;
+    let gbs = vfiod::fpga::image::build::gbs(
+        "3a00972e7aac41debbd13901124e8cda",
+        &["d8424dc4a4a3c413f89e433683f9040b"],
+        b"bits",
+    );
+    let file = p.h.dir.path().join("nlb.gbs");
+    std::fs::write(&file, &gbs).unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let f = file.to_str().unwrap();
+    let digest: String = {
+        use sha2::Digest;
+        sha2::Sha256::digest(&gbs)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    };
+    let add = |name: &'static str| -> Vec<String> {
+        ["image", "add", name, f, "--sha256", &digest]
+            .iter()
+            .map(|s| s.to_string())
+            .collect()
+    };
+    assert_ok(
+        &p.vfioctl(ROOT, &strs(&add("nlb"))).await,
+        "image add as root",
+    );
+    let reads: &[&[&str]] = &[
+        &["image", "list", "--json"],
+        &["image", "list"],
+        &["image", "show", "nlb", "--json"],
+    ];
+    nobody_reads_what_root_reads(&p, reads).await;
+
+    let before = event_count(&p.h);
+    let changes: Vec<(Vec<String>, &str)> = vec![
+        (add("other"), "verb=AddImage image=other"),
+        (
+            vec!["image".into(), "deactivate".into(), "nlb".into()],
+            "verb=DeactivateImage image=nlb",
+        ),
+        (
+            vec!["image".into(), "activate".into(), "nlb".into()],
+            "verb=ActivateImage image=nlb",
+        ),
+        (
+            vec!["image".into(), "remove".into(), "nlb".into()],
+            "verb=RemoveImage image=nlb",
+        ),
+    ];
+    for (cmd, _) in &changes {
+        let what = format!("vfioctl {} as nobody", cmd.join(" "));
+        assert_refused(&p.vfioctl(NOBODY, &strs(cmd)).await, PROGRAM, &what);
+        let what = format!("vfioctl {} as {MODE_USER}", cmd.join(" "));
+        assert_refused(
+            &p.vfioctl(uid_of(MODE_USER), &strs(cmd)).await,
+            PROGRAM,
+            &what,
+        );
+    }
+    let mut from_path = add("other");
+    from_path.push("--from-path".into());
+    let r = p.vfioctl(NOBODY, &strs(&from_path)).await;
+    assert!(
+        !r.ok
+            && r.stderr
+                .contains("Images.AddFromPath is accepted from root only"),
+        "{}",
+        r.stderr
+    );
+    assert_eq!(
+        event_count(&p.h),
+        before,
+        "refused catalog calls left events"
+    );
+    let names: Vec<String> =
+        p.h.store()
+            .images()
+            .unwrap()
+            .into_iter()
+            .map(|i| i.name)
+            .collect();
+    assert_eq!(names, ["nlb"]);
+
+    let granted = uid_of(GRANTED_USER);
+    for (cmd, _) in &changes {
+        let what = format!("vfioctl {} as {GRANTED_USER}", cmd.join(" "));
+        assert_ok(&p.vfioctl(granted, &strs(cmd)).await, &what);
+    }
+    let mut root_path = from_path.clone();
+    root_path[2] = "root-copy".into();
+    assert_ok(
+        &p.vfioctl(ROOT, &strs(&root_path)).await,
+        "image add --from-path as root",
+    );
+    let log = p.polkitd.log();
+    for (_, details) in &changes {
+        for user in ["nobody", GRANTED_USER] {
+            assert_asked(&log, PROGRAM, user, details);
+        }
+    }
+}
+
+fn strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+/// vfiod with the FPGA card's NLB image `nlb` in its catalog (added by root).
+async fn start_for_programming() -> PolkitHarness {
+    use std::os::unix::fs::PermissionsExt;
+    let p = PolkitHarness::start(CONFIG).await;
+    let gbs = vfiod::fpga::image::build::gbs(
+        vfiod::sim::kernel::REFERENCE_FPGA_INTERFACE,
+        &["d8424dc4a4a3c413f89e433683f9040b"],
+        b"bits",
+    );
+    let file = p.h.dir.path().join("nlb.gbs");
+    std::fs::write(&file, &gbs).unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let digest: String = {
+        use sha2::Digest;
+        sha2::Sha256::digest(&gbs)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    };
+    let r = p
+        .vfioctl(
+            ROOT,
+            &[
+                "image",
+                "add",
+                "nlb",
+                file.to_str().unwrap(),
+                "--sha256",
+                &digest,
+            ],
+        )
+        .await;
+    assert_ok(&r, "image add as root");
+    p
+}
+
+/// Program and Verify: an unprivileged caller (and one granted only the mode action) reads the
+/// device's task state and gets NotAuthorized naming the program action, asked with the device
+/// and the image, and nothing changes; whoever is granted the action (and root) programs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn program_and_verify_need_the_program_action() {
+    assert_root();
+    let p = start_for_programming().await;
+    nobody_reads_what_root_reads(
+        &p,
+        &[&["show", "0000:af:00.0", "--json"], &["task", "list"]],
+    )
+    .await;
+    for (args, action, details) in PROGRAMMING {
+        for user in ["nobody", MODE_USER] {
+            let what = format!("vfioctl {} as {user}", args.join(" "));
+            let before = footprint(&p.h);
+            assert_refused(&p.vfioctl(uid_of(user), args).await, action, &what);
+            assert_unchanged(&p.h, &before, &what);
+        }
+        for uid in [uid_of(GRANTED_USER), ROOT] {
+            let what = format!("vfioctl {} as uid {uid}", args.join(" "));
+            assert_ok(&p.vfioctl(uid, args).await, &what);
+            // The next call finds the card idle once the task's end is published.
+            let h = &p.h;
+            eventually_async(Duration::from_secs(30), "the FPGA is idle", || async move {
+                h.store()
+                    .active_task(addr("0000:af:00.0"))
+                    .unwrap()
+                    .is_none()
+                    .then_some(())
+            })
+            .await;
+        }
+        let log = p.polkitd.log();
+        for user in ["nobody", GRANTED_USER] {
+            assert_asked(&log, action, user, details);
+        }
+    }
+    assert_eq!(
+        p.h.kernel.afu_id_of(addr("0000:af:00.0")).as_deref(),
+        Some("d8424dc4a4a3c413f89e433683f9040b")
     );
 }

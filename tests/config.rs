@@ -172,6 +172,7 @@ fn shipped_default_sets_every_key_and_its_examples_are_valid() {
     let settings = Settings::from_toml_str(&uncommented, Path::new("uncommented.toml")).unwrap();
     assert_eq!(settings.select.len(), 2, "{uncommented}");
     assert_eq!(settings.protect.len(), 1, "{uncommented}");
+    assert_eq!(settings.fpga.len(), 1, "{uncommented}");
 }
 
 #[test]

@@ -28,6 +28,11 @@ impl Drop for Daemon {
 }
 
 fn vfiod(dir: &Path, bus: &str, kill_at: Option<usize>) -> Daemon {
+    vfiod_with(dir, bus, kill_at, None)
+}
+
+/// `kill_point`: the named kill point of a job (`VFIOD_TEST_KILL_AT`).
+fn vfiod_with(dir: &Path, bus: &str, kill_at: Option<usize>, kill_point: Option<&str>) -> Daemon {
     let mut c = Command::new(env!("CARGO_BIN_EXE_vfiod"));
     c.args(["--simulate", "--sim-root"])
         .arg(dir.join("sim"))
@@ -40,6 +45,10 @@ fn vfiod(dir: &Path, bus: &str, kill_at: Option<usize>) -> Daemon {
     match kill_at {
         Some(k) => c.env("VFIOD_TEST_KILL_AT_STEP", k.to_string()),
         None => c.env_remove("VFIOD_TEST_KILL_AT_STEP"),
+    };
+    match kill_point {
+        Some(p) => c.env("VFIOD_TEST_KILL_AT", p),
+        None => c.env_remove("VFIOD_TEST_KILL_AT"),
     };
     Daemon(c.spawn().expect("start vfiod"))
 }
@@ -140,4 +149,91 @@ fn killed_at_every_step_of_a_split_then_restarted() {
 
         drop(second);
     }
+}
+
+/// SIGKILL while the FPGA is being programmed (the `program:writing` kill point, before the
+/// partial reconfiguration): after the restart the task is `error: interrupted`, the card is
+/// re-read (still its old AFU), a new program is Busy until the reset, then succeeds.
+#[test]
+fn killed_while_programming_then_restarted() {
+    use sha2::Digest;
+    const PF_CONFIG: &str =
+        "scenario = \"private\"\npoll_interval = 3600\n[[select]]\nclass = \"0x12\"\n";
+    let nlb = "d8424dc4a4a3c413f89e433683f9040b";
+    let dir = common::fast_tempdir();
+    std::fs::write(dir.path().join("vfiod.toml"), PF_CONFIG).unwrap();
+    let image = vfiod::fpga::image::build::gbs(
+        vfiod::sim::kernel::REFERENCE_FPGA_INTERFACE,
+        &[nlb],
+        b"green bitstream",
+    );
+    let file = dir.path().join("nlb.gbs");
+    std::fs::write(&file, &image).unwrap();
+    let digest: String = sha2::Sha256::digest(&image)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let bus = PrivateBus::start(&dir.path().join("bus"), "").unwrap();
+    let addr = bus.address().to_string();
+
+    let mut first = vfiod_with(dir.path(), &addr, None, Some("program:writing"));
+    wait_ready(&addr);
+    let (ok, out) = vfioctl(
+        &addr,
+        &[
+            "image",
+            "add",
+            "nlb",
+            file.to_str().unwrap(),
+            "--sha256",
+            &digest,
+        ],
+    );
+    assert!(ok, "{out}");
+    let (_, out) = vfioctl(&addr, &["fpga", "program", FPGA, "nlb", "--wait"]);
+    let status = common::eventually_blocking(Duration::from_secs(60), "vfiod is killed", || {
+        first.0.try_wait().unwrap()
+    });
+    assert_eq!(status.signal(), Some(9), "{status:?}: {out}");
+    let afu = |root: &Path| {
+        std::fs::read_to_string(
+            root.join("sys/bus/pci/devices")
+                .join(FPGA)
+                .join("fpga_region/region0/dfl-port.0/afu_id"),
+        )
+        .unwrap()
+        .trim()
+        .to_string()
+    };
+    let root = dir.path().join("sim/root");
+    assert_eq!(afu(&root), vfiod::sim::kernel::REFERENCE_FPGA_AFU);
+
+    let second = vfiod(dir.path(), &addr, None);
+    wait_ready(&addr);
+    let (ok, tasks) = vfioctl(&addr, &["task", "list", "--json"]);
+    assert!(ok, "{tasks}");
+    let tasks: Vec<serde_json::Value> = serde_json::from_str(&tasks).unwrap();
+    assert_eq!(tasks.len(), 1, "{tasks:?}");
+    assert_eq!(
+        (tasks[0]["kind"].as_str(), tasks[0]["state"].as_str()),
+        (Some("program"), Some("error"))
+    );
+    assert!(
+        tasks[0]["result"].as_str().unwrap().contains("interrupted"),
+        "{tasks:?}"
+    );
+    let (_, show) = vfioctl(&addr, &["show", FPGA, "--json"]);
+    let shown: serde_json::Value = serde_json::from_str(&show).unwrap();
+    assert_eq!(shown["task_state"], "error", "{shown}");
+    // The image survived the kill, the card was not touched.
+    assert!(vfioctl(&addr, &["image", "show", "nlb"]).0);
+    assert_eq!(afu(&root), vfiod::sim::kernel::REFERENCE_FPGA_AFU);
+
+    let (ok, out) = vfioctl(&addr, &["fpga", "program", FPGA, "nlb", "--wait"]);
+    assert!(!ok && out.contains("Busy"), "{out}");
+    assert!(vfioctl(&addr, &["task", "reset", FPGA]).0);
+    let (ok, out) = vfioctl(&addr, &["fpga", "program", FPGA, "nlb", "--wait"]);
+    assert!(ok, "{out}");
+    assert_eq!(afu(&root), nlb);
+    drop(second);
 }

@@ -165,10 +165,81 @@ enum Command {
     /// /etc/vfiod) for the deadlines.
     #[command(subcommand)]
     Hook(HookCommand),
+    /// FPGA tasks: program an image into a card, verify what it runs.
+    #[command(subcommand)]
+    Fpga(FpgaCommand),
+    /// The FPGA image catalog: add, list, show, deactivate, activate, remove.
+    #[command(subcommand)]
+    Image(ImageCommand),
     /// Re-read the configuration (needs authorization).
     Reload,
     /// Rescan the PCI devices now (needs authorization).
     Rescan,
+}
+
+#[derive(Subcommand, Debug)]
+enum FpgaCommand {
+    /// Write catalog image IMAGE into the FPGA at DEVICE, as a task (needs authorization).
+    Program {
+        device: String,
+        image: String,
+        /// Show progress until the task ends; exit non-zero if it fails.
+        #[arg(long)]
+        wait: bool,
+    },
+    /// Check what the FPGA at DEVICE runs against IMAGE, as a task (needs authorization).
+    Verify {
+        device: String,
+        image: String,
+        #[arg(long)]
+        wait: bool,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum ImageCommand {
+    /// Add an image (needs authorization). vfioctl opens FILE as you and passes the open file
+    /// to vfiod; with --from-path (root only) vfiod opens FILE itself.
+    Add {
+        /// The image's name in the catalog (1-64 of A-Z a-z 0-9 . _ -).
+        name: String,
+        /// The image file ("-": standard input).
+        file: String,
+        /// The SHA-256 the content must have (64 hex digits).
+        #[arg(long)]
+        sha256: String,
+        /// gbs, xclbin or opaque (default: as its header says).
+        #[arg(long)]
+        format: Option<String>,
+        /// The interface id of the static region it fits (for an opaque image).
+        #[arg(long)]
+        interface_id: Option<String>,
+        /// The AFU id it provides (for an opaque image).
+        #[arg(long)]
+        afu_id: Option<String>,
+        /// vfiod opens FILE (an absolute path on this host) instead: root only.
+        #[arg(long)]
+        from_path: bool,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Every image.
+    List {
+        #[arg(long)]
+        json: bool,
+    },
+    /// One image by name (or id).
+    Show {
+        name: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Keep an image but refuse it for program and verify (needs authorization).
+    Deactivate { name: String },
+    /// Undo deactivate (needs authorization).
+    Activate { name: String },
+    /// Remove an image and its file (needs authorization).
+    Remove { name: String },
 }
 
 #[derive(Subcommand, Debug)]
@@ -242,8 +313,9 @@ enum TaskCommand {
         #[arg(long)]
         wait: bool,
     },
-    /// A task's current state (by id).
-    Show { id: i64 },
+    /// A task's current state, by id; or, given a device's address, the task that holds the
+    /// device now, else its last result.
+    Show { task: String },
     /// Clear a device's task left in error (after looking at the device).
     Reset { address: String },
     /// Task history, newest first.
@@ -576,7 +648,39 @@ async fn run(args: Args) -> Result<(), String> {
             .map_err(|e| describe(e.into()))?;
             start_and_follow(&conn, path, wait).await?;
         }
-        Command::Task(TaskCommand::Show { id }) => {
+        Command::Task(TaskCommand::Show { task }) if task.parse::<i64>().is_err() => {
+            let d = client::show_device(&conn, &task).await.map_err(describe)?;
+            match &d.current_task {
+                Some(path) => {
+                    let t = client::task(
+                        &conn,
+                        zbus::OwnedObjectPath::try_from(path.as_str())
+                            .map_err(|e| e.to_string())?,
+                    )
+                    .await
+                    .map_err(describe)?;
+                    let get = async {
+                        Ok::<_, zbus::Error>((
+                            t.id().await?,
+                            t.kind().await?,
+                            t.step().await?,
+                            t.percent().await?,
+                        ))
+                    };
+                    let (id, kind, step, pct) = get.await.map_err(|e| describe(e.into()))?;
+                    println!("{}: task {id} {kind}: {} ({pct}%)", d.address, d.task_state);
+                    if !step.is_empty() {
+                        println!("step:   {step}");
+                    }
+                }
+                None => println!("{}: {}", d.address, d.task_state),
+            }
+            if !d.last_result.is_empty() {
+                println!("last:   {}", d.last_result);
+            }
+        }
+        Command::Task(TaskCommand::Show { task }) => {
+            let id: i64 = task.parse().map_err(|e| format!("{task}: {e}"))?;
             let path =
                 zbus::OwnedObjectPath::try_from(format!("{}/task/{id}", vfiod::dbus::ROOT_PATH))
                     .map_err(|e| e.to_string())?;
@@ -787,6 +891,25 @@ async fn run(args: Args) -> Result<(), String> {
                 .map_err(|e| describe(e.into()))?;
             start_and_follow(&conn, path, wait).await?;
         }
+        Command::Image(command) => image(&conn, command).await?,
+        Command::Fpga(FpgaCommand::Program {
+            device,
+            image,
+            wait,
+        }) => {
+            let d = client::device(&conn, &device).await.map_err(describe)?;
+            let path = d.program(&image).await.map_err(|e| describe(e.into()))?;
+            start_and_follow(&conn, path, wait).await?;
+        }
+        Command::Fpga(FpgaCommand::Verify {
+            device,
+            image,
+            wait,
+        }) => {
+            let d = client::device(&conn, &device).await.map_err(describe)?;
+            let path = d.verify(&image).await.map_err(|e| describe(e.into()))?;
+            start_and_follow(&conn, path, wait).await?;
+        }
         Command::Hook(_) => unreachable!("vfioctl hook is run before connecting"),
         Command::Reload => {
             let m = client::manager(&conn).await.map_err(describe)?;
@@ -803,6 +926,102 @@ async fn run(args: Args) -> Result<(), String> {
 }
 
 /// UTC time of day and date from epoch milliseconds, without pulling in a date crate.
+async fn image(conn: &zbus::Connection, command: ImageCommand) -> Result<(), String> {
+    use vfiod::client::images::{self, ImageEntry};
+    let proxy = images::images(conn).await.map_err(describe)?;
+    let call = |e: zbus::Error| describe(e.into());
+    match command {
+        ImageCommand::Add {
+            name,
+            file,
+            sha256,
+            format,
+            interface_id,
+            afu_id,
+            from_path,
+            json,
+        } => {
+            let options = client::query(vec![
+                ("format", format.map(zbus::Variant::from)),
+                ("interface_id", interface_id.map(zbus::Variant::from)),
+                ("afu_id", afu_id.map(zbus::Variant::from)),
+            ]);
+            let added = if from_path {
+                let path = std::path::absolute(&file).map_err(|e| format!("{file}: {e}"))?;
+                proxy
+                    .add_from_path(&name, &path.to_string_lossy(), &sha256, options)
+                    .await
+                    .map_err(call)?
+            } else {
+                use std::os::fd::AsFd;
+                let opened;
+                let fd = if file == "-" {
+                    std::io::stdin().as_fd().try_clone_to_owned()
+                } else {
+                    opened = std::fs::File::open(&file).map_err(|e| format!("{file}: {e}"))?;
+                    opened.as_fd().try_clone_to_owned()
+                }
+                .map_err(|e| format!("{file}: {e}"))?;
+                proxy
+                    .add(&name, zbus::Fd::from(&fd), &sha256, options)
+                    .await
+                    .map_err(call)?
+            };
+            let entry = ImageEntry::from_dict(&added);
+            if json {
+                print_json(&entry)?;
+            } else {
+                println!(
+                    "image {} added: {}, {} bytes, interface {}",
+                    entry.name,
+                    entry.format,
+                    entry.size,
+                    if entry.interface_id.is_empty() {
+                        "-"
+                    } else {
+                        &entry.interface_id
+                    }
+                );
+            }
+        }
+        ImageCommand::List { json } => {
+            let all: Vec<ImageEntry> = proxy
+                .list()
+                .await
+                .map_err(call)?
+                .iter()
+                .map(ImageEntry::from_dict)
+                .collect();
+            if json {
+                print_json(&all)?;
+            } else {
+                print!("{}", images::render_table(&all));
+            }
+        }
+        ImageCommand::Show { name, json } => {
+            let entry = ImageEntry::from_dict(&proxy.get(&name).await.map_err(call)?);
+            if json {
+                print_json(&entry)?;
+            } else {
+                print!("{}", images::render_details(&entry));
+            }
+        }
+        ImageCommand::Deactivate { name } => {
+            proxy.deactivate(&name).await.map_err(call)?;
+            println!("image {name} deactivated");
+        }
+        ImageCommand::Activate { name } => {
+            proxy.activate(&name).await.map_err(call)?;
+            println!("image {name} activated");
+        }
+        ImageCommand::Remove { name } => {
+            proxy.remove(&name).await.map_err(call)?;
+            println!("image {name} removed");
+        }
+    }
+    Ok(())
+}
+
 fn format_time(ms: i64) -> String {
     let secs = ms.div_euclid(1000);
     let days = secs.div_euclid(86_400);

@@ -2,6 +2,7 @@
 //! device, and the table `vfioctl list` prints.
 
 pub mod claims;
+pub mod images;
 pub mod hook;
 
 use crate::dbus::wire::{Dict, Entry};
@@ -66,6 +67,8 @@ pub trait Device {
     fn set_mode(&self, mode: &str, num_vfs: u32) -> zbus::Result<zbus::OwnedObjectPath>;
     fn apply(&self) -> zbus::Result<zbus::OwnedObjectPath>;
     fn reset_task(&self) -> zbus::Result<()>;
+    fn program(&self, image: &str) -> zbus::Result<zbus::OwnedObjectPath>;
+    fn verify(&self, image: &str) -> zbus::Result<zbus::OwnedObjectPath>;
 }
 
 #[zbus::proxy(

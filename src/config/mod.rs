@@ -77,6 +77,7 @@
 
 mod bounded;
 mod claims;
+mod fpga;
 mod hooks;
 mod daemon;
 mod error;
@@ -95,6 +96,7 @@ pub use daemon::{Scenario, DEFAULT_LIBVIRT_URI};
 pub(crate) use error::Quoted;
 pub use error::{ConfigError, FileRefusal};
 pub use files::{MAX_DROPINS, MAX_FILE_BYTES, MAX_TOTAL_BYTES};
+pub use fpga::{FpgaBackend, FpgaRule};
 pub use hooks::HookSettings;
 pub use position::Origin;
 pub use select::{DeviceRule, RuleOrigin};
@@ -135,6 +137,8 @@ pub struct Settings {
     pub claims: ClaimSettings,
     /// `[hooks]`.
     pub hooks: HookSettings,
+    /// `[[fpga]]`: how FPGA devices are programmed, in file order; the first match applies.
+    pub fpga: Vec<FpgaRule>,
     /// files that were read, in order (for logs and `vfioctl` status)
     pub sources: Vec<PathBuf>,
 }
@@ -154,6 +158,7 @@ impl Default for Settings {
             protect: Vec::new(),
             claims: ClaimSettings::default(),
             hooks: HookSettings::default(),
+            fpga: Vec::new(),
             sources: Vec::new(),
         }
     }
@@ -206,6 +211,20 @@ impl Settings {
             .iter()
             .find(|selector| selector.matches(address, vendor, device, class))
     }
+
+    /// How the device is programmed: the first `[[fpga]]` entry that matches it, else `dfl`.
+    pub fn fpga_backend(
+        &self,
+        address: PciAddress,
+        vendor: u16,
+        device: u16,
+        class: ClassCode,
+    ) -> FpgaBackend {
+        self.fpga
+            .iter()
+            .find(|r| r.selector.matches(address, vendor, device, class))
+            .map_or(FpgaBackend::Dfl, |r| r.backend.clone())
+    }
 }
 
 /// The last stage: every section validated, assembled into [`Settings`].
@@ -225,6 +244,7 @@ fn settle(inputs: &Inputs) -> Result<Settings, ConfigError> {
         protect: protect::validate(inputs.entries(|f| &f.protect))?,
         claims: claims::validate(inputs.values(|f| f.claims.as_ref()))?,
         hooks: hooks::validate(inputs.values(|f| f.hooks.as_ref()))?,
+        fpga: fpga::validate(inputs.entries(|f| &f.fpga))?,
         sources: inputs.sources(),
     })
 }
@@ -245,6 +265,51 @@ mod tests {
         Settings::from_toml_str(text, Path::new("test.toml"))
             .unwrap_err()
             .to_string()
+    }
+
+    #[test]
+    fn fpga_entries_choose_a_backend_per_device() {
+        use crate::model::pci::ClassCode;
+        let s = parse(
+            "[[fpga]]\naddress = \"0000:af:00.0\"\nbackend = \"exec\"\n\
+             command = \"/bin/prog --dev {address} {image}\"\ntimeout_seconds = 5\n\
+             [[fpga]]\nclass = \"0x12\"\n",
+        );
+        let af = "0000:af:00.0".parse().unwrap();
+        let b1 = "0000:b1:00.0".parse().unwrap();
+        assert_eq!(
+            s.fpga_backend(af, 0x8086, 0x0b2b, ClassCode(0x120000)),
+            FpgaBackend::Exec {
+                argv: vec![
+                    "/bin/prog".into(),
+                    "--dev".into(),
+                    "{address}".into(),
+                    "{image}".into()
+                ],
+                timeout_seconds: 5
+            }
+        );
+        assert_eq!(
+            s.fpga_backend(b1, 0x8086, 0x0b2b, ClassCode(0x120000)),
+            FpgaBackend::Dfl
+        );
+        assert_eq!(
+            Settings::default().fpga_backend(af, 0, 0, ClassCode(0)),
+            FpgaBackend::Dfl
+        );
+        for (text, wanted) in [
+            ("[[fpga]]\nbackend = \"dfl\"\n", "needs at least one of"),
+            ("[[fpga]]\nclass = \"0x12\"\nbackend = \"jtag\"\n", "unknown backend"),
+            ("[[fpga]]\nclass = \"0x12\"\nbackend = \"exec\"\n", "needs a command"),
+            ("[[fpga]]\nclass = \"0x12\"\nbackend = \"exec\"\ncommand = \"prog {image}\"\n", "absolute path"),
+            ("[[fpga]]\nclass = \"0x12\"\nbackend = \"exec\"\ncommand = \"/bin/prog\"\n", "{image}"),
+            ("[[fpga]]\nclass = \"0x12\"\ncommand = \"/bin/p {image}\"\n", "for backend = \"exec\""),
+            ("[[fpga]]\nclass = \"0x12\"\nbackend = \"exec\"\ncommand = \"/bin/p {image}\"\ntimeout_seconds = 0\n", "out of range"),
+            ("[[fpga]]\nclass = \"0x12\"\nspeed = 1\n", "unknown field"),
+        ] {
+            let e = parse_err(text);
+            assert!(e.contains(wanted), "{text}: {e}");
+        }
     }
 
     #[test]

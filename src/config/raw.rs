@@ -13,6 +13,7 @@
 use super::bounded::{Int, Keyword, PathText};
 use super::claims::RawClaims;
 use super::error::{bound_message, ConfigError, Key};
+use super::fpga::RawFpga;
 use super::hooks::RawHooks;
 use super::position::{key_path_at, line_column, Segment, Source};
 use super::select::RawRule;
@@ -39,6 +40,8 @@ pub(crate) struct RawFile {
     pub protect: Vec<Spanned<RawSelector>>,
     pub claims: Option<Spanned<RawClaims>>,
     pub hooks: Option<Spanned<RawHooks>>,
+    #[serde(default)]
+    pub fpga: Vec<Spanned<RawFpga>>,
 }
 
 /// One file: where it came from and its text (for positions in errors), and what it says.

@@ -21,7 +21,8 @@ pub const ACTION_CONFIGURE: &str = "org.vfiod.vfiod1.configure";
 pub const ACTION_MODE: &str = "org.vfiod.vfiod1.mode";
 /// Claim a device for a VM, and release (later attach and detach) a claim.
 pub const ACTION_CLAIM: &str = "org.vfiod.vfiod1.claim";
-/// Program or verify an accelerator, and reset such a task (the FPGA issue adds the methods).
+/// Program or verify an accelerator, reset such a task, and change the image catalog
+/// (`Images.Add`, `Deactivate`, `Activate`, `Remove`).
 pub const ACTION_PROGRAM: &str = "org.vfiod.vfiod1.program";
 /// Carry a device through a live migration, and reset such a task (the migration issues).
 pub const ACTION_MIGRATE: &str = "org.vfiod.vfiod1.migrate";
@@ -55,16 +56,19 @@ pub enum Detail {
     /// The device kind (gpu, fpga, crypto, nvme, nic, other): of the device for a claim's
     /// Release, of the requirement for Claim ("" when the request names no kind).
     Kind,
+    /// The FPGA image's name: on `Program`, `Verify` and the image catalog's methods.
+    Image,
 }
 
 impl Detail {
-    pub const ALL: [Detail; 6] = [
+    pub const ALL: [Detail; 7] = [
         Detail::Verb,
         Detail::Device,
         Detail::Mode,
         Detail::NumVfs,
         Detail::Vm,
         Detail::Kind,
+        Detail::Image,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -75,6 +79,7 @@ impl Detail {
             Detail::NumVfs => "num_vfs",
             Detail::Vm => "vm",
             Detail::Kind => "kind",
+            Detail::Image => "image",
         }
     }
 }
@@ -234,8 +239,9 @@ impl Authorizer {
 }
 
 impl Authorizer {
-    /// Succeeds for a caller running as root (libvirt runs its hooks as root; a hook's call
-    /// may not wait for a polkit agent), or for anyone under [`Authorizer::AllowAll`].
+    /// Succeeds for a caller running as root (libvirt runs its hooks as root, and a hook's call
+    /// may not wait for a polkit agent; only root may name a file for vfiod to read), or for
+    /// anyone under [`Authorizer::AllowAll`].
     pub async fn require_root(
         &self,
         requesters: &Requesters,
@@ -249,7 +255,7 @@ impl Authorizer {
         match requesters.uid(conn, header).await {
             Some(0) => Ok(()),
             Some(uid) => Err(Error::NotAuthorized(format!(
-                "{what} is accepted from root only (libvirt runs its hooks as root), not uid {uid}"
+                "{what} is accepted from root only, not uid {uid}"
             ))),
             None => Err(Error::NotAuthorized(format!(
                 "{what} is accepted from root only, and the bus does not say who the caller is"
@@ -411,6 +417,9 @@ mod tests {
     #[test]
     fn detail_keys_are_the_documented_ones() {
         let keys: Vec<_> = Detail::ALL.iter().map(|d| d.as_str()).collect();
-        assert_eq!(keys, ["verb", "device", "mode", "num_vfs", "vm", "kind"]);
+        assert_eq!(
+            keys,
+            ["verb", "device", "mode", "num_vfs", "vm", "kind", "image"]
+        );
     }
 }

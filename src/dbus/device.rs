@@ -1,9 +1,9 @@
 //! `org.vfiod.Vfiod1.Device`: one object per PCI function, named like libvirt's node devices.
 
-use super::auth::{Check, ACTION_MODE};
+use super::auth::{Check, Detail, ACTION_MODE, ACTION_PROGRAM};
 use super::error::Error;
 use super::view::DeviceEntry;
-use crate::engine::jobs::ModeJob;
+use crate::engine::jobs::{FpgaJob, ModeJob};
 use crate::model::device::Device;
 use crate::model::pci::PciAddress;
 use std::collections::HashMap;
@@ -370,6 +370,36 @@ impl DeviceObject {
     ) -> Result<zbus::OwnedObjectPath, Error> {
         let job = ModeJob::new(self.address, None);
         let check = Check::on_device(ACTION_MODE, "Apply", self.address);
+        self.start(Box::new(job), check, &header, conn).await
+    }
+
+    /// Writes catalog image `image` into the FPGA as a `program` task (phases download, write,
+    /// verify); replies with the task once it is prepared, or with the refusal: an image that
+    /// is not legal for the device (InvalidArgument saying why), Busy, InUse (a claimed VF of
+    /// a card in VF mode). Authorized as `org.vfiod.vfiod1.program`.
+    async fn program(
+        &self,
+        image: &str,
+        #[zbus(header)] header: zbus::message::Header<'_>,
+        #[zbus(connection)] conn: &zbus::Connection,
+    ) -> Result<zbus::OwnedObjectPath, Error> {
+        let check =
+            Check::on_device(ACTION_PROGRAM, "Program", self.address).with(Detail::Image, image);
+        let job = FpgaJob::program(self.address, image);
+        self.start(Box::new(job), check, &header, conn).await
+    }
+
+    /// Checks what the FPGA reports (its port's AFU id) against image `image`, as a `verify`
+    /// task. Authorized as `org.vfiod.vfiod1.program`.
+    async fn verify(
+        &self,
+        image: &str,
+        #[zbus(header)] header: zbus::message::Header<'_>,
+        #[zbus(connection)] conn: &zbus::Connection,
+    ) -> Result<zbus::OwnedObjectPath, Error> {
+        let check =
+            Check::on_device(ACTION_PROGRAM, "Verify", self.address).with(Detail::Image, image);
+        let job = FpgaJob::verify(self.address, image);
         self.start(Box::new(job), check, &header, conn).await
     }
 

@@ -22,6 +22,7 @@ pub enum Error {
     NotManaged(String),
     NoDeviceAvailable(String),
     NoSuchClaim(String),
+    NoSuchImage(String),
     /// libvirt did not attach the claim's devices; the claim was released.
     AttachFailed(String),
     /// The claim's devices did not leave the domain (libvirt or the guest refused, or the guest
@@ -119,6 +120,25 @@ impl From<crate::engine::AttachError> for Error {
             A::Refused(j) => j.into(),
             A::AttachFailed(m) => Error::AttachFailed(m),
             A::DetachFailed(m) => Error::DetachFailed(m),
+        }
+    }
+}
+
+impl From<crate::store::ImageError> for Error {
+    fn from(e: crate::store::ImageError) -> Self {
+        use crate::store::ImageError as I;
+        let chain = crate::error_chain(&e);
+        match e {
+            I::NoSuchImage(_) => Error::NoSuchImage(chain),
+            I::Store(s) => s.into(),
+            I::Io { .. } => Error::Failed(chain),
+            I::InvalidName(_)
+            | I::Exists(_)
+            | I::BadDigest(_)
+            | I::Checksum { .. }
+            | I::TooLarge
+            | I::Header(_)
+            | I::Declared(_) => Error::InvalidArgument(chain),
         }
     }
 }

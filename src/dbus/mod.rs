@@ -8,6 +8,7 @@ pub mod auth;
 pub mod claim;
 pub mod device;
 pub mod error;
+pub mod images;
 pub mod manager;
 mod publisher;
 pub mod strict;
@@ -129,6 +130,15 @@ pub async fn serve(
             Strict::new(manager::Manager {
                 objects: objects.clone(),
                 simulated,
+            }),
+        )
+        .await
+        .map_err(ServeError::Export)?;
+    server
+        .at(
+            ROOT_PATH,
+            Strict::new(images::Images {
+                objects: objects.clone(),
             }),
         )
         .await

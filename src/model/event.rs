@@ -28,9 +28,11 @@ pub enum EventKind {
     Task,
     /// A claim was made, attached, detached, released or expired.
     Claim,
+    /// The FPGA image catalog changed (added, deactivated, activated, removed).
+    Image,
 }
 
 text_enum!(EventKind as "event kind",
     Added => "added", Removed => "removed", Changed => "changed", Broken => "broken",
     Recovered => "recovered", Protected => "protected", Unprotected => "unprotected",
-    Config => "config", Aer => "aer", Task => "task", Claim => "claim");
+    Config => "config", Aer => "aer", Task => "task", Claim => "claim", Image => "image");

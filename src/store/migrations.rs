@@ -17,7 +17,7 @@ use rusqlite::{Connection, TransactionBehavior};
 pub(super) const APPLICATION_ID: i32 = 0x7666_696f;
 
 /// Every migration step, oldest first. [`super::SCHEMA_VERSION`] is its length.
-pub(super) const MIGRATIONS: &[&str] = &[V1_INITIAL, V2_TASKS, V3_TASK_SCOPE, V4_CLAIMS];
+pub(super) const MIGRATIONS: &[&str] = &[V1_INITIAL, V2_TASKS, V3_TASK_SCOPE, V4_CLAIMS, V5_IMAGES];
 
 /// Version 1: the inventory, its history, and the tables claims, tasks and driver restore will
 /// fill.
@@ -211,6 +211,25 @@ INSERT INTO claim_functions (claim_id, address, family, is_pf, active)
     SELECT id, address, NULL, 0, 1 FROM claims WHERE state IN ('claimed', 'attached');
 ";
 
+/// Version 5: the FPGA image catalog. Ids are 32 lowercase hex digits; `afu_ids` is a JSON array
+/// of them, `metadata` the header's JSON. `path` is the file under `<state_dir>/images`.
+const V5_IMAGES: &str = "
+CREATE TABLE images (
+    id           INTEGER PRIMARY KEY AUTOINCREMENT,
+    name         TEXT NOT NULL UNIQUE CHECK (name <> ''),
+    format       TEXT NOT NULL,
+    sha256       TEXT NOT NULL,
+    size         INTEGER NOT NULL,
+    path         TEXT NOT NULL,
+    interface_id TEXT,
+    afu_ids      TEXT NOT NULL DEFAULT '[]',
+    metadata     TEXT NOT NULL DEFAULT '{}',
+    state        TEXT NOT NULL,
+    added_by     TEXT NOT NULL,
+    added_ms     INTEGER NOT NULL
+);
+";
+
 /// Why [`migrate`] stopped: the step that failed (1-based target version) and SQLite's error.
 #[derive(Debug)]
 pub(super) struct MigrationError {
@@ -302,7 +321,10 @@ mod tests {
     fn version_3_scopes_go_with_their_task() {
         let mut conn = Connection::open_in_memory().unwrap();
         conn.pragma_update(None, "foreign_keys", true).unwrap();
-        assert_eq!(migrate(&mut conn, MIGRATIONS).unwrap(), (0, 4));
+        assert_eq!(
+            migrate(&mut conn, MIGRATIONS).unwrap(),
+            (0, MIGRATIONS.len() as u32)
+        );
         conn.execute_batch(
             "INSERT INTO tasks (id, address, kind, state, created_ms) \
                  VALUES (1, '0000:17:00.0', 'bind', 'success', 1); \
@@ -362,7 +384,10 @@ mod tests {
     fn version_4_holds_a_function_once_and_a_pf_apart_from_its_vfs() {
         let mut conn = Connection::open_in_memory().unwrap();
         conn.pragma_update(None, "foreign_keys", true).unwrap();
-        assert_eq!(migrate(&mut conn, MIGRATIONS).unwrap(), (0, 4));
+        assert_eq!(
+            migrate(&mut conn, MIGRATIONS).unwrap(),
+            (0, MIGRATIONS.len() as u32)
+        );
         let claim = |id: i64, address: &str| {
             conn.execute(
                 "INSERT INTO claims (id, address, vm_name, state, created_ms, updated_ms) \
@@ -408,6 +433,27 @@ mod tests {
             .is_err());
         // A new claim of a released function's address.
         claim(7, "0000:3b:02.0").unwrap();
+    }
+
+    #[test]
+    fn version_5_keeps_older_rows_and_names_images_once() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        migrate(&mut conn, &MIGRATIONS[..4]).unwrap();
+        conn.execute(
+            "INSERT INTO tasks (id, address, kind, state, created_ms) \
+             VALUES (1, '0000:af:00.0', 'split', 'success', 1)",
+            [],
+        )
+        .unwrap();
+        assert_eq!(migrate(&mut conn, MIGRATIONS).unwrap(), (4, 5));
+        let tasks: i64 = conn
+            .query_row("SELECT count(*) FROM tasks", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(tasks, 1);
+        let insert = "INSERT INTO images (name, format, sha256, size, path, state, added_by, \
+                      added_ms) VALUES ('a', 'gbs', 'x', 1, '/p', 'active', 'root', 1)";
+        conn.execute(insert, []).unwrap();
+        assert!(conn.execute(insert, []).is_err(), "a name is unique");
     }
 
     #[test]

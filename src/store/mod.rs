@@ -13,6 +13,7 @@
 
 mod claims;
 mod device_row;
+pub mod images;
 pub mod lock;
 mod migrations;
 mod original_drivers;
@@ -20,6 +21,7 @@ mod task_state;
 mod tasks;
 
 pub use claims::{ClaimChange, ClaimDetails, ClaimRecord};
+pub use images::{ImageError, ImageRecord, ImageState, NewImage};
 pub use task_state::TaskState;
 pub use tasks::{TaskRecord, REFUSED_BY};
 

@@ -6,6 +6,7 @@
 //! implements the same trait and reacts to writes the way Linux does.
 
 mod function;
+pub mod dfl;
 pub mod hostuse;
 mod writer;
 
@@ -26,6 +27,21 @@ pub trait Backend: Send + Sync + 'static {
     fn read_dir(&self, path: &Path) -> io::Result<Vec<OsString>>;
     /// Resolves symlinks; used to find a block device's or interface's PCI ancestors.
     fn canonicalize(&self, path: &Path) -> io::Result<PathBuf>;
+
+    /// Partial reconfiguration of an FPGA port through its FME node (`/dev/dfl-fme.N`) with
+    /// `bitstream`: the `DFL_FPGA_FME_PORT_PR` ioctl on a real host. `afu_id` is what the
+    /// image's metadata says the bitstream provides: the hardware ignores it (the bitstream
+    /// carries its own), the simulated kernel, which loads nothing, shows it as the port's.
+    fn fpga_port_pr(
+        &self,
+        fme_node: &Path,
+        port_id: u32,
+        bitstream: &[u8],
+        afu_id: Option<&str>,
+    ) -> io::Result<()> {
+        let _ = afu_id;
+        dfl::port_pr_ioctl(fme_node, port_id, bitstream)
+    }
 }
 
 /// The real filesystem.

@@ -16,7 +16,8 @@ pub mod models;
 mod render;
 
 pub use models::{
-    DriverSpec, FunctionSpec, GroupSpec, HostModel, InterfaceSpec, MountSpec, SriovSpec,
+    DflSpec, DriverSpec, FunctionSpec, GroupSpec, HostModel, InterfaceSpec, MountSpec, SriovSpec,
+    REFERENCE_FPGA_AFU, REFERENCE_FPGA_INTERFACE,
 };
 
 use crate::host::sysfs::{Backend, Sysfs};
@@ -440,6 +441,14 @@ impl SimKernel {
 
     pub fn num_vfs(&self, address: PciAddress) -> Option<u32> {
         Some(self.lock().devices.get(&address)?.num_vfs)
+    }
+
+    /// The AFU id the port of the DFL card at `address` shows.
+    pub fn afu_id_of(&self, address: PciAddress) -> Option<String> {
+        self.lock()
+            .devices
+            .get(&address)
+            .and_then(|d| Some(d.spec.dfl.as_ref()?.afu_id.clone()))
     }
 
     pub fn driver_override_of(&self, address: PciAddress) -> Option<String> {
@@ -1026,6 +1035,73 @@ impl Backend for SimKernel {
 
     fn canonicalize(&self, path: &Path) -> io::Result<PathBuf> {
         std::fs::canonicalize(path)
+    }
+
+    /// The simulated `DFL_FPGA_FME_PORT_PR`: the errors the DFL driver gives (ENOENT without
+    /// the node, EINVAL for a bad port or an empty bitstream, EBUSY while the port is assigned
+    /// to a VF), faults armed on `(card, "dfl-fme-pr")`, and on success the bitstream written
+    /// to the node file and `afu_id` shown as the port's. Nothing is loaded: the simulated card
+    /// takes its new AFU id from the image's metadata, where real hardware reads it from the
+    /// AFU the bitstream configured.
+    fn fpga_port_pr(
+        &self,
+        fme_node: &Path,
+        port_id: u32,
+        bitstream: &[u8],
+        afu_id: Option<&str>,
+    ) -> io::Result<()> {
+        let rel = fme_node
+            .strip_prefix(&self.root)
+            .map_err(|_| err(libc::EXDEV))?
+            .to_path_buf();
+        let index: u32 = rel
+            .to_str()
+            .and_then(|r| r.strip_prefix("dev/dfl-fme."))
+            .and_then(|n| n.parse().ok())
+            .ok_or_else(|| err(libc::ENOENT))?;
+        let address = {
+            let st = self.lock();
+            st.devices
+                .values()
+                .find(|d| d.spec.dfl.as_ref().is_some_and(|x| x.index == index))
+                .filter(|d| d.driver.as_deref() == Some("dfl-pci"))
+                .map(|d| d.spec.address)
+                .ok_or_else(|| err(libc::ENOENT))?
+        };
+        let target = WriteTarget::Device(address, "dfl-fme-pr".into());
+        match self.check_faults(&rel, &target, "") {
+            Some(FaultAction::Errno(e)) => return Err(err(e)),
+            Some(FaultAction::Hang(d)) => {
+                self.wait_hang(d);
+                return Err(err(libc::EINTR));
+            }
+            Some(FaultAction::Delay(d)) => std::thread::sleep(d),
+            Some(FaultAction::VanishAfter(_)) | None => {}
+        }
+        let mut st = self.lock();
+        let dev = st
+            .devices
+            .get_mut(&address)
+            .ok_or_else(|| err(libc::ENODEV))?;
+        if port_id != 0 || bitstream.is_empty() {
+            return Err(err(libc::EINVAL));
+        }
+        // The port is released to VF 0 while SR-IOV is on: the FME cannot reconfigure it.
+        if dev.num_vfs > 0 {
+            return Err(err(libc::EBUSY));
+        }
+        let afu = afu_id
+            .and_then(|a| crate::fpga::image::normalize_uuid(a).ok())
+            .ok_or_else(|| err(libc::EINVAL))?;
+        if let Some(d) = dev.spec.dfl.as_mut() {
+            d.afu_id = afu;
+        }
+        let dev = dev.clone();
+        std::fs::write(fme_node, bitstream)?;
+        render::dfl(&self.root, &dev)?;
+        st.write_log
+            .push((rel, format!("PR port {port_id}: {} bytes", bitstream.len())));
+        self.persist(&st)
     }
 }
 

@@ -50,6 +50,22 @@ pub struct FunctionSpec {
     pub aer: bool,
     /// For bridges: the secondary bus number.
     pub secondary_bus: Option<u8>,
+    /// An Intel DFL FPGA card: its FME and port, shown while the PF is on `dfl-pci`.
+    #[serde(default)]
+    pub dfl: Option<DflSpec>,
+}
+
+/// A DFL FPGA card as the Linux DFL drivers show it: one FME (`dfl-fme.N`, with the static
+/// region's `pr/interface_id` and the `/dev/dfl-fme.N` node partial reconfiguration goes
+/// through) and one port (`dfl-port.N`, with the `afu_id` of what the green bitstream loaded).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DflSpec {
+    /// N of `dfl-fme.N`, `dfl-port.N`, `region N`: unique on the host.
+    pub index: u32,
+    /// 32 lowercase hex digits, as `pr/interface_id` prints it.
+    pub interface_id: String,
+    /// The port's current AFU, 32 lowercase hex digits; partial reconfiguration changes it.
+    pub afu_id: String,
 }
 
 impl FunctionSpec {
@@ -70,6 +86,7 @@ impl FunctionSpec {
             reset_methods: vec!["flr".into(), "bus".into()],
             aer: true,
             secondary_bus: None,
+            dfl: None,
         }
     }
     pub fn subsystem(mut self, vendor: u16, device: u16) -> Self {
@@ -122,6 +139,16 @@ impl FunctionSpec {
         if let Some(s) = self.sriov.as_mut() {
             s.initial_vfs = n;
         }
+        self
+    }
+    /// A DFL FPGA card: FME and port number `index`, its static region's interface id and the
+    /// AFU it boots with.
+    pub fn dfl(mut self, index: u32, interface_id: &str, afu_id: &str) -> Self {
+        self.dfl = Some(DflSpec {
+            index,
+            interface_id: interface_id.into(),
+            afu_id: afu_id.into(),
+        });
         self
     }
     pub fn bridge_to(mut self, secondary_bus: u8) -> Self {
@@ -178,6 +205,10 @@ pub struct HostModel {
 }
 
 const INTEL: u16 = 0x8086;
+/// The reference FPGA's static region (`pr/interface_id` of `dfl-fme.0`).
+pub const REFERENCE_FPGA_INTERFACE: &str = "bfac4d851ee856fe8c95865ce1bbaa2d";
+/// The AFU the reference FPGA boots with (`afu_id` of `dfl-port.0`).
+pub const REFERENCE_FPGA_AFU: &str = "00000000000000000000000000000001";
 const NVIDIA: u16 = 0x10de;
 const SAMSUNG: u16 = 0x144d;
 
@@ -241,7 +272,8 @@ impl HostModel {
                 .driver("dfl-pci")
                 .numa(1)
                 .under("0000:00:04.0")
-                .sriov(4, 0x0b2c, "dfl-pci", 1),
+                .sriov(4, 0x0b2c, "dfl-pci", 1)
+                .dfl(0, REFERENCE_FPGA_INTERFACE, REFERENCE_FPGA_AFU),
             // Data NVMe drive (non-separable).
             FunctionSpec::new("0000:d8:00.0", SAMSUNG, 0xa824, 0x010802)
                 .subsystem(SAMSUNG, 0xa809)
@@ -286,6 +318,28 @@ impl HostModel {
             DriverSpec::new("vfio-pci", &[], true),
             DriverSpec::new("pci-stub", &[], false),
         ]
+    }
+
+    /// The reference host with a second DFL FPGA card (`0000:b1:00.0`, `dfl-fme.1`, the same
+    /// static region), for tests of two cards programmed at once.
+    pub fn two_fpgas() -> HostModel {
+        let mut m = HostModel::reference();
+        m.functions.push(
+            FunctionSpec::new("0000:00:06.0", INTEL, 0x347a, 0x060400)
+                .driver("pcieport")
+                .revision(4)
+                .bridge_to(0xb1),
+        );
+        m.functions.push(
+            FunctionSpec::new("0000:b1:00.0", INTEL, 0x0b2b, 0x120000)
+                .subsystem(INTEL, 0x0000)
+                .driver("dfl-pci")
+                .numa(1)
+                .under("0000:00:06.0")
+                .sriov(4, 0x0b2c, "dfl-pci", 1)
+                .dfl(1, REFERENCE_FPGA_INTERFACE, REFERENCE_FPGA_AFU),
+        );
+        m
     }
 
     /// A large host for benchmarks: the reference host plus `nics` X710 PFs (one per root

@@ -248,7 +248,41 @@ pub(super) fn device_attrs(root: &Path, st: &State, dev: &SimDevice) -> io::Resu
             ),
         )?;
     }
+    dfl(root, dev)?;
     device_config(root, st, dev)
+}
+
+/// The FME and port a DFL card shows while `dfl-pci` drives it, and its `/dev/dfl-fme.N`.
+pub(super) fn dfl(root: &Path, dev: &SimDevice) -> io::Result<()> {
+    let Some(d) = &dev.spec.dfl else {
+        return Ok(());
+    };
+    let region = root
+        .join(&dev.dir)
+        .join("fpga_region")
+        .join(format!("region{}", d.index));
+    let node = root.join(format!("dev/dfl-fme.{}", d.index));
+    if dev.driver.as_deref() != Some("dfl-pci") {
+        remove_if_exists(&node)?;
+        return match std::fs::remove_dir_all(root.join(&dev.dir).join("fpga_region")) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+            _ => Ok(()),
+        };
+    }
+    let fme = region.join(format!("dfl-fme.{}", d.index));
+    std::fs::create_dir_all(fme.join("pr"))?;
+    write(
+        &fme.join("pr/interface_id"),
+        format!("{}\n", d.interface_id),
+    )?;
+    let port = region.join(format!("dfl-port.{}", d.index));
+    std::fs::create_dir_all(&port)?;
+    write(&port.join("afu_id"), format!("{}\n", d.afu_id))?;
+    std::fs::create_dir_all(root.join("dev"))?;
+    if !node.exists() {
+        write(&node, "")?;
+    }
+    Ok(())
 }
 
 pub(super) fn device_config(root: &Path, st: &State, dev: &SimDevice) -> io::Result<()> {
@@ -353,7 +387,8 @@ pub(super) fn device_driver_removed(root: &Path, dev: &SimDevice, old: &str) -> 
             .map(|l| format!("{l}\n"))
             .collect::<String>(),
     )?;
-    write(&dir.join("enable"), "0\n")
+    write(&dir.join("enable"), "0\n")?;
+    dfl(root, dev)
 }
 
 pub(super) fn remove_device(root: &Path, st: &State, dev: &SimDevice) -> io::Result<()> {

@@ -1,0 +1,209 @@
+//! `org.vfiod.Vfiod1.Images` on the root object: the FPGA image catalog. Reads are open; adding,
+//! deactivating, activating and removing ask `org.vfiod.vfiod1.program` (with the image's name).
+//!
+//! An unprivileged caller passes the image as a file descriptor it opened itself (`Add`): the
+//! daemon reads the descriptor and never opens a path such a caller chose. Only root may name a
+//! local file for the daemon to read (`AddFromPath`).
+
+use super::auth::{Check, Detail, ACTION_PROGRAM};
+use super::error::Error;
+use super::variant as v;
+use super::wire::{Dict, Query};
+use super::Objects;
+use crate::fpga::image::Format;
+use crate::store::{ImageRecord, ImageState, NewImage};
+use zbus::message::Header;
+use zbus::{interface, Connection};
+
+pub const INTERFACE: &str = "org.vfiod.Vfiod1.Images";
+
+pub struct Images {
+    pub objects: Objects,
+}
+
+/// One catalog entry on the wire: `{id: x, name, format, sha256: s, size: t, path, interface_id,
+/// afu_ids: as, metadata: s (JSON), state: s (active, inactive), added_by: s, added: x}`.
+pub fn image(r: &ImageRecord) -> Dict {
+    Dict::from([
+        ("id".into(), v(r.id)),
+        ("name".into(), v(r.name.as_str())),
+        ("format".into(), v(r.format.as_str())),
+        ("sha256".into(), v(r.sha256.as_str())),
+        ("size".into(), v(r.size)),
+        ("path".into(), v(r.path.display().to_string())),
+        (
+            "interface_id".into(),
+            v(r.interface_id.clone().unwrap_or_default()),
+        ),
+        ("afu_ids".into(), v(r.afu_ids.clone())),
+        ("metadata".into(), v(r.metadata.as_str())),
+        ("state".into(), v(r.state.as_str())),
+        ("added_by".into(), v(r.added_by.as_str())),
+        ("added".into(), v(r.added_ms)),
+    ])
+}
+
+/// The request from `Add`'s or `AddFromPath`'s arguments. Options: `format` s (gbs, xclbin,
+/// opaque; default: as the header says), `interface_id` s, `afu_id` s (declared ids, for an
+/// opaque image; for a parsed one they must agree with its header).
+fn request(name: String, sha256: String, options: Dict, who: String) -> Result<NewImage, Error> {
+    let q = Query::new(options, &["format", "interface_id", "afu_id"])?;
+    let format = match q.str("format")?.filter(|f| !f.is_empty()) {
+        Some(f) => Some(f.parse::<Format>().map_err(Error::InvalidArgument)?),
+        None => None,
+    };
+    Ok(NewImage {
+        name,
+        format,
+        sha256,
+        interface_id: q.str("interface_id")?,
+        afu_ids: q.str("afu_id")?.into_iter().collect(),
+        added_by: who,
+    })
+}
+
+impl Images {
+    async fn add_from(&self, new: NewImage, mut file: std::fs::File) -> Result<Dict, Error> {
+        let r = self
+            .objects
+            .engine
+            .read(move |core| core.store().add_image(&new, &mut file))
+            .await??;
+        self.objects.engine.flush().await;
+        Ok(image(&r))
+    }
+
+    async fn authorize(
+        &self,
+        verb: &str,
+        name: &str,
+        header: &Header<'_>,
+        conn: &Connection,
+    ) -> Result<String, Error> {
+        let o = &self.objects;
+        let check = Check::new(ACTION_PROGRAM, verb).with(Detail::Image, name);
+        o.authorizer.check(conn, header, &check).await?;
+        Ok(o.requesters.of(conn, header).await)
+    }
+
+    async fn set_state(
+        &self,
+        verb: &str,
+        name: String,
+        state: ImageState,
+        header: &Header<'_>,
+        conn: &Connection,
+    ) -> Result<(), Error> {
+        let who = self.authorize(verb, &name, header, conn).await?;
+        self.objects
+            .engine
+            .read(move |core| core.store().set_image_state(&name, state, &who))
+            .await??;
+        Ok(())
+    }
+}
+
+#[interface(name = "org.vfiod.Vfiod1.Images")]
+impl Images {
+    /// Adds an image read from `image`, a file descriptor the caller opened (a file or a pipe,
+    /// read to its end), kept as `name` when its SHA-256 is `sha256` and its header parses.
+    /// Returns the entry as `Get` gives it.
+    async fn add(
+        &self,
+        name: String,
+        image: zbus::OwnedFd,
+        sha256: String,
+        options: Dict,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] conn: &Connection,
+    ) -> Result<Dict, Error> {
+        let who = self.authorize("AddImage", &name, &header, conn).await?;
+        let new = request(name, sha256, options, who)?;
+        let fd: std::os::fd::OwnedFd = image.into();
+        self.add_from(new, std::fs::File::from(fd)).await
+    }
+
+    /// As `Add`, from a file on this host that the daemon opens: root only.
+    async fn add_from_path(
+        &self,
+        name: String,
+        path: String,
+        sha256: String,
+        options: Dict,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] conn: &Connection,
+    ) -> Result<Dict, Error> {
+        let o = &self.objects;
+        o.authorizer
+            .require_root(&o.requesters, conn, &header, "Images.AddFromPath")
+            .await?;
+        let who = o.requesters.of(conn, &header).await;
+        let new = request(name, sha256, options, who)?;
+        if !path.starts_with('/') {
+            return Err(Error::InvalidArgument(format!(
+                "{} is not an absolute path",
+                super::error::quote(&path)
+            )));
+        }
+        let file = std::fs::File::open(&path)
+            .map_err(|e| Error::InvalidArgument(format!("cannot open {path}: {e}")))?;
+        self.add_from(new, file).await
+    }
+
+    /// Every image, oldest first, each as `Get` gives it.
+    async fn list(&self) -> Result<Vec<Dict>, Error> {
+        let all = self
+            .objects
+            .engine
+            .read(|core| core.store().images())
+            .await??;
+        Ok(all.iter().map(image).collect())
+    }
+
+    /// One image by name (or id).
+    async fn get(&self, name: String) -> Result<Dict, Error> {
+        let r = self
+            .objects
+            .engine
+            .read(move |core| core.store().image(&name))
+            .await??;
+        Ok(image(&r))
+    }
+
+    /// Keeps the image but refuses it for program and verify.
+    async fn deactivate(
+        &self,
+        name: String,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] conn: &Connection,
+    ) -> Result<(), Error> {
+        self.set_state("DeactivateImage", name, ImageState::Inactive, &header, conn)
+            .await
+    }
+
+    /// Undoes `Deactivate`.
+    async fn activate(
+        &self,
+        name: String,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] conn: &Connection,
+    ) -> Result<(), Error> {
+        self.set_state("ActivateImage", name, ImageState::Active, &header, conn)
+            .await
+    }
+
+    /// Removes the image and its file.
+    async fn remove(
+        &self,
+        name: String,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] conn: &Connection,
+    ) -> Result<(), Error> {
+        let who = self.authorize("RemoveImage", &name, &header, conn).await?;
+        self.objects
+            .engine
+            .read(move |core| core.store().remove_image(&name, &who))
+            .await??;
+        Ok(())
+    }
+}
