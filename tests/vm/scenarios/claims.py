@@ -105,6 +105,7 @@ def check_journal(g: Guest, late: int) -> None:
         re.compile(rf"(?i)(claim {late}\b.*detach|detach.*claim {late}\b)"),  # the paused domain (step 7)
         re.compile(r"(?i)detach.*(did not complete|timed? ?out)"),
         re.compile(r"nosuchvm"),                                              # libvirt refuses (step 8)
+        re.compile(r"task failed; (rolling back|its rollback settled it)"),  # steps 7 and 8's tasks
         re.compile(rf"{re.escape(UNSELECTED)}.*not selected"),                # unselected (step 9)
     ]
     unexpected = [p for p in vfiod.journal_problems(g) if not any(rx.search(p) for rx in expected)]

@@ -31,6 +31,9 @@ def install(g: Guest, dropin: str = TEST_DROPIN, start: bool = True) -> float:
     check_binaries(g)
     repo = g.mount_repo()
     g.run(f"make -C {repo} install")
+    # dbus-daemon notices a new policy file by itself, but asynchronously: without an explicit
+    # reload a vfiod started right away may be refused its name (as packages do on install).
+    g.run("systemctl reload dbus")
     missing = g.run("ldd /usr/local/sbin/vfiod /usr/local/bin/vfioctl | grep 'not found' || true").out.strip()
     assert not missing, f"libraries missing in the guest image:\n{missing}"
     g.run("cat > /etc/vfiod/conf.d/test.toml", input=dropin)
