@@ -262,8 +262,13 @@ impl Engine {
                     .is_some_and(|u| u.eq_ignore_ascii_case(&d.uuid))
                     || (claim.vm_uuid.is_none() && claim.vm_name.as_deref() == Some(&d.name))
             });
-            let repair =
-                lifecycle::reconcile(claim.state, &claim.functions, claim.persistent, domain);
+            let repair = lifecycle::reconcile(
+                claim.state,
+                &claim.functions,
+                claim.persistent,
+                crate::hooks::for_a_run(&claim.requested_by),
+                domain,
+            );
             if repair == Repair::Keep {
                 continue;
             }
