@@ -370,7 +370,8 @@ fn run_hook(h: &Harness, uri: &str, args: &[&str], xml: &str) -> (i32, String) {
 /// A domain whose own XML names a managed VF runs through the hook (prepare claims it for the
 /// run, started marks it attached), then stops while vfiod does not hear it (no stopped/release
 /// hook reaches it; here: the domain never really ran in libvirt). The reconcile when vfiod
-/// reconnects ends the claim although the domain's configuration still names the VF.
+/// reconnects ends the claim although the domain's configuration still names the VF, and the VF
+/// in that configuration is no warning: the hook claims it at the next start.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_reconcile_ends_a_run_claim_of_a_domain_that_stopped_unheard() {
     let (mut d, h) = setup().await;
@@ -436,6 +437,11 @@ async fn the_reconcile_ends_a_run_claim_of_a_domain_that_stopped_unheard() {
         events
             .iter()
             .any(|e| e.contains("released by the reconcile: vm1 no longer runs")),
+        "{events:?}"
+    );
+    assert!(
+        events.iter().any(|e| e.contains("domain vm1 has")
+            && e.contains("in its configuration only, and the libvirt hook claims it")),
         "{events:?}"
     );
 }

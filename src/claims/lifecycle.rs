@@ -307,6 +307,19 @@ pub fn unclaimed_assignments(
     out
 }
 
+/// Whether `function`, which `domain` has and no claim holds, is left for the libvirt hook to
+/// claim when the domain starts (`auto_claim`): the domain does not run with it, only its
+/// configuration names it. So it is after every stop of a domain whose own XML names a managed
+/// function (its `stopped` hook released the claim made for the run); not a mismatch to warn
+/// about. Pure.
+pub fn claimed_at_start(
+    domain: &DomainDefinitions,
+    function: PciAddress,
+    auto_claim: bool,
+) -> bool {
+    auto_claim && !DomainDefinitions::has_any(&domain.live, &[function])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -526,5 +539,13 @@ mod tests {
             unclaimed_assignments(&d, &[a("0000:01:00.1")], &managed),
             vec![a("0000:01:00.2")]
         );
+        // In the running domain: a mismatch. In its configuration only (a stopped domain whose
+        // XML names it): the hook claims it at the next start, unless auto_claim is off.
+        assert!(!claimed_at_start(&d, a("0000:01:00.2"), true));
+        let stopped = dom(None, Some(&["0000:01:00.2"]));
+        assert!(claimed_at_start(&stopped, a("0000:01:00.2"), true));
+        assert!(!claimed_at_start(&stopped, a("0000:01:00.2"), false));
+        let config_only = dom(Some(&[]), Some(&["0000:01:00.2"]));
+        assert!(claimed_at_start(&config_only, a("0000:01:00.2"), true));
     }
 }
