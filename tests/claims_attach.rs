@@ -330,6 +330,122 @@ async fn the_reconcile_repairs_claims_libvirt_disagrees_with() {
     );
 }
 
+/// Runs libvirt's qemu hook (`vfioctl hook qemu ARGS`, the XML on stdin) against the harness's
+/// vfiod; returns its exit code and stderr.
+fn run_hook(h: &Harness, uri: &str, args: &[&str], xml: &str) -> (i32, String) {
+    use std::io::Write;
+    let file = h.dir.path().join("hook.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "state_dir = \"{}\"\n{}",
+            h.dir.path().join("state").display(),
+            config(uri)
+        ),
+    )
+    .unwrap();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_vfioctl"))
+        .args(["hook", "qemu"])
+        .args(args)
+        .env("VFIOD_BUS", h.bus.address())
+        .env("VFIOD_CONFIG", &file)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(xml.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
+}
+
+/// A domain whose own XML names a managed VF runs through the hook (prepare claims it for the
+/// run, started marks it attached), then stops while vfiod does not hear it (no stopped/release
+/// hook reaches it; here: the domain never really ran in libvirt). The reconcile when vfiod
+/// reconnects ends the claim although the domain's configuration still names the VF, and the VF
+/// in that configuration is no warning: the hook claims it at the next start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reconcile_ends_a_run_claim_of_a_domain_that_stopped_unheard() {
+    let (mut d, h) = setup().await;
+    let uri = d.qemu_uri();
+    define(&d, "vm1", false);
+    let m = claims::claims_proxy(&h.client).await.unwrap();
+    let free = m
+        .find_devices(dict(&[("role", Variant::from("vf"))]))
+        .await
+        .unwrap();
+    let vf = free[0].as_str().rsplit('/').next().unwrap().to_string();
+    let vf = vf
+        .strip_prefix("pci_")
+        .unwrap()
+        .replacen('_', ":", 2)
+        .replacen('_', ".", 1);
+    let p = addr(&vf);
+    let hostdev = format!(
+        "<hostdev mode='subsystem' type='pci' managed='no'><source><address domain='0x{:04x}' \
+         bus='0x{:02x}' slot='0x{:02x}' function='0x{:x}'/></source></hostdev>",
+        p.domain, p.bus, p.slot, p.function
+    );
+    let file = d.dir.path().join("named.xml");
+    std::fs::write(&file, &hostdev).unwrap();
+    d.virsh_at(
+        &uri,
+        &["attach-device", "vm1", file.to_str().unwrap(), "--config"],
+    );
+    let xml = d.virsh_at(&uri, &["dumpxml", "vm1", "--inactive"]);
+
+    for op in ["prepare", "started"] {
+        let (code, stderr) = run_hook(&h, &uri, &["vm1", op, "begin", "-"], &xml);
+        assert_eq!(code, 0, "{op}: {stderr}");
+    }
+    let list = claims::list_claims(&h.client).await.unwrap();
+    assert_eq!(list.len(), 1, "{list:?}");
+    assert_eq!(
+        (
+            list[0].address.as_str(),
+            list[0].vm_name.as_str(),
+            list[0].state.as_str()
+        ),
+        (vf.as_str(), "vm1", "attached"),
+        "{list:?}"
+    );
+    assert!(!findable(&h, &vf).await);
+
+    // vfiod hears of the domain again when libvirt reconnects (as after a restart of either).
+    d.restart();
+    announce(h.kernel.root(), d.pid());
+    let client = &h.client;
+    eventually_async(SLOW, "the reconcile ends the claim", || async move {
+        claims::list_claims(client)
+            .await
+            .unwrap()
+            .is_empty()
+            .then_some(())
+    })
+    .await;
+    assert!(findable(&h, &vf).await, "the VF is back in the pool");
+    let events = claim_events(&h, &vf);
+    assert!(
+        events
+            .iter()
+            .any(|e| e.contains("released by the reconcile: vm1 no longer runs")),
+        "{events:?}"
+    );
+    assert!(
+        events.iter().any(|e| e.contains("domain vm1 has")
+            && e.contains("in its configuration only, and the libvirt hook claims it")),
+        "{events:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_libvirt_attach_says_so_and_claims_still_work() {
     let h = Harness::start(

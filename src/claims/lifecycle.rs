@@ -212,14 +212,30 @@ pub enum Repair {
 }
 
 /// What to do with a claim in `state` holding `functions` for a VM whose domain is `domain`
-/// (`None`: libvirt has no such domain). Only for claims no task is working on. Pure.
+/// (`None`: libvirt has no such domain). `for_run`: a libvirt hook made the claim for one run of
+/// the domain ([`crate::hooks::for_a_run`]), which its `stopped`/`release` hooks end; when vfiod
+/// did not hear them (it was not running), the reconcile ends it once the domain is found not
+/// running, although the domain's own XML still names the functions. Only for claims no task
+/// is working on. Pure.
 pub fn reconcile(
     state: ClaimState,
     functions: &[PciAddress],
     persistent: bool,
+    for_run: bool,
     domain: Option<&DomainDefinitions>,
 ) -> Repair {
     use ClaimState::*;
+    if let Some(d) = domain.filter(|d| d.live.is_none()) {
+        if for_run && !persistent && matches!(state, Claimed | Attached) {
+            return Repair::Release {
+                why: format!(
+                    "{} no longer runs: the libvirt hook claimed it for that run (the domain \
+                     stopped while vfiod was not running)",
+                    d.name
+                ),
+            };
+        }
+    }
     let Some(d) = domain else {
         return match state {
             Claimed | Released => Repair::Keep,
@@ -289,6 +305,19 @@ pub fn unclaimed_assignments(
     out.sort();
     out.dedup();
     out
+}
+
+/// Whether `function`, which `domain` has and no claim holds, is left for the libvirt hook to
+/// claim when the domain starts (`auto_claim`): the domain does not run with it, only its
+/// configuration names it. So it is after every stop of a domain whose own XML names a managed
+/// function (its `stopped` hook released the claim made for the run); not a mismatch to warn
+/// about. Pure.
+pub fn claimed_at_start(
+    domain: &DomainDefinitions,
+    function: PciAddress,
+    auto_claim: bool,
+) -> bool {
+    auto_claim && !DomainDefinitions::has_any(&domain.live, &[function])
 }
 
 #[cfg(test)]
@@ -460,15 +489,40 @@ mod tests {
         ];
         for (state, persistent, d, want) in cases {
             assert_eq!(
-                kind(reconcile(*state, &f, *persistent, *d)),
+                kind(reconcile(*state, &f, *persistent, false, *d)),
                 *want,
                 "{state} persistent={persistent} {d:?}"
             );
         }
+        // A claim the prepare hook made for a run (the domain's XML names the function): the
+        // domain stopped while vfiod did not run, so its stopped hook was not heard. Its
+        // configuration still names the function; the run is over all the same.
+        let for_run: &[(ClaimState, Option<&DomainDefinitions>, &str)] = &[
+            (Attached, Some(&stopped_with), "release"),
+            (Claimed, Some(&stopped_with), "release"),
+            (Attached, Some(&dom(None, Some(&[]))), "release"),
+            // Still running, or gone: as for any claim.
+            (Attached, Some(&with), "keep"),
+            (Claimed, Some(&with), "attached"),
+            (Attached, None, "release"),
+            (Detaching, Some(&stopped_with), "keep"),
+        ];
+        for (state, d, want) in for_run {
+            assert_eq!(
+                kind(reconcile(*state, &f, false, true, *d)),
+                *want,
+                "{state} for its run {d:?}"
+            );
+        }
+        // A persistent claim outlives the run even if a hook made it.
+        assert_eq!(
+            kind(reconcile(Attached, &f, true, true, Some(&stopped_with))),
+            "keep"
+        );
         // A claim of two functions (a GPU and its audio) with one in the domain: reported only.
         let two = [a("0000:01:00.1"), a("0000:01:00.2")];
         assert!(matches!(
-            reconcile(Attached, &two, false, Some(&with)),
+            reconcile(Attached, &two, false, false, Some(&with)),
             Repair::Report(_)
         ));
         assert_eq!(with.guest_address(f[0]).as_deref(), Some("0000:07:00.0"));
@@ -485,5 +539,13 @@ mod tests {
             unclaimed_assignments(&d, &[a("0000:01:00.1")], &managed),
             vec![a("0000:01:00.2")]
         );
+        // In the running domain: a mismatch. In its configuration only (a stopped domain whose
+        // XML names it): the hook claims it at the next start, unless auto_claim is off.
+        assert!(!claimed_at_start(&d, a("0000:01:00.2"), true));
+        let stopped = dom(None, Some(&["0000:01:00.2"]));
+        assert!(claimed_at_start(&stopped, a("0000:01:00.2"), true));
+        assert!(!claimed_at_start(&stopped, a("0000:01:00.2"), false));
+        let config_only = dom(Some(&[]), Some(&["0000:01:00.2"]));
+        assert!(claimed_at_start(&config_only, a("0000:01:00.2"), true));
     }
 }

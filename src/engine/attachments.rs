@@ -252,8 +252,13 @@ impl Engine {
                     .is_some_and(|u| u.eq_ignore_ascii_case(&d.uuid))
                     || (claim.vm_uuid.is_none() && claim.vm_name.as_deref() == Some(&d.name))
             });
-            let repair =
-                lifecycle::reconcile(claim.state, &claim.functions, claim.persistent, domain);
+            let repair = lifecycle::reconcile(
+                claim.state,
+                &claim.functions,
+                claim.persistent,
+                crate::hooks::for_a_run(&claim.requested_by),
+                domain,
+            );
             if repair == Repair::Keep {
                 continue;
             }
@@ -390,13 +395,31 @@ impl Engine {
     /// for the domain would keep it out of the pool and block its PF's conversions for as long
     /// as the domain's configuration names it, which the operator did not ask for; the tasks'
     /// guard already refuses to touch what a running domain has.
+    /// Only in the configuration of a domain that does not run it with `[hooks] auto_claim`,
+    /// it is what the hook expects (it claims it at the next start; after every stop of a domain
+    /// whose own XML names it, its `stopped` hook released the claim made for that run): an
+    /// event, not a warning.
     fn report_unclaimed(&self, core: &Core, d: &DomainDefinitions, f: PciAddress) {
-        let why = format!(
-            "reconcile: domain {} has {f} assigned but no claim holds it (claim it for the \
-             domain to record it: vfioctl claim --address {f} --vm {})",
-            d.name, d.name
-        );
-        tracing::warn!(domain = %d.name, device = %f, "{why}");
+        let at_start = lifecycle::claimed_at_start(d, f, self.settings().hooks.auto_claim);
+        let why = if at_start {
+            format!(
+                "reconcile: domain {} has {f} assigned but no claim holds it: in its \
+                 configuration only, and the libvirt hook claims it when the domain starts \
+                 ([hooks] auto_claim)",
+                d.name
+            )
+        } else {
+            format!(
+                "reconcile: domain {} has {f} assigned but no claim holds it (claim it for the \
+                 domain to record it: vfioctl claim --address {f} --vm {})",
+                d.name, d.name
+            )
+        };
+        if at_start {
+            tracing::info!(domain = %d.name, device = %f, "{why}");
+        } else {
+            tracing::warn!(domain = %d.name, device = %f, "{why}");
+        }
         let recorded = core.store().record_event(crate::store::NewEvent::new(
             Some(f),
             crate::model::event::EventKind::Claim,

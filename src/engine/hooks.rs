@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// Who the claims a hook makes and changes name.
-const BY: &str = "libvirt hook";
+const BY: &str = hooks::BY_PREPARE;
 
 /// One run of the hook, as libvirt called it.
 #[derive(Clone, Debug)]

@@ -129,10 +129,7 @@ impl Engine {
                 lease_seconds: None,
                 persistent: false,
             };
-            match self
-                .claim(req, owner, "libvirt hook (incoming migration)")
-                .await
-            {
+            match self.claim(req, owner, crate::hooks::BY_INCOMING).await {
                 Ok(c) => {
                     made.push(c.id);
                     if moving(m) {

@@ -19,6 +19,18 @@ use crate::model::device::{Device, State};
 use crate::model::pci::PciAddress;
 use crate::store::ClaimRecord;
 
+/// Who the claims the `prepare` hook makes (`[hooks] auto_claim`) name as their requester.
+pub const BY_PREPARE: &str = "libvirt hook";
+/// Who the claims the destination's `migrate` hook makes name as their requester.
+pub const BY_INCOMING: &str = "libvirt hook (incoming migration)";
+
+/// Whether a claim requested by `requested_by` was made by a hook for one run of its domain on
+/// this host (auto-claimed at `prepare`, or for an incoming migration): it ends with that run
+/// (`stopped`/`release`), and the reconcile ends it when it finds the domain no longer running.
+pub fn for_a_run(requested_by: &str) -> bool {
+    requested_by == BY_PREPARE || requested_by == BY_INCOMING
+}
+
 /// libvirt's operation argument.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Operation {
@@ -408,6 +420,12 @@ mod tests {
             .map(|(c, a)| (c.id, a))
             .collect();
         assert_eq!(s, [(1, AfterStop::Release), (2, AfterStop::Detach)]);
+    }
+
+    #[test]
+    fn claims_made_for_a_run() {
+        assert!(for_a_run(BY_PREPARE) && for_a_run(BY_INCOMING));
+        assert!(!for_a_run("vfioctl (uid 0)") && !for_a_run(""));
     }
 
     #[test]

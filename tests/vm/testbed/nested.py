@@ -117,7 +117,7 @@ OS_DOMAIN = """<domain type='kvm'>
       <source path='{log}'/>
       <target type='serial' port='0'/>
     </console>
-    <memballoon model='none'/>
+    <memballoon model='none'/>{hostdevs}
   </devices>
 </domain>
 """
@@ -131,12 +131,15 @@ def serial_path(name: str) -> str:
     return f"/var/log/nested-{name}.log"
 
 
-def define_os_domain(guest: Guest, name: str, memory_mib: int = 256, start: bool = True) -> float:
+def define_os_domain(guest: Guest, name: str, memory_mib: int = 256, start: bool = True,
+                     hostdevs: tuple[str, ...] = ()) -> float:
     """Defines (and starts) a persistent domain that boots the guest's own kernel and initramfs (see
-    OS_DOMAIN); returns the seconds `virsh start` took. `wait_os_ready` waits for its kernel."""
+    OS_DOMAIN), with `hostdevs` (PCI addresses, `managed='no'`) in its XML; returns the seconds
+    `virsh start` took. `wait_os_ready` waits for its kernel."""
     release = guest.run("uname -r", quiet=True).out.strip()
     xml = OS_DOMAIN.format(name=name, memory_mib=memory_mib, kernel=f"/boot/vmlinuz-{release}",
-                           initrd=f"/boot/initrd.img-{release}", log=serial_path(name))
+                           initrd=f"/boot/initrd.img-{release}", log=serial_path(name),
+                           hostdevs="".join(hostdev_xml(a) for a in hostdevs))
     path = f"/tmp/{name}.xml"
     guest.run(f"cat > {path}", input=xml)
     guest.run(f"virsh define {path}")
