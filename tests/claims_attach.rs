@@ -321,13 +321,21 @@ async fn the_reconcile_repairs_claims_libvirt_disagrees_with() {
             .any(|e| e.contains("reconcile: domain vm1 no longer has its devices")),
         "{events:?}"
     );
-    let events = claim_events(&h, &by_hand);
-    assert!(
-        events
-            .iter()
-            .any(|e| e.contains("domain vm1 has") && e.contains("assigned but no claim holds it")),
-        "{events:?}"
-    );
+    // Reported in the same reconcile, after the repair the wait above saw.
+    let h_ref = &h;
+    eventually_async(
+        SLOW,
+        "the hostdev no claim holds is reported",
+        || async move {
+            claim_events(h_ref, by_hand_ref)
+                .iter()
+                .any(|e| {
+                    e.contains("domain vm1 has") && e.contains("assigned but no claim holds it")
+                })
+                .then_some(())
+        },
+    )
+    .await;
 }
 
 /// Runs libvirt's qemu hook (`vfioctl hook qemu ARGS`, the XML on stdin) against the harness's

@@ -170,6 +170,16 @@ pub enum JobError {
 }
 
 impl JobError {
+    /// The refusal of a job on a device that is not usable (protected, broken), else nothing.
+    pub fn unless_usable(device: &crate::model::device::Device) -> Result<(), JobError> {
+        let (address, reason) = (device.address, device.state_reason.clone());
+        match device.state {
+            crate::model::device::State::Usable => Ok(()),
+            crate::model::device::State::Protected => Err(JobError::Protected { address, reason }),
+            crate::model::device::State::Broken => Err(JobError::Broken { address, reason }),
+        }
+    }
+
     pub fn is_busy(&self) -> bool {
         matches!(self, JobError::Store(StoreError::Busy { .. }))
     }

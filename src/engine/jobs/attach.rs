@@ -8,7 +8,6 @@ use crate::engine::context::JobContext;
 use crate::engine::job::{Admission, Job, JobError, JobFailure, Phase, Progress};
 use crate::host::libvirt::{self, Definition, DomainInfo, LibvirtError};
 use crate::model::claim::ClaimState;
-use crate::model::device::State;
 use crate::model::pci::PciAddress;
 use crate::model::task::TaskKind;
 use crate::modes::policy::VFIO_PCI;
@@ -154,21 +153,7 @@ impl Job for AttachJob {
         lifecycle::affect(&self.flags, true, true).map_err(invalid)?;
         for f in &self.claim.functions {
             let d = cx.store.device(*f)?.ok_or(JobError::NoSuchDevice(*f))?;
-            match d.state {
-                State::Usable => {}
-                State::Broken => {
-                    return Err(JobError::Broken {
-                        address: *f,
-                        reason: d.state_reason,
-                    })
-                }
-                State::Protected => {
-                    return Err(JobError::Protected {
-                        address: *f,
-                        reason: d.state_reason,
-                    })
-                }
-            }
+            JobError::unless_usable(&d)?;
         }
         Ok(Admission {
             kind: TaskKind::Attach,

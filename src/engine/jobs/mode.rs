@@ -5,7 +5,7 @@
 use crate::engine::context::JobContext;
 use crate::engine::job::{Admission, Job, JobError, JobFailure, Phase, Progress};
 use crate::host::sysfs::hostuse;
-use crate::model::device::{Role, State};
+use crate::model::device::Role;
 use crate::model::pci::PciAddress;
 use crate::model::task::TaskKind;
 use crate::modes::convert;
@@ -79,21 +79,7 @@ impl Job for ModeJob {
             .device(address)?
             .ok_or(JobError::NoSuchDevice(address))?;
         let invalid = |reason: String| JobError::Invalid { address, reason };
-        match device.state {
-            State::Protected => {
-                return Err(JobError::Protected {
-                    address,
-                    reason: device.state_reason.clone(),
-                })
-            }
-            State::Broken => {
-                return Err(JobError::Broken {
-                    address,
-                    reason: device.state_reason.clone(),
-                })
-            }
-            State::Usable => {}
-        }
+        JobError::unless_usable(&device)?;
         if device.role == Role::Vf {
             return Err(invalid(format!(
                 "a VF follows its PF; change the mode of {}",

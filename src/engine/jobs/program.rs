@@ -18,7 +18,7 @@ use crate::engine::job::{Admission, Job, JobError, JobFailure, Phase, Progress};
 use crate::fpga::image::Format;
 use crate::fpga::program::{self, ImageFacts};
 use crate::host::sysfs::dfl;
-use crate::model::device::{Device, State};
+use crate::model::device::Device;
 use crate::model::pci::PciAddress;
 use crate::model::task::TaskKind;
 use crate::modes::convert;
@@ -117,21 +117,7 @@ impl Job for FpgaJob {
     fn admit(&mut self, cx: &JobContext) -> Result<Admission, JobError> {
         let address = self.address;
         let device = self.device(cx)?;
-        match device.state {
-            State::Protected => {
-                return Err(JobError::Protected {
-                    address,
-                    reason: device.state_reason.clone(),
-                })
-            }
-            State::Broken => {
-                return Err(JobError::Broken {
-                    address,
-                    reason: device.state_reason.clone(),
-                })
-            }
-            State::Usable => {}
-        }
+        JobError::unless_usable(&device)?;
         if device.parent_pf.is_some() {
             return Err(self.invalid("a VF is programmed through its PF"));
         }
