@@ -15,6 +15,7 @@ pub mod inventory; // classification and change detection of PCI functions
 pub mod modes; // mode policy, plans of sysfs writes, and the executor that runs them
 pub mod hooks; // libvirt's qemu hook: what each operation answers, decided from the XML
 pub mod migration; // live migration with passthrough devices: what moves, what is re-claimed
+pub mod pooled; // pooled devices through a live migration: prepare-move, quiesce, resume, decided
 pub mod engine; // the engine: inventory passes, reconcile, tasks and the jobs they run
 pub mod dbus; // the D-Bus API: one module per object kind, named errors, polkit
 pub mod client; // D-Bus client side: proxies, the JSON device view, vfioctl tables

@@ -4,6 +4,7 @@
 pub mod claims;
 pub mod images;
 pub mod hook;
+pub mod pool;
 
 use crate::dbus::wire::{Dict, Entry};
 use crate::dbus::{BusTarget, BUS_NAME, ROOT_PATH};
@@ -57,6 +58,13 @@ pub trait Manager {
     fn find_devices(&self, requirements: Dict) -> zbus::Result<Vec<zbus::OwnedObjectPath>>;
     fn claim(&self, requirements: Dict, owner: Dict) -> zbus::Result<zbus::OwnedObjectPath>;
     fn get_claims(&self) -> zbus::Result<Vec<zbus::OwnedObjectPath>>;
+    #[zbus(property)]
+    fn host_name(&self) -> zbus::Result<String>;
+    fn get_pools(&self) -> zbus::Result<Vec<Dict>>;
+    fn get_pool_devices(&self, pool: &str) -> zbus::Result<Vec<Dict>>;
+    fn get_pooled_claims(&self, query: Dict) -> zbus::Result<Vec<Dict>>;
+    fn lease_pooled(&self, pool: &str, device: &str, owner: Dict) -> zbus::Result<Dict>;
+    fn release_pooled(&self, id: i64) -> zbus::Result<Dict>;
 }
 
 #[zbus::proxy(

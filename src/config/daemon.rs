@@ -71,6 +71,7 @@ pub(crate) struct Daemon {
     pub state_dir: PathBuf,
     pub sysfs_root: PathBuf,
     pub libvirt_uri: Option<String>,
+    pub host_name: String,
 }
 
 impl Default for Daemon {
@@ -82,6 +83,7 @@ impl Default for Daemon {
             state_dir: PathBuf::from("/var/lib/vfiod"),
             sysfs_root: PathBuf::from("/"),
             libvirt_uri: Some(DEFAULT_LIBVIRT_URI.to_string()),
+            host_name: machine_host_name(),
         }
     }
 }
@@ -115,7 +117,39 @@ pub(crate) fn validate(inputs: &Inputs) -> Result<Daemon, ConfigError> {
     })? {
         daemon.libvirt_uri = (!uri.is_empty()).then_some(uri);
     }
+    let host = inputs.values(|f| f.host_name.as_ref());
+    if let Some(name) = last_valid(host, |v| {
+        v.check(Key::top("host_name"), host_name(v.value.as_str()))
+    })? {
+        daemon.host_name = name;
+    }
     Ok(daemon)
+}
+
+/// The machine's host name, what a pool knows this host as unless `host_name` says otherwise.
+/// "localhost" when it cannot be read (a pool then refuses to move sessions between two such
+/// hosts, which is what an operator must fix anyway).
+pub fn machine_host_name() -> String {
+    nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .and_then(|h| host_name(&h).ok())
+        .unwrap_or_else(|| "localhost".to_string())
+}
+
+/// A host name as pools see it: letters, digits, '-', '_', '.', ':' (no spaces, not empty).
+fn host_name(name: &str) -> Result<String, String> {
+    if name.is_empty()
+        || !name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':'))
+    {
+        return Err(format!(
+            "{} is not a host name (letters, digits, '-', '_', '.', ':')",
+            Quoted(name)
+        ));
+    }
+    Ok(name.to_string())
 }
 
 fn absolute_path(value: Located<'_, PathText>, key: &str) -> Result<PathBuf, ConfigError> {

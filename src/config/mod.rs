@@ -84,6 +84,7 @@ mod error;
 mod files;
 mod located;
 mod merge;
+mod pool;
 mod position;
 mod protect;
 mod raw;
@@ -98,6 +99,7 @@ pub use error::{ConfigError, FileRefusal};
 pub use files::{MAX_DROPINS, MAX_FILE_BYTES, MAX_TOTAL_BYTES};
 pub use fpga::{FpgaBackend, FpgaRule};
 pub use hooks::HookSettings;
+pub use pool::{PoolSettings, QuiesceAt, MAX_POOL_TIMEOUT_MS};
 pub use position::Origin;
 pub use select::{DeviceRule, RuleOrigin};
 pub(crate) use selector::parse_id;
@@ -139,6 +141,10 @@ pub struct Settings {
     pub hooks: HookSettings,
     /// `[[fpga]]`: how FPGA devices are programmed, in file order; the first match applies.
     pub fpga: Vec<FpgaRule>,
+    /// `[[pool]]`: the remote device pools, names unique.
+    pub pools: Vec<PoolSettings>,
+    /// What the pools know this host as (`host_name`; default: the machine's host name).
+    pub host_name: String,
     /// files that were read, in order (for logs and `vfioctl` status)
     pub sources: Vec<PathBuf>,
 }
@@ -159,6 +165,8 @@ impl Default for Settings {
             claims: ClaimSettings::default(),
             hooks: HookSettings::default(),
             fpga: Vec::new(),
+            pools: Vec::new(),
+            host_name: daemon.host_name,
             sources: Vec::new(),
         }
     }
@@ -212,6 +220,11 @@ impl Settings {
             .find(|selector| selector.matches(address, vendor, device, class))
     }
 
+    /// The `[[pool]]` called `name`.
+    pub fn pool(&self, name: &str) -> Option<&PoolSettings> {
+        self.pools.iter().find(|p| p.name == name)
+    }
+
     /// How the device is programmed: the first `[[fpga]]` entry that matches it, else `dfl`.
     pub fn fpga_backend(
         &self,
@@ -245,6 +258,8 @@ fn settle(inputs: &Inputs) -> Result<Settings, ConfigError> {
         claims: claims::validate(inputs.values(|f| f.claims.as_ref()))?,
         hooks: hooks::validate(inputs.values(|f| f.hooks.as_ref()))?,
         fpga: fpga::validate(inputs.entries(|f| &f.fpga))?,
+        pools: pool::validate(inputs.entries(|f| &f.pool))?,
+        host_name: daemon.host_name,
         sources: inputs.sources(),
     })
 }

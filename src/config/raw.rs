@@ -15,6 +15,7 @@ use super::claims::RawClaims;
 use super::error::{bound_message, ConfigError, Key};
 use super::fpga::RawFpga;
 use super::hooks::RawHooks;
+use super::pool::RawPool;
 use super::position::{key_path_at, line_column, Segment, Source};
 use super::select::RawRule;
 use super::selector::RawSelector;
@@ -33,6 +34,7 @@ pub(crate) struct RawFile {
     pub state_dir: Option<Spanned<PathText>>,
     pub sysfs_root: Option<Spanned<PathText>>,
     pub libvirt_uri: Option<Spanned<PathText>>,
+    pub host_name: Option<Spanned<Keyword>>,
     // One field per section.
     #[serde(default)]
     pub select: Vec<Spanned<RawRule>>,
@@ -42,6 +44,8 @@ pub(crate) struct RawFile {
     pub hooks: Option<Spanned<RawHooks>>,
     #[serde(default)]
     pub fpga: Vec<Spanned<RawFpga>>,
+    #[serde(default)]
+    pub pool: Vec<Spanned<RawPool>>,
 }
 
 /// One file: where it came from and its text (for positions in errors), and what it says.

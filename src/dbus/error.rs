@@ -143,6 +143,27 @@ impl From<crate::store::ImageError> for Error {
     }
 }
 
+impl From<crate::engine::PooledError> for Error {
+    fn from(e: crate::engine::PooledError) -> Self {
+        use crate::engine::PooledError as P;
+        use crate::pool::client::PoolError;
+        let chain = crate::error_chain(&e);
+        match e {
+            P::NoSuchPool(_) | P::Wrong { .. } => Error::InvalidArgument(chain),
+            P::NoSuchClaim(_) => Error::NoSuchClaim(chain),
+            P::Store(s) => s.into(),
+            P::Engine(e) => e.into(),
+            P::Pool { source, .. } => match source {
+                PoolError::Refused { code, .. } if code == "device_taken" || code == "busy" => {
+                    Error::NoDeviceAvailable(chain)
+                }
+                PoolError::Refused { .. } | PoolError::NotFound => Error::InvalidArgument(chain),
+                _ => Error::Failed(chain),
+            },
+        }
+    }
+}
+
 impl From<ConfigError> for Error {
     fn from(e: ConfigError) -> Self {
         Error::InvalidConfig(crate::error_chain(&e))

@@ -232,6 +232,103 @@ impl Manager {
         Ok(super::claim::claim_path(claim.id))
     }
 
+    /// What the pools know this host as (`host_name` in the configuration).
+    #[zbus(property)]
+    fn host_name(&self) -> String {
+        self.objects.engine.settings().host_name.clone()
+    }
+
+    /// The configured pools, each `{name: s, url: s, quiesce_at: s ("switchover", "begin"),
+    /// connect_timeout_ms: u, request_timeout_ms: u}`.
+    fn get_pools(&self) -> Vec<Dict> {
+        self.objects
+            .engine
+            .settings()
+            .pools
+            .iter()
+            .map(wire::pool)
+            .collect()
+    }
+
+    /// The devices pool `pool` offers (its `GET /v1/devices`), each `{id: s, kind: s, model: s,
+    /// session: s ("" when free)}`. Waits for the pool at most its deadlines.
+    async fn get_pool_devices(&self, pool: &str) -> Result<Vec<Dict>, Error> {
+        let devices = self.objects.engine.pool_devices(pool).await?;
+        Ok(devices.iter().map(wire::pool_device).collect())
+    }
+
+    /// Pooled claims (a pool's session leased to a VM), oldest first, each `{id: x, pool: s,
+    /// session: s, device: s, epoch: t, state: s (leased, moving, quiesced, released, forgotten,
+    /// error), reason: s, vm_name: s, vm_uuid: s, peer_host: s, requested_by: s, created: x,
+    /// updated: x (Unix ms)}`. Query keys, all optional: `history` b (the ended ones too).
+    async fn get_pooled_claims(&self, query: Dict) -> Result<Vec<Dict>, Error> {
+        let q = Query::new(query, &["history"])?;
+        let history = q.bool("history")?.unwrap_or(false);
+        let claims = self.objects.engine.pooled_claims(history).await?;
+        Ok(claims.iter().map(wire::pooled).collect())
+    }
+
+    /// Leases device `device` of pool `pool` to a VM (the pool's `POST /v1/sessions` with this
+    /// host's name), records the pooled claim and writes its session in the domain's metadata
+    /// when the domain exists. Owner keys: `vm_name` s and/or `vm_uuid` s (one is needed).
+    /// Returns the claim as `GetPooledClaims` gives it. Waits for the pool at most its
+    /// deadlines. Authorized as `org.vfiod.vfiod1.claim` with the VM and kind `pooled`.
+    async fn lease_pooled(
+        &self,
+        pool: &str,
+        device: &str,
+        owner: Dict,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] conn: &Connection,
+    ) -> Result<Dict, Error> {
+        let q = Query::new(owner, &["vm_name", "vm_uuid"])?;
+        let vm_name = q.str("vm_name")?.filter(|s| !s.is_empty());
+        let vm_uuid = q.str("vm_uuid")?.filter(|s| !s.is_empty());
+        let vm = vm_name.clone().or(vm_uuid.clone()).ok_or_else(|| {
+            Error::InvalidArgument("owner: give vm_name or vm_uuid".into())
+        })?;
+        if pool.is_empty() || device.is_empty() {
+            return Err(Error::InvalidArgument(
+                "the pool and the device must be named".into(),
+            ));
+        }
+        let o = &self.objects;
+        let check = Check::new(ACTION_CLAIM, "LeasePooled")
+            .with(Detail::Vm, &vm)
+            .with(Detail::Kind, "pooled");
+        o.authorizer.check(conn, &header, &check).await?;
+        let who = o.requesters.of(conn, &header).await;
+        let claim = o
+            .engine
+            .lease_pooled(pool, device, vm_name, vm_uuid, &who)
+            .await?;
+        Ok(wire::pooled(&claim))
+    }
+
+    /// Gives pooled claim `id` back to its pool (`DELETE` with its epoch). Returns the claim as
+    /// it ends (released; or forgotten when the pool no longer has the session or fenced this
+    /// host out). Authorized as `org.vfiod.vfiod1.claim` with the VM and kind `pooled`.
+    async fn release_pooled(
+        &self,
+        id: i64,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] conn: &Connection,
+    ) -> Result<Dict, Error> {
+        let o = &self.objects;
+        let claim = o
+            .engine
+            .read(move |core| core.store().pooled_claim(id))
+            .await??
+            .ok_or_else(|| Error::NoSuchClaim(format!("no pooled claim {id}")))?;
+        let check = Check::new(ACTION_CLAIM, "ReleasePooled")
+            .with(Detail::Vm, claim.vm())
+            .with(Detail::Kind, "pooled");
+        o.authorizer.check(conn, &header, &check).await?;
+        let who = o.requesters.of(conn, &header).await;
+        let claim = o.engine.release_pooled(id, &who).await?;
+        Ok(wire::pooled(&claim))
+    }
+
     /// The objects of the claims that hold their devices, oldest first.
     fn get_claims(&self) -> Vec<OwnedObjectPath> {
         self.objects

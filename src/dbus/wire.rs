@@ -183,6 +183,52 @@ pub fn owner(dict: Dict, default_lease: u32) -> Result<crate::claims::Owner, Err
     .map_err(|e| Error::InvalidArgument(format!("owner: {e}")))
 }
 
+/// `Manager.GetPools` entry.
+pub fn pool(p: &crate::config::PoolSettings) -> Dict {
+    Dict::from([
+        ("name".into(), v(p.name.as_str())),
+        ("url".into(), v(p.url.as_str())),
+        ("quiesce_at".into(), v(p.quiesce_at.as_str())),
+        (
+            "connect_timeout_ms".into(),
+            v(p.connect_timeout.as_millis() as u32),
+        ),
+        (
+            "request_timeout_ms".into(),
+            v(p.request_timeout.as_millis() as u32),
+        ),
+    ])
+}
+
+/// `Manager.GetPoolDevices` entry.
+pub fn pool_device(d: &crate::pool::client::PoolDevice) -> Dict {
+    Dict::from([
+        ("id".into(), v(d.id.as_str())),
+        ("kind".into(), v(d.kind.as_str())),
+        ("model".into(), v(d.model.as_str())),
+        ("session".into(), v(d.session.clone().unwrap_or_default())),
+    ])
+}
+
+/// `Manager.GetPooledClaims` entry.
+pub fn pooled(c: &crate::model::pooled::PooledClaim) -> Dict {
+    Dict::from([
+        ("id".into(), v(c.id)),
+        ("pool".into(), v(c.pool.as_str())),
+        ("session".into(), v(c.session.as_str())),
+        ("device".into(), v(c.device.as_str())),
+        ("epoch".into(), v(c.epoch)),
+        ("state".into(), v(c.state.as_str())),
+        ("reason".into(), v(c.reason.as_str())),
+        ("vm_name".into(), v(c.vm_name.clone().unwrap_or_default())),
+        ("vm_uuid".into(), v(c.vm_uuid.clone().unwrap_or_default())),
+        ("peer_host".into(), v(c.peer_host.clone().unwrap_or_default())),
+        ("requested_by".into(), v(c.requested_by.as_str())),
+        ("created".into(), v(c.created_ms)),
+        ("updated".into(), v(c.updated_ms)),
+    ])
+}
+
 /// Reads back what [`event`], [`task`] and [`plan`] write (the client side).
 pub struct Entry<'a>(pub &'a Dict);
 
@@ -200,6 +246,14 @@ impl Entry<'_> {
 
     pub fn i64(&self, key: &str) -> i64 {
         self.get::<i64>(key).unwrap_or_default()
+    }
+
+    pub fn u64(&self, key: &str) -> u64 {
+        self.get::<u64>(key).unwrap_or_default()
+    }
+
+    pub fn u32(&self, key: &str) -> u32 {
+        self.get::<u32>(key).unwrap_or_default()
     }
 
     pub fn u8(&self, key: &str) -> u8 {

@@ -260,6 +260,19 @@ impl Engine {
 
     async fn hook_stopped(self: &Arc<Self>, call: &HookCall, parsed: Parsed) -> Verdict {
         let name = call.domain.clone();
+        // Pooled sessions: a quiesced one went with the VM (forgotten), an incoming one that
+        // never ran here is given back. In the background: a pool call may outlast the
+        // notification's deadline, and must not be cut short by it.
+        let me = Arc::clone(self);
+        let (n, u) = (name.clone(), parsed.uuid.clone());
+        tokio::spawn(async move {
+            me.pooled_step(
+                &n,
+                u.as_deref(),
+                crate::pooled::DomainStep::Stopped { migrated: false },
+            )
+            .await;
+        });
         let me = Arc::clone(self);
         let done = self
             .read(move |core| {

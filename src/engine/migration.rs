@@ -79,7 +79,13 @@ impl Engine {
                 return Verdict::fail(format!("vfiod: cannot read the XML of domain {name}: {e}"))
             }
         };
-        if parsed.metadata.is_empty() {
+        let pooled = match libvirt::xml::parse_pooled(xml) {
+            Ok(p) => p,
+            Err(e) => {
+                return Verdict::fail(format!("vfiod: cannot read the XML of domain {name}: {e}"))
+            }
+        };
+        if parsed.metadata.is_empty() && pooled.is_empty() {
             return Verdict::pass("");
         }
         let uuid = parsed.uuid.clone();
@@ -152,6 +158,19 @@ impl Engine {
                 }
             }
         }
+        // The pooled sessions: the pool confirms it can serve this host before any memory is
+        // copied (and quiesces now in the conservative mode).
+        let moving_pooled = if pooled.is_empty() {
+            Vec::new()
+        } else {
+            match self.hook_migrate_pooled(name, uuid.as_deref(), &pooled).await {
+                Ok(ids) => ids,
+                Err(line) => {
+                    self.release_all(&made, "its migration was refused").await;
+                    return Verdict::fail(line);
+                }
+            }
+        };
         // The moving devices' hostdevs point at our functions in the XML libvirt goes on with.
         let stdout = if retarget.is_empty() {
             String::new()
@@ -176,11 +195,24 @@ impl Engine {
             }
         }
         self.flush().await;
-        let message = if made_text.is_empty() {
+        let mut message = if made_text.is_empty() {
             String::new()
         } else {
             format!("claimed {made_text} for {name}")
         };
+        if !moving_pooled.is_empty() {
+            if !message.is_empty() {
+                message.push_str("; ");
+            }
+            message.push_str(&format!(
+                "pooled claims {} moving here",
+                moving_pooled
+                    .iter()
+                    .map(|i| i.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ));
+        }
         Verdict {
             exit_code: 0,
             stdout,

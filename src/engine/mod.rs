@@ -13,6 +13,7 @@ mod claims;
 pub mod context;
 mod hooks;
 mod migration;
+mod pooled;
 mod core;
 pub mod events;
 pub mod removals;
@@ -27,6 +28,7 @@ pub use claims::ClaimError;
 pub use context::{ClaimSteps, JobContext, Modprobe, ModuleLoader};
 pub use events::{DeviceTasks, DeviceView, EngineEvent, EventStream};
 pub use hooks::HookCall;
+pub use pooled::{PooledError, PooledOutcome};
 pub use job::{Admission, Job, JobError, JobFailure, Phase, Progress};
 
 use crate::config::Settings;
@@ -54,6 +56,8 @@ pub struct Engine {
     claims: Arc<Mutex<claims::ClaimQueue>>,
     /// Claims made for domains migrating here, attached once they run (see [`migration`]).
     incoming: migration::Incoming,
+    /// The pools' clients and the queue of pooled steps (see [`pooled`]).
+    pools: pooled::Pools,
 }
 
 impl Engine {
@@ -68,6 +72,7 @@ impl Engine {
             publishing: Arc::new(Mutex::new(())),
             claims: Arc::default(),
             incoming: migration::Incoming::default(),
+            pools: pooled::Pools::default(),
         };
         (Arc::new(engine), stream)
     }

@@ -178,6 +178,8 @@ impl Engine {
         match ev {
             LibvirtEvent::Domain(d) => {
                 tracing::debug!(domain = %d.name, uuid = %d.uuid, "libvirt domain event {:?}", d.kind);
+                // Pooled sessions: quiesce at the switchover, resume where the VM runs.
+                self.pooled_event(&d);
                 match d.kind {
                     DomainEventKind::DeviceRemoved { .. }
                     | DomainEventKind::DeviceRemovalFailed { .. } => self.device_event(&d).await,

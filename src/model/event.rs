@@ -30,9 +30,12 @@ pub enum EventKind {
     Claim,
     /// The FPGA image catalog changed (added, deactivated, activated, removed).
     Image,
+    /// A pooled claim's step: leased, prepare-move, quiesced, resumed, released, forgotten, or a
+    /// pool call that failed.
+    Pool,
 }
 
 text_enum!(EventKind as "event kind",
     Added => "added", Removed => "removed", Changed => "changed", Broken => "broken",
     Recovered => "recovered", Protected => "protected", Unprotected => "unprotected",
-    Config => "config", Aer => "aer", Task => "task", Claim => "claim", Image => "image");
+    Config => "config", Aer => "aer", Task => "task", Claim => "claim", Image => "image", Pool => "pool");

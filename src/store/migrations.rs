@@ -17,7 +17,7 @@ use rusqlite::{Connection, TransactionBehavior};
 pub(super) const APPLICATION_ID: i32 = 0x7666_696f;
 
 /// Every migration step, oldest first. [`super::SCHEMA_VERSION`] is its length.
-pub(super) const MIGRATIONS: &[&str] = &[V1_INITIAL, V2_TASKS, V3_TASK_SCOPE, V4_CLAIMS, V5_IMAGES];
+pub(super) const MIGRATIONS: &[&str] = &[V1_INITIAL, V2_TASKS, V3_TASK_SCOPE, V4_CLAIMS, V5_IMAGES, V6_POOLED];
 
 /// Version 1: the inventory, its history, and the tables claims, tasks and driver restore will
 /// fill.
@@ -228,6 +228,30 @@ CREATE TABLE images (
     added_by     TEXT NOT NULL,
     added_ms     INTEGER NOT NULL
 );
+";
+
+/// Version 6: pooled claims, a remote pool's session leased to a VM (issue 11). A table of its
+/// own: a pooled device is no PCI function of this host, and the PCI claims' constraints
+/// (`claim_functions`, one active claim per address) do not apply to it. Rows stay as history.
+const V6_POOLED: &str = "
+CREATE TABLE pooled_claims (
+    id           INTEGER PRIMARY KEY AUTOINCREMENT,
+    pool         TEXT NOT NULL CHECK (pool <> ''),
+    session      TEXT NOT NULL CHECK (session <> ''),
+    device       TEXT NOT NULL,
+    epoch        INTEGER NOT NULL CHECK (epoch >= 0),
+    state        TEXT NOT NULL,
+    reason       TEXT NOT NULL DEFAULT '',
+    vm_name      TEXT,
+    vm_uuid      TEXT,
+    peer_host    TEXT,
+    requested_by TEXT NOT NULL,
+    created_ms   INTEGER NOT NULL,
+    updated_ms   INTEGER NOT NULL
+);
+-- One standing claim per session on this host (history rows aside).
+CREATE UNIQUE INDEX pooled_claims_one_per_session
+    ON pooled_claims (pool, session) WHERE state NOT IN ('released', 'forgotten');
 ";
 
 /// Why [`migrate`] stopped: the step that failed (1-based target version) and SQLite's error.

@@ -17,11 +17,13 @@ pub mod images;
 pub mod lock;
 mod migrations;
 mod original_drivers;
+mod pooled;
 mod task_state;
 mod tasks;
 
 pub use claims::{ClaimChange, ClaimDetails, ClaimRecord};
 pub use images::{ImageError, ImageRecord, ImageState, NewImage};
+pub use pooled::{NewPooled, PooledStep};
 pub use task_state::TaskState;
 pub use tasks::{TaskRecord, REFUSED_BY};
 

@@ -186,8 +186,18 @@ impl Job for MigrateJob {
         } else {
             libvirt::Affect::Live
         };
+        // vfiod's element is one per domain: the pooled sessions the domain holds go with it.
+        let pooled = cx
+            .store
+            .pooled_of_domain(&name, Some(&info.uuid))
+            .map_err(|e| JobFailure::from_error(&e))?;
+        let pooled = crate::pooled::metadata_of(&pooled, &cx.settings.host_name);
         cx.libvirt
-            .set_metadata(&name, Some(&libvirt::xml::metadata_xml(&records)), affect)
+            .set_metadata(
+                &name,
+                Some(&libvirt::xml::metadata_xml_with(&records, &pooled)),
+                affect,
+            )
             .map_err(|e| JobFailure::new(libvirt_message(&e)))?;
 
         progress.phase(DETACH.name);

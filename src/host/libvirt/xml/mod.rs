@@ -20,7 +20,8 @@ mod number;
 mod retarget;
 
 pub use metadata::{
-    metadata_element, metadata_xml, parse_metadata, MetadataDevice, METADATA_KEY, VFIOD_NS,
+    metadata_element, metadata_element_with, metadata_xml, metadata_xml_with, parse_metadata,
+    parse_metadata_pooled, parse_pooled, MetadataDevice, MetadataPooled, METADATA_KEY, VFIOD_NS,
 };
 pub use retarget::retarget_hostdevs;
 
