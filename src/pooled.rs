@@ -238,7 +238,11 @@ mod tests {
             (DomainStep::SuspendedForMigration, destination(Moving), "-"),
         ] {
             let got = kind(on_step(step, std::slice::from_ref(&c)));
-            assert_eq!(got, wanted, "{step:?} with {:?} (peer {:?})", c.state, c.peer_host);
+            assert_eq!(
+                got, wanted,
+                "{step:?} with {:?} (peer {:?})",
+                c.state, c.peer_host
+            );
         }
     }
 
@@ -249,8 +253,15 @@ mod tests {
             DomainStep::of_event(&K::Suspended, 1),
             Some(DomainStep::SuspendedForMigration)
         );
-        assert_eq!(DomainStep::of_event(&K::Suspended, 0), None, "a user's pause");
-        assert_eq!(DomainStep::of_event(&K::Resumed, 1), Some(DomainStep::Resumed));
+        assert_eq!(
+            DomainStep::of_event(&K::Suspended, 0),
+            None,
+            "a user's pause"
+        );
+        assert_eq!(
+            DomainStep::of_event(&K::Resumed, 1),
+            Some(DomainStep::Resumed)
+        );
         assert_eq!(
             DomainStep::of_event(&K::Stopped, 3),
             Some(DomainStep::Stopped { migrated: true })
@@ -280,7 +291,9 @@ mod tests {
         here.session = "s-2".into();
         let got = migrate_begin("vm1", &[s("gpus", "s-1"), s("fpgas", "s-2")], at, &[]).unwrap();
         assert_eq!(
-            got.iter().map(|i| (i.quiesce, i.existing)).collect::<Vec<_>>(),
+            got.iter()
+                .map(|i| (i.quiesce, i.existing))
+                .collect::<Vec<_>>(),
             [(false, None), (true, None)]
         );
         let got = migrate_begin("vm1", &[s("gpus", "s-2")], at, &[here]).unwrap();

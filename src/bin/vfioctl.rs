@@ -1178,7 +1178,11 @@ async fn pool(conn: &zbus::Connection, command: PoolCommand) -> Result<(), Strin
                         d.id,
                         d.kind,
                         d.model,
-                        if d.session.is_empty() { "-" } else { &d.session }
+                        if d.session.is_empty() {
+                            "-"
+                        } else {
+                            &d.session
+                        }
                     );
                 }
             }
@@ -1194,9 +1198,8 @@ async fn pool(conn: &zbus::Connection, command: PoolCommand) -> Result<(), Strin
                 ("vm_name", vm.map(zbus::Variant::from)),
                 ("vm_uuid", vm_uuid.map(zbus::Variant::from)),
             ]);
-            let c = PooledEntry::from_dict(
-                &m.lease_pooled(&pool, &device, owner).await.map_err(call)?,
-            );
+            let c =
+                PooledEntry::from_dict(&m.lease_pooled(&pool, &device, owner).await.map_err(call)?);
             if json {
                 print_json(&c)?;
             } else {
@@ -1205,7 +1208,11 @@ async fn pool(conn: &zbus::Connection, command: PoolCommand) -> Result<(), Strin
                     c.id,
                     c.device,
                     c.pool,
-                    if c.vm_name.is_empty() { &c.vm_uuid } else { &c.vm_name },
+                    if c.vm_name.is_empty() {
+                        &c.vm_uuid
+                    } else {
+                        &c.vm_name
+                    },
                     c.session,
                     c.epoch
                 );

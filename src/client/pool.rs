@@ -123,7 +123,13 @@ pub fn render_table(claims: &[PooledEntry]) -> String {
 
 /// `vfioctl pool show ID`.
 pub fn render_details(c: &PooledEntry) -> String {
-    let or_dash = |s: &str| if s.is_empty() { "-".to_string() } else { s.to_string() };
+    let or_dash = |s: &str| {
+        if s.is_empty() {
+            "-".to_string()
+        } else {
+            s.to_string()
+        }
+    };
     format!(
         "pooled claim {}\n  pool:         {}\n  session:      {}\n  device:       {}\n  epoch:        {}\n  \
          state:        {}\n  reason:       {}\n  vm:           {} ({})\n  from host:    {}\n  \

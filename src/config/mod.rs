@@ -328,6 +328,70 @@ mod tests {
     }
 
     #[test]
+    fn pool_entries_are_checked_where_they_are_written() {
+        let s = parse(
+            "host_name = \"hosta\"\n[[pool]]\nname = \"gpus\"\nurl = \"http://127.0.0.1:9000/\"\n\
+             [[pool]]\nname = \"fpgas\"\nurl = \"https://pool.example:8443\"\n\
+             ca_file = \"/etc/vfiod/ca.pem\"\ncert_file = \"/etc/vfiod/c.pem\"\n\
+             key_file = \"/etc/vfiod/c.key\"\nconnect_timeout_ms = 500\nrequest_timeout_ms = 900\n\
+             quiesce_at = \"begin\"\n",
+        );
+        assert_eq!(s.host_name, "hosta");
+        assert_eq!(s.pools.len(), 2);
+        let gpus = s.pool("gpus").unwrap();
+        assert_eq!(gpus.url, "http://127.0.0.1:9000");
+        assert_eq!(gpus.quiesce_at, QuiesceAt::Switchover);
+        assert_eq!(gpus.connect_timeout, Duration::from_millis(2000));
+        let fpgas = s.pool("fpgas").unwrap();
+        assert_eq!(fpgas.quiesce_at, QuiesceAt::Begin);
+        assert_eq!(fpgas.request_timeout, Duration::from_millis(900));
+        assert_eq!(
+            fpgas.key_file.as_deref(),
+            Some(Path::new("/etc/vfiod/c.key"))
+        );
+        assert!(s.pool("tpus").is_none());
+        assert!(!Settings::default().host_name.is_empty());
+        for (text, wanted) in [
+            (
+                "[[pool]]\nurl = \"http://127.0.0.1:1\"\n",
+                "test.toml:1:1: `name` in [[pool]] #1: a pool needs a name",
+            ),
+            ("[[pool]]\nname = \"a\"\n", "needs a url"),
+            (
+                "[[pool]]\nname = \"a\"\nurl = \"http://10.1.2.3:80\"\n",
+                "test.toml:3:7: `url` in [[pool]] #1: \"http://10.1.2.3:80\": plain http:// is \
+                 allowed on a loopback host only",
+            ),
+            (
+                "[[pool]]\nname = \"a\"\nurl = \"https://p\"\ncert_file = \"/c\"\n",
+                "needs its key_file",
+            ),
+            (
+                "[[pool]]\nname = \"a\"\nurl = \"https://p\"\nca_file = \"ca.pem\"\n",
+                "not an absolute path",
+            ),
+            (
+                "[[pool]]\nname = \"a\"\nurl = \"https://p\"\nquiesce_at = \"later\"\n",
+                "test.toml:4:14: `quiesce_at` in [[pool]] #1: unknown value \"later\"",
+            ),
+            (
+                "[[pool]]\nname = \"a\"\nurl = \"https://p\"\nrequest_timeout_ms = 0\n",
+                "out of range",
+            ),
+            (
+                "[[pool]]\nname = \"a\"\nurl = \"https://p\"\n[[pool]]\nname = \"a\"\nurl = \"https://q\"\n",
+                "test.toml:5:8: `name` in [[pool]] #2: a pool named \"a\" is already configured",
+            ),
+            ("[[pool]]\nname = \"a b\"\nurl = \"https://p\"\n", "not a pool name"),
+            ("[[pool]]\nname = \"a\"\nurl = \"https://p\"\nlease = 1\n", "unknown field"),
+            ("host_name = \"a b\"\n", "test.toml:1:13: `host_name`: \"a b\" is not a host name"),
+        ] {
+            let e = parse_err(text);
+            assert!(e.contains(wanted), "{text}: {e}");
+        }
+    }
+
+    #[test]
     fn the_claims_table_is_checked_and_the_last_value_wins() {
         assert_eq!(Settings::default().claims.default_lease_seconds, 0);
         let s = parse("[claims]\ndefault_lease_seconds = 600\n");

@@ -144,10 +144,7 @@ fn pool(Entry { index, item }: Entry<'_, RawPool>) -> Result<PoolSettings, Confi
         _ => {}
     }
     if url.starts_with("http://") && (ca_file.is_some() || cert_file.is_some()) {
-        return Err(item.error(format!(
-            "{}: TLS files are for an https:// url",
-            key("url")
-        )));
+        return Err(item.error(format!("{}: TLS files are for an https:// url", key("url"))));
     }
     let timeout = |field: Option<super::located::Located<'_, Int>>, k, default| {
         field

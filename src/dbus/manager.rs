@@ -284,9 +284,10 @@ impl Manager {
         let q = Query::new(owner, &["vm_name", "vm_uuid"])?;
         let vm_name = q.str("vm_name")?.filter(|s| !s.is_empty());
         let vm_uuid = q.str("vm_uuid")?.filter(|s| !s.is_empty());
-        let vm = vm_name.clone().or(vm_uuid.clone()).ok_or_else(|| {
-            Error::InvalidArgument("owner: give vm_name or vm_uuid".into())
-        })?;
+        let vm = vm_name
+            .clone()
+            .or(vm_uuid.clone())
+            .ok_or_else(|| Error::InvalidArgument("owner: give vm_name or vm_uuid".into()))?;
         if pool.is_empty() || device.is_empty() {
             return Err(Error::InvalidArgument(
                 "the pool and the device must be named".into(),

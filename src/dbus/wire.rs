@@ -222,7 +222,10 @@ pub fn pooled(c: &crate::model::pooled::PooledClaim) -> Dict {
         ("reason".into(), v(c.reason.as_str())),
         ("vm_name".into(), v(c.vm_name.clone().unwrap_or_default())),
         ("vm_uuid".into(), v(c.vm_uuid.clone().unwrap_or_default())),
-        ("peer_host".into(), v(c.peer_host.clone().unwrap_or_default())),
+        (
+            "peer_host".into(),
+            v(c.peer_host.clone().unwrap_or_default()),
+        ),
         ("requested_by".into(), v(c.requested_by.as_str())),
         ("created".into(), v(c.created_ms)),
         ("updated".into(), v(c.updated_ms)),

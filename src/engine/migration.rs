@@ -163,7 +163,10 @@ impl Engine {
         let moving_pooled = if pooled.is_empty() {
             Vec::new()
         } else {
-            match self.hook_migrate_pooled(name, uuid.as_deref(), &pooled).await {
+            match self
+                .hook_migrate_pooled(name, uuid.as_deref(), &pooled)
+                .await
+            {
                 Ok(ids) => ids,
                 Err(line) => {
                     self.release_all(&made, "its migration was refused").await;

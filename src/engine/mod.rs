@@ -28,8 +28,8 @@ pub use claims::ClaimError;
 pub use context::{ClaimSteps, JobContext, Modprobe, ModuleLoader};
 pub use events::{DeviceTasks, DeviceView, EngineEvent, EventStream};
 pub use hooks::HookCall;
-pub use pooled::{PooledError, PooledOutcome};
 pub use job::{Admission, Job, JobError, JobFailure, Phase, Progress};
+pub use pooled::{PooledError, PooledOutcome};
 
 use crate::config::Settings;
 use crate::model::pci::PciAddress;

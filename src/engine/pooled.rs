@@ -75,15 +75,17 @@ pub struct PooledOutcome {
     pub error: Option<String>,
 }
 
-fn endpoint(p: &PoolSettings) -> PoolEndpoint {
-    PoolEndpoint {
-        url: p.url.clone(),
+fn endpoint(p: &PoolSettings) -> Result<PoolEndpoint, PoolError> {
+    let url =
+        url::Url::parse(&p.url).map_err(|e| PoolError::Config(format!("url {:?}: {e}", p.url)))?;
+    Ok(PoolEndpoint {
+        url,
         ca_file: p.ca_file.clone(),
         cert_file: p.cert_file.clone(),
         key_file: p.key_file.clone(),
         connect_timeout: p.connect_timeout,
         request_timeout: p.request_timeout,
-    }
+    })
 }
 
 /// A step's result as its event says it.
@@ -111,13 +113,14 @@ impl Engine {
                 return Ok((s.clone(), Arc::clone(c)));
             }
         }
-        let client = Arc::new(
-            PoolClient::new(&endpoint(p)).map_err(|source| PooledError::Pool {
+        crate::pool::client::install_crypto_provider();
+        let client = Arc::new(endpoint(p).and_then(|ep| PoolClient::new(&ep)).map_err(
+            |source| PooledError::Pool {
                 pool: name.to_string(),
                 call: "cannot make its client".into(),
                 source,
-            })?,
-        );
+            },
+        )?);
         clients.insert(name.to_string(), (p.clone(), Arc::clone(&client)));
         Ok((p.clone(), client))
     }
@@ -128,7 +131,9 @@ impl Engine {
         &self,
         pool: &str,
         call: &str,
-        f: impl FnOnce(Arc<PoolClient>) -> futures_util::future::BoxFuture<'static, Result<T, PoolError>>,
+        f: impl FnOnce(
+            Arc<PoolClient>,
+        ) -> futures_util::future::BoxFuture<'static, Result<T, PoolError>>,
     ) -> Result<T, PooledError> {
         let (settings, client) = self.pool_client(pool)?;
         let bound = settings.connect_timeout + settings.request_timeout;
@@ -161,14 +166,28 @@ impl Engine {
         reason: String,
         what: String,
     ) -> Result<PooledClaim, PooledError> {
-        self.store_op(move |s| s.step_pooled(id, &PooledStep { state, epoch, reason }, &what))
-            .await
+        self.store_op(move |s| {
+            s.step_pooled(
+                id,
+                &PooledStep {
+                    state,
+                    epoch,
+                    reason,
+                },
+                &what,
+            )
+        })
+        .await
     }
 
     async fn note(&self, claim: &PooledClaim, what: String) {
         let c = claim.clone();
         if let Err(e) = self.store_op(move |s| s.note_pooled(&c, &what)).await {
-            tracing::error!(pooled_claim = claim.id, "cannot record an event: {}", crate::error_chain(&e));
+            tracing::error!(
+                pooled_claim = claim.id,
+                "cannot record an event: {}",
+                crate::error_chain(&e)
+            );
         }
     }
 
@@ -251,9 +270,11 @@ impl Engine {
         }
         let (session, epoch) = (claim.session.clone(), claim.epoch);
         let released = self
-            .pool_call(&claim.pool, &format!("cannot release session {session}"), move |c| {
-                Box::pin(async move { c.release(&session, epoch).await })
-            })
+            .pool_call(
+                &claim.pool,
+                &format!("cannot release session {session}"),
+                move |c| Box::pin(async move { c.release(&session, epoch).await }),
+            )
             .await;
         let after = match released {
             Ok(()) => {
@@ -293,8 +314,14 @@ impl Engine {
                 .await?
             }
             Err(e) => {
-                self.note(&claim, format!("release by {requested_by} failed: {}", crate::error_chain(&e)))
-                    .await;
+                self.note(
+                    &claim,
+                    format!(
+                        "release by {requested_by} failed: {}",
+                        crate::error_chain(&e)
+                    ),
+                )
+                .await;
                 return Err(e);
             }
         };
@@ -367,7 +394,11 @@ impl Engine {
         {
             Ok(c) => c,
             Err(e) => {
-                tracing::error!(domain = name, "cannot read the pooled claims: {}", crate::error_chain(&e));
+                tracing::error!(
+                    domain = name,
+                    "cannot read the pooled claims: {}",
+                    crate::error_chain(&e)
+                );
                 return Vec::new();
             }
         };
@@ -409,14 +440,18 @@ impl Engine {
     ) -> Result<PooledClaim, PooledError> {
         let host = self.settings().host_name.clone();
         match action {
-            Action::Quiesce { .. } => self.quiesce_one(claim, "at the migration's switchover").await,
+            Action::Quiesce { .. } => {
+                self.quiesce_one(claim, "at the migration's switchover")
+                    .await
+            }
             Action::ResumeHere { .. } => {
                 let claim = if claim.state == PooledState::Quiesced {
                     claim.clone()
                 } else {
                     // The source quiesces at its switchover, and may not have yet (its event
                     // and ours race): quiesce is idempotent, and the VM is paused there by now.
-                    self.quiesce_one(claim, "before resuming on this host").await?
+                    self.quiesce_one(claim, "before resuming on this host")
+                        .await?
                 };
                 if claim.state != PooledState::Quiesced {
                     return Ok(claim);
@@ -456,13 +491,80 @@ impl Engine {
         }
     }
 
-    /// `quiesce(epoch)`, recorded. A stale epoch puts the claim in error (fenced), for good.
-    async fn quiesce_one(&self, claim: &PooledClaim, when: &str) -> Result<PooledClaim, PooledError> {
+    /// After a stale-epoch refusal: when the pool says the session is still this host's (its
+    /// quiesce lease expired and it resumed here, or a failed migration's destination gave it
+    /// back), the pool's epoch is adopted and the step may be tried once more; `None` when
+    /// another host owns it (fenced).
+    async fn adopt(&self, claim: &PooledClaim) -> Option<PooledClaim> {
+        let me = self.settings().host_name.clone();
+        let id = claim.session.clone();
+        let s = self
+            .pool_call(&claim.pool, "cannot read the session", move |c| {
+                Box::pin(async move { c.session(&id).await })
+            })
+            .await
+            .ok()?;
+        if s.host != me || s.epoch <= claim.epoch {
+            return None;
+        }
+        let state = match s.state {
+            crate::pool::protocol::SessionState::Running => PooledState::Leased,
+            crate::pool::protocol::SessionState::Quiesced => PooledState::Quiesced,
+            crate::pool::protocol::SessionState::Released => return None,
+        };
+        let what = format!(
+            "the pool moved the session on to epoch {} on this host{}: adopted",
+            s.epoch,
+            s.last_note
+                .as_deref()
+                .map(|n| format!(" ({n})"))
+                .unwrap_or_default()
+        );
+        self.step(claim.id, state, Some(s.epoch), String::new(), what)
+            .await
+            .ok()
+    }
+
+    /// `quiesce(epoch)`, recorded. A stale epoch puts the claim in error (fenced), for good,
+    /// unless the pool still gives the session to this host (then its epoch is adopted).
+    async fn quiesce_one(
+        &self,
+        claim: &PooledClaim,
+        when: &str,
+    ) -> Result<PooledClaim, PooledError> {
+        let stale = match self.quiesce_once(claim, when).await {
+            Err(
+                e @ PooledError::Pool {
+                    source: PoolError::StaleEpoch { .. },
+                    ..
+                },
+            ) => e,
+            other => return other,
+        };
+        match self.adopt(claim).await {
+            Some(adopted) if adopted.state == PooledState::Quiesced => Ok(adopted),
+            Some(adopted) => match self.quiesce_once(&adopted, when).await {
+                Err(e) => Err(self.refused(&adopted, e).await),
+                ok => ok,
+            },
+            None => Err(self.refused(claim, stale).await),
+        }
+    }
+
+    /// One `quiesce(epoch)`, recorded; a stale epoch is returned unrecorded (the caller looks
+    /// whether to adopt), other refusals are recorded.
+    async fn quiesce_once(
+        &self,
+        claim: &PooledClaim,
+        when: &str,
+    ) -> Result<PooledClaim, PooledError> {
         let (session, epoch) = (claim.session.clone(), claim.epoch);
         let done = self
-            .pool_call(&claim.pool, &format!("cannot quiesce session {}", claim.session), move |c| {
-                Box::pin(async move { c.quiesce(&session, epoch).await })
-            })
+            .pool_call(
+                &claim.pool,
+                &format!("cannot quiesce session {}", claim.session),
+                move |c| Box::pin(async move { c.quiesce(&session, epoch).await }),
+            )
             .await;
         match done {
             Ok(q) => {
@@ -475,13 +577,23 @@ impl Engine {
                 )
                 .await
             }
+            Err(
+                e @ PooledError::Pool {
+                    source: PoolError::StaleEpoch { .. },
+                    ..
+                },
+            ) => Err(e),
             Err(e) => Err(self.refused(claim, e).await),
         }
     }
 
     /// `resume(epoch, host)`, recorded with the new epoch; a pool that cannot be reached is
     /// tried again a few times.
-    async fn resume_one(&self, claim: &PooledClaim, host: &str) -> Result<PooledClaim, PooledError> {
+    async fn resume_one(
+        &self,
+        claim: &PooledClaim,
+        host: &str,
+    ) -> Result<PooledClaim, PooledError> {
         let mut attempt = 0;
         loop {
             attempt += 1;
@@ -516,6 +628,21 @@ impl Engine {
                     .await;
                     tokio::time::sleep(RESUME_RETRY).await;
                 }
+                Err(
+                    e @ PooledError::Pool {
+                        source: PoolError::StaleEpoch { .. },
+                        ..
+                    },
+                ) if attempt < RESUME_ATTEMPTS => match self.adopt(claim).await {
+                    // Resumed here already (a lease expiry on its last owner): done.
+                    Some(adopted)
+                        if adopted.state == PooledState::Leased
+                            && host == self.settings().host_name =>
+                    {
+                        return Ok(adopted)
+                    }
+                    _ => return Err(self.refused(claim, e).await),
+                },
                 Err(e) => return Err(self.refused(claim, e).await),
             }
         }
@@ -542,7 +669,11 @@ impl Engine {
                     .step(claim.id, PooledState::Error, None, reason, text)
                     .await
                 {
-                    tracing::error!(pooled_claim = claim.id, "cannot record: {}", crate::error_chain(&s));
+                    tracing::error!(
+                        pooled_claim = claim.id,
+                        "cannot record: {}",
+                        crate::error_chain(&s)
+                    );
                 }
             }
             None => self.note(claim, text).await,
@@ -683,7 +814,10 @@ impl Engine {
         if domain.is_empty() {
             return;
         }
-        let (name, uuid) = (claim.vm_name.clone().unwrap_or_default(), claim.vm_uuid.clone());
+        let (name, uuid) = (
+            claim.vm_name.clone().unwrap_or_default(),
+            claim.vm_uuid.clone(),
+        );
         let host = self.settings().host_name.clone();
         let written = self
             .read(move |core| -> Result<(), String> {

@@ -17,7 +17,14 @@ use rusqlite::{Connection, TransactionBehavior};
 pub(super) const APPLICATION_ID: i32 = 0x7666_696f;
 
 /// Every migration step, oldest first. [`super::SCHEMA_VERSION`] is its length.
-pub(super) const MIGRATIONS: &[&str] = &[V1_INITIAL, V2_TASKS, V3_TASK_SCOPE, V4_CLAIMS, V5_IMAGES, V6_POOLED];
+pub(super) const MIGRATIONS: &[&str] = &[
+    V1_INITIAL,
+    V2_TASKS,
+    V3_TASK_SCOPE,
+    V4_CLAIMS,
+    V5_IMAGES,
+    V6_POOLED,
+];
 
 /// Version 1: the inventory, its history, and the tables claims, tasks and driver restore will
 /// fill.

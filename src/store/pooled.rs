@@ -99,7 +99,9 @@ impl Store {
                 e => self.sqlite(action, e),
             })?;
             let id = conn.last_insert_rowid();
-            let claim = self.read_pooled_in(conn, action, id)?.expect("just inserted");
+            let claim = self
+                .read_pooled_in(conn, action, id)?
+                .expect("just inserted");
             insert_event(conn, &pooled_event(&claim, what), now)
                 .map_err(|e| self.sqlite(action, e))?;
             Ok(claim)
@@ -132,7 +134,9 @@ impl Store {
                 params![id, step.state.as_str(), epoch, step.reason, now],
             )
             .map_err(|e| self.sqlite(action, e))?;
-            let claim = self.read_pooled_in(conn, action, id)?.expect("just updated");
+            let claim = self
+                .read_pooled_in(conn, action, id)?
+                .expect("just updated");
             insert_event(conn, &pooled_event(&claim, what), now)
                 .map_err(|e| self.sqlite(action, e))?;
             Ok(claim)
@@ -160,7 +164,9 @@ impl Store {
         } else {
             format!("{SELECT} WHERE state NOT IN ('released', 'forgotten') ORDER BY id")
         };
-        let mut stmt = conn.prepare_cached(&sql).map_err(|e| self.sqlite(action, e))?;
+        let mut stmt = conn
+            .prepare_cached(&sql)
+            .map_err(|e| self.sqlite(action, e))?;
         let mut rows = stmt.query([]).map_err(|e| self.sqlite(action, e))?;
         let mut out = Vec::new();
         while let Some(row) = rows.next().map_err(|e| self.sqlite(action, e))? {

@@ -108,7 +108,10 @@ fn pooled(element: Node<'_, '_>) -> Result<Vec<MetadataPooled>, String> {
                 session: need("session")?,
                 device: n.attribute("device").unwrap_or_default().to_string(),
                 epoch: epoch.parse().map_err(|_| {
-                    format!("vfiod metadata pooled epoch={} is not a number", quote(&epoch))
+                    format!(
+                        "vfiod metadata pooled epoch={} is not a number",
+                        quote(&epoch)
+                    )
                 })?,
                 host: n.attribute("host").unwrap_or_default().to_string(),
             })
@@ -294,9 +297,16 @@ mod tests {
             metadata_element_with(&devices, &pooled)
         );
         assert_eq!(parse_pooled(&domain).unwrap(), pooled);
-        assert_eq!(super::super::parse_domain(&domain).unwrap().metadata, devices);
-        assert_eq!(parse_pooled("<domain><name>x</name></domain>").unwrap(), vec![]);
-        let bad = "<domain><name>x</name><metadata><v:devices xmlns:v='https://vfiod.org/xmlns/vfiod/1'>\
+        assert_eq!(
+            super::super::parse_domain(&domain).unwrap().metadata,
+            devices
+        );
+        assert_eq!(
+            parse_pooled("<domain><name>x</name></domain>").unwrap(),
+            vec![]
+        );
+        let bad =
+            "<domain><name>x</name><metadata><v:devices xmlns:v='https://vfiod.org/xmlns/vfiod/1'>\
                    <v:pooled pool='p' session='s' epoch='x'/></v:devices></metadata></domain>";
         assert!(parse_pooled(bad).unwrap_err().contains("epoch"));
         let bad = bad.replace("session='s' ", "");
