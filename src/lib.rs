@@ -21,6 +21,7 @@ pub mod engine; // the engine: inventory passes, reconcile, tasks and the jobs t
 pub mod dbus; // the D-Bus API: one module per object kind, named errors, polkit
 pub mod client; // D-Bus client side: proxies, the JSON device view, vfioctl tables
 pub mod server; // assembles store, engine, D-Bus service and loop into a running daemon
+pub mod demo; // vfiod --demo-pool: a pooled session handed between two simulated hosts
 
 /// An error and all its causes on one line ("a: b: c"), for logs and D-Bus error messages.
 pub fn error_chain(e: &dyn std::error::Error) -> String {

@@ -43,6 +43,11 @@ struct Args {
     /// and exit with its status (e.g. `vfiod --simulate -- vfioctl list`).
     #[arg(last = true, requires = "simulate")]
     command: Vec<String>,
+    /// Run the pooled-device demo and exit: the reference pool service on loopback, vfiod on
+    /// two simulated hosts, the stand-in driver streaming items while its session is handed
+    /// from one host to the other by the code libvirt's hooks and events run (issue 11).
+    #[arg(long, conflicts_with_all = ["simulate", "check_config"])]
+    demo_pool: bool,
 }
 
 /// Called once the API is served; may start the `--simulate -- COMMAND` child.
@@ -123,6 +128,10 @@ async fn run(args: Args) -> Result<ExitCode, String> {
     // from its own start on; one that comes before that is dropped (the configuration is being
     // read then anyway).
     let _early_hangups = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup());
+    if args.demo_pool {
+        vfiod::demo::pool_migration().await?;
+        return Ok(ExitCode::SUCCESS);
+    }
     if args.simulate {
         return simulate(args).await;
     }
