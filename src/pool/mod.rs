@@ -4,4 +4,6 @@
 //! live here too, so that tests and the demo run both ends from one crate.
 
 pub mod client;
+pub mod driver;
 pub mod protocol;
+pub mod service;
