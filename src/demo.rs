@@ -26,7 +26,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const UUID: &str = "0c1d2e3f-4a5b-4c6d-8e9f-a0b1c2d3e4f5";
-const ITEMS: u64 = 20_000;
+const ITEMS: u64 = 3_000;
 
 /// One simulated host with vfiod running on it.
 struct Host {
@@ -73,7 +73,6 @@ impl Host {
         .await
         .map_err(|e| crate::error_chain(&e))?;
         let client = zbus::connection::Builder::address(bus.address())
-            .map_err(|e| e.to_string())?
             .build()
             .await
             .map_err(|e| e.to_string())?;
@@ -155,7 +154,10 @@ pub async fn pool_migration() -> Result<(), String> {
     let (drv, handle) = driver::driver(client, cfg);
     let running = tokio::spawn(drv.run());
     handle.wait_received(ITEMS / 4).await;
-    clock.say("driver", &format!("{} results so far", handle.progress().received));
+    clock.say(
+        "driver",
+        &format!("{} results so far", handle.progress().received),
+    );
 
     // 1. hostb, migrate begin: the pool confirms it can serve hostb.
     let xml = format!(
@@ -188,7 +190,10 @@ pub async fn pool_migration() -> Result<(), String> {
     let quiesce_at = Instant::now();
     let q = a.engine().quiesce_pooled("vm1", Some(UUID)).await;
     step_result(&q)?;
-    clock.say(a.name, "switchover (suspended for migration): session quiesced");
+    clock.say(
+        a.name,
+        "switchover (suspended for migration): session quiesced",
+    );
     // The VM's own downtime: its memory's last pages cross over.
     tokio::time::sleep(Duration::from_millis(30)).await;
 
@@ -218,19 +223,28 @@ pub async fn pool_migration() -> Result<(), String> {
         .map_err(|e| crate::error_chain(&e))?;
     clock.say("driver", "done");
     println!();
-    println!("history of hosta and hostb (vfioctl events):");
+    println!("the pooled claim's history on both hosts (vfioctl events, kind pool), by time:");
+    let mut steps = Vec::new();
     for host in [&a, &b] {
         let events = host
             .engine()
             .store()
             .events(None, 0, 1000)
             .map_err(|e| crate::error_chain(&e))?;
-        for e in events
-            .iter()
-            .filter(|e| e.kind == crate::model::event::EventKind::Pool)
-        {
-            println!("  {}  {}  {}", host.name, e.time_ms, e.message);
-        }
+        steps.extend(
+            events
+                .into_iter()
+                .filter(|e| e.kind == crate::model::event::EventKind::Pool)
+                .map(|e| (e.time_ms, host.name, e.message)),
+        );
+    }
+    steps.sort_by_key(|(t, _, _)| *t);
+    let first = steps.first().map_or(0, |(t, _, _)| *t);
+    for (t, host, message) in &steps {
+        let step = message
+            .split_once("): ")
+            .map_or(message.as_str(), |(_, s)| s);
+        println!("  +{:>6} ms  {host}  {step}", t - first);
     }
     println!();
     println!(

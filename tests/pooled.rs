@@ -465,10 +465,7 @@ async fn migrate_begin_fails_closed_with_one_line() {
         "{message}"
     );
     let s = pool.client().session(&c.session).await.unwrap();
-    assert_eq!(
-        (s.host.as_str(), s.epoch, s.moving_to),
-        ("hosta".to_string(), 1, None)
-    );
+    assert_eq!((s.host.as_str(), s.epoch, s.moving_to), ("hosta", 1, None));
 }
 
 /// libvirt's own events drive the flow (the test driver, in this process: its domain "test"
@@ -505,19 +502,26 @@ async fn the_resumed_event_resumes_and_the_metadata_follows() {
 
     // The switchover quiesces (the test driver cannot migrate: played by the engine function
     // its event handler calls), then the domain is paused and resumed through libvirt.
-    assert_eq!(engine(&a).quiesce_pooled("test", Some(TEST_UUID)).await[0].error, None);
+    assert_eq!(
+        engine(&a).quiesce_pooled("test", Some(TEST_UUID)).await[0].error,
+        None
+    );
     tokio::task::spawn_blocking(|| {
         let conn = virt::connect::Connect::open(Some("test:///default")).unwrap();
-        let dom = virt::domain::Domain::lookup_by_name(&conn, "test").unwrap();
+        let dom = conn.lookup_domain_by_name("test").unwrap();
         dom.suspend().unwrap();
         dom.resume().unwrap();
     })
     .await
     .unwrap();
-    eventually_async(Duration::from_secs(10), "resumed through the event", || async {
-        let now = claims(&a, false).await;
-        (now[0].state == "leased" && now[0].epoch == 2).then_some(())
-    })
+    eventually_async(
+        Duration::from_secs(10),
+        "resumed through the event",
+        || async {
+            let now = claims(&a, false).await;
+            (now[0].state == "leased" && now[0].epoch == 2).then_some(())
+        },
+    )
     .await;
     let s = pool.client().session(&c.session).await.unwrap();
     assert_eq!((s.host.as_str(), s.epoch), ("hosta", 2));
@@ -529,4 +533,62 @@ async fn the_resumed_event_resumes_and_the_metadata_follows() {
         }
     })
     .await;
+}
+
+/// LeasePooled and ReleasePooled ask `org.vfiod.vfiod1.claim` (verb, VM, kind `pooled`) of a
+/// real polkitd: a user without it is refused and nothing reaches the pool; the operator
+/// granted every action leases and releases.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn leasing_and_releasing_ask_the_claim_action() {
+    use common::polkit::{assert_root, uid_of, PolkitHarness, GRANTED_USER, MODE_USER, NOBODY};
+    assert_root();
+    let pool = Pool::start(&[]);
+    let p = PolkitHarness::start(&config("hosta", &pool.url, "switchover")).await;
+    let asked = |user: &str, verb: &str| {
+        format!("vfiod-test rule: org.vfiod.vfiod1.claim for {user} verb={verb} vm=vm1 kind=pooled")
+    };
+    let lease = ["pool", "lease", "gpus", "dev0", "--vm", "vm1"];
+    for (uid, user) in [(NOBODY, "nobody"), (uid_of(MODE_USER), MODE_USER)] {
+        let r = p.vfioctl(uid, &lease).await;
+        assert!(!r.ok, "{user} leased: {}", r.stdout);
+        assert!(
+            r.stderr.contains("NotAuthorized") && r.stderr.contains("org.vfiod.vfiod1.claim"),
+            "{user}: {}",
+            r.stderr
+        );
+        assert!(
+            p.polkitd
+                .log()
+                .lines()
+                .any(|l| l.ends_with(&asked(user, "LeasePooled"))),
+            "{}",
+            p.polkitd.log()
+        );
+    }
+    assert!(
+        pool.client().sessions().await.unwrap().is_empty(),
+        "the pool was called"
+    );
+    let r = p.vfioctl(uid_of(GRANTED_USER), &lease).await;
+    assert!(r.ok, "{}", r.stderr);
+    let c = claims(&p.h, false).await;
+    assert!(
+        c[0].requested_by
+            .starts_with(&format!("uid {} ", uid_of(GRANTED_USER))),
+        "{c:?}"
+    );
+    let r = p.vfioctl(NOBODY, &["pool", "release", "1"]).await;
+    assert!(!r.ok && r.stderr.contains("NotAuthorized"), "{}", r.stderr);
+    assert!(p
+        .polkitd
+        .log()
+        .lines()
+        .any(|l| l.ends_with(&asked("nobody", "ReleasePooled"))));
+    assert_eq!(claims(&p.h, false).await.len(), 1);
+    let r = p
+        .vfioctl(uid_of(GRANTED_USER), &["pool", "release", "1"])
+        .await;
+    assert!(r.ok, "{}", r.stderr);
+    assert!(claims(&p.h, false).await.is_empty());
 }

@@ -53,11 +53,11 @@ struct Args {
 /// Called once the API is served; may start the `--simulate -- COMMAND` child.
 type ReadyHook = Box<dyn FnOnce() -> Result<Option<tokio::process::Child>, String> + Send>;
 
-fn init_logging() {
+fn init_logging(default: &'static str) {
     use tracing_subscriber::prelude::*;
     let filter = || {
         tracing_subscriber::EnvFilter::try_from_env("VFIOD_LOG")
-            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"))
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default))
     };
     // Under systemd (stderr connected to the journal), log natively: span and event fields
     // become journal fields (VFIOD_TASK_ID, VFIOD_DEVICE, VFIOD_KIND, ...), and the journal adds
@@ -83,7 +83,8 @@ fn init_logging() {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    init_logging();
+    // The demo prints its own steps; the daemons' log would drown them.
+    init_logging(if args.demo_pool { "warn" } else { "info" });
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -811,7 +811,8 @@ impl Engine {
             .clone()
             .or(claim.vm_name.clone())
             .unwrap_or_default();
-        if domain.is_empty() {
+        // No libvirt on this host (`libvirt_uri = ""`): no domain to write into.
+        if domain.is_empty() || self.settings().libvirt_uri.is_none() {
             return;
         }
         let (name, uuid) = (
