@@ -592,3 +592,32 @@ async fn leasing_and_releasing_ask_the_claim_action() {
     assert!(r.ok, "{}", r.stderr);
     assert!(claims(&p.h, false).await.is_empty());
 }
+
+/// `vfiod --demo-pool`, the demo, as a newcomer runs it: every step with its time, the
+/// pause window, and nothing lost or duplicated by the stand-in driver.
+#[test]
+fn the_demo_hands_a_session_over_and_loses_nothing() {
+    let out = Command::new(env!("CARGO_BIN_EXE_vfiod"))
+        .arg("--demo-pool")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for step in [
+        "pooled claim 1: dev0 leased to vm1",
+        "hostb  migrate begin hook: pooled claims 1 moving here",
+        "hosta  switchover (suspended for migration): session quiesced",
+        "hostb  resumed (the VM runs here): session at epoch 2",
+        "hosta  stopped hook: the session is forgotten here",
+        "quiesced at the migration's switchover",
+        "resumed on hostb at epoch 2",
+        "quiesce window (quiesce to resume):",
+        "3000 items: 0 lost, 0 duplicated, 0 wrong",
+    ] {
+        assert!(stdout.contains(step), "{step:?} missing in:\n{stdout}");
+    }
+}
