@@ -120,7 +120,7 @@ async fn a_stale_epoch_is_refused_with_the_current_one() {
 #[tokio::test]
 async fn quiesce_is_idempotent_and_stops_at_a_clean_point() {
     let dir = tempfile::tempdir().unwrap();
-    let pool = start(dir.path(), |c| c.item_time = Duration::from_millis(5)).await;
+    let pool = start(dir.path(), |c| c.item_time = Duration::from_millis(10)).await;
     let c = client(&pool);
     let s = c.create_session("dev1", "host-a", "vm1").await.unwrap();
     c.submit_items(&s.id, "host-a", &items(1..=200))
