@@ -120,7 +120,7 @@ async fn a_stale_epoch_is_refused_with_the_current_one() {
 #[tokio::test]
 async fn quiesce_is_idempotent_and_stops_at_a_clean_point() {
     let dir = tempfile::tempdir().unwrap();
-    let pool = start(dir.path(), |c| c.item_time = Duration::from_millis(5)).await;
+    let pool = start(dir.path(), |c| c.item_time = Duration::from_millis(10)).await;
     let c = client(&pool);
     let s = c.create_session("dev1", "host-a", "vm1").await.unwrap();
     c.submit_items(&s.id, "host-a", &items(1..=200))
@@ -146,6 +146,63 @@ async fn quiesce_is_idempotent_and_stops_at_a_clean_point() {
     assert_eq!(r.epoch, 2);
     let seen = collect_results(&c, &s.id, "host-b", 200).await;
     assert_eq!(seen.len(), 200);
+    pool.stop().await;
+}
+
+#[tokio::test]
+async fn quiesce_answers_once_the_item_in_progress_is_done() {
+    let dir = tempfile::tempdir().unwrap();
+    let pool = start(dir.path(), |c| c.item_time = Duration::from_millis(400)).await;
+    let c = client(&pool);
+    let s = c.create_session("dev0", "host-a", "vm1").await.unwrap();
+    c.submit_items(&s.id, "host-a", &items(1..=2))
+        .await
+        .unwrap();
+    // The worker is inside item 1 (400 ms of work) when the quiesce comes.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let t0 = Instant::now();
+    let q = c.quiesce(&s.id, 1).await.unwrap();
+    let took = t0.elapsed();
+    assert_eq!(
+        (q.undelivered, q.in_flight),
+        (1, 1),
+        "item 1 completed, item 2 queued: {q:?}"
+    );
+    assert!(
+        took >= Duration::from_millis(200),
+        "the reply waited for item 1: {took:?}"
+    );
+    pool.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn of_concurrent_resumes_with_one_epoch_exactly_one_wins() {
+    let dir = tempfile::tempdir().unwrap();
+    let pool = start(dir.path(), |_| {}).await;
+    let c = client(&pool);
+    let s = c.create_session("dev0", "host-a", "vm1").await.unwrap();
+    c.quiesce(&s.id, 1).await.unwrap();
+    let tasks: Vec<_> = (0..8)
+        .map(|i| {
+            let c = c.clone();
+            let id = s.id.clone();
+            tokio::spawn(async move { (i, c.resume(&id, 1, &format!("host-{i}")).await) })
+        })
+        .collect();
+    let mut winners = Vec::new();
+    for t in tasks {
+        match t.await.unwrap() {
+            (i, Ok(r)) => {
+                assert_eq!(r.epoch, 2);
+                winners.push(i);
+            }
+            (_, Err(PoolError::StaleEpoch { current: 2 })) => {}
+            (i, Err(e)) => panic!("host-{i}: {e}"),
+        }
+    }
+    assert_eq!(winners.len(), 1, "winners: {winners:?}");
+    let now = c.session(&s.id).await.unwrap();
+    assert_eq!((now.epoch, now.host), (2, format!("host-{}", winners[0])));
     pool.stop().await;
 }
 
@@ -483,6 +540,7 @@ fn spawn_pool(dir: &Path, listen: &str, extra: &[&str]) -> PoolProcess {
         .arg(dir)
         .args(extra)
         .stdout(Stdio::piped())
+        .env("VFIOD_LOG", "warn")
         .stderr(Stdio::inherit())
         .spawn()
         .unwrap();

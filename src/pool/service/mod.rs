@@ -330,3 +330,61 @@ async fn serve_tls(
     conns.abort_all();
     while conns.join_next().await.is_some() {}
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(listen: &str) -> PoolConfig {
+        PoolConfig::new(listen.parse().unwrap(), "/nonexistent/pool".into())
+    }
+
+    #[test]
+    fn plain_http_only_on_loopback_and_tls_anywhere() {
+        assert!(cfg("127.0.0.1:7300").check().is_ok());
+        assert!(cfg("[::1]:7300").check().is_ok());
+        for addr in ["0.0.0.0:7300", "192.0.2.1:7300", "[::]:7300"] {
+            let e = cfg(addr).check().unwrap_err();
+            assert!(
+                matches!(e, ServiceError::PlainOnNetwork { .. }),
+                "{addr}: {e}"
+            );
+            assert!(e.to_string().contains("--client-ca"), "{e}");
+        }
+        let mut with_tls = cfg("0.0.0.0:8443");
+        with_tls.tls = Some(TlsFiles {
+            cert: "c.pem".into(),
+            key: "k.pem".into(),
+            client_ca: "ca.pem".into(),
+        });
+        assert!(with_tls.check().is_ok());
+    }
+
+    #[test]
+    fn a_zero_lease_and_bad_names_are_refused() {
+        let mut c = cfg("127.0.0.1:0");
+        c.quiesce_lease = Duration::ZERO;
+        assert!(matches!(c.check(), Err(ServiceError::Invalid(_))));
+        let mut c = cfg("127.0.0.1:0");
+        c.hosts = Some(vec!["host a".into()]);
+        assert!(matches!(c.check(), Err(ServiceError::Invalid(_))));
+    }
+
+    #[tokio::test]
+    async fn a_missing_tls_file_stops_the_start_with_its_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = PoolConfig::new("127.0.0.1:0".parse().unwrap(), dir.path().join("state"));
+        c.tls = Some(TlsFiles {
+            cert: dir.path().join("missing.pem"),
+            key: dir.path().join("missing.key"),
+            client_ca: dir.path().join("ca.pem"),
+        });
+        let e = start(c).await.err().expect("refused");
+        assert!(
+            crate::error_chain(&e).contains("missing.pem"),
+            "{}",
+            crate::error_chain(&e)
+        );
+        assert!(!dir.path().join("state").exists(), "nothing created");
+    }
+}

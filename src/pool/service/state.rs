@@ -260,7 +260,7 @@ fn resumed(rec: &SessionRecord, from_epoch: u64, host: &str) -> SessionRecord {
 }
 
 fn lease_words(ms: u64) -> String {
-    if ms % 1000 == 0 {
+    if ms.is_multiple_of(1000) {
         format!("{} s", ms / 1000)
     } else {
         format!("{ms} ms")
