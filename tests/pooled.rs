@@ -621,3 +621,38 @@ fn the_demo_hands_a_session_over_and_loses_nothing() {
         assert!(stdout.contains(step), "{step:?} missing in:\n{stdout}");
     }
 }
+
+/// Events missed while vfiod was down: a quiesced session whose domain no longer runs here (it
+/// went to another host meanwhile) is forgotten when vfiod connects to libvirt again; one
+/// whose domain runs is left to its events.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_catches_up_with_a_domain_that_left() {
+    let pool = Pool::start(&[]);
+    let text = config("hosta", &pool.url, "switchover")
+        .replace("libvirt_uri = \"\"", "libvirt_uri = \"test:///default\"");
+    let mut a = Harness::start(&text).await;
+    // "vm1" is no domain of this libvirt; "test" runs.
+    let gone = lease(&a, "dev0").await.unwrap();
+    let owner = dict(&[("vm_name", Variant::from("test"))]);
+    a.manager()
+        .await
+        .lease_pooled("gpus", "dev1", owner)
+        .await
+        .unwrap();
+    engine(&a).quiesce_pooled("vm1", Some(UUID)).await;
+    engine(&a).quiesce_pooled("test", None).await;
+    let states = |c: Vec<PooledEntry>| c.into_iter().map(|c| (c.id, c.state)).collect::<Vec<_>>();
+    assert_eq!(
+        states(claims(&a, false).await),
+        [(1, "quiesced".to_string()), (2, "quiesced".to_string())]
+    );
+    a.stop_server().await;
+    a.start_server().await;
+    eventually_async(Duration::from_secs(10), "the reconcile", || async {
+        (states(claims(&a, false).await) == [(2, "quiesced".to_string())]).then_some(())
+    })
+    .await;
+    let ended = claims(&a, true).await;
+    assert_eq!(ended[0].session, gone.session);
+    assert_eq!(ended[0].state, "forgotten");
+}

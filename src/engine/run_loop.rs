@@ -210,6 +210,9 @@ impl Engine {
                 if changed > 0 {
                     tracing::info!("reconciled {changed} claim(s) with libvirt's domains");
                 }
+                // Events missed while vfiod or libvirt was down: pooled sessions of domains
+                // that no longer run here.
+                self.reconcile_pooled().await;
             }
             LibvirtEvent::Disconnected { uri, reason } => {
                 tracing::warn!(
