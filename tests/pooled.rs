@@ -405,12 +405,27 @@ async fn a_failed_incoming_migration_gives_the_session_back_to_its_source() {
     let s = pool.client().session(&c.session).await.unwrap();
     assert_eq!((s.host.as_str(), s.epoch), ("hosta", 2));
     assert_eq!(s.state, vfiod::pool::protocol::SessionState::Running);
-    // A still holds epoch 1; its next step adopts epoch 2 from the pool.
+    // A still holds epoch 1, and the domain's metadata says so: the next migration's
+    // destination finds the pool still gives the session to A and moves it from epoch 2.
+    let (code, _, message) = hook(&b, "migrate", "begin", &xml).await;
+    assert_eq!(code, 0, "{message}");
+    let incoming = claims(&b, false).await;
+    assert_eq!(
+        (incoming[0].state.as_str(), incoming[0].epoch),
+        ("quiesced", 2)
+    );
+    // A's switchover adopts epoch 2 from the pool (already quiesced by B: nothing more).
     let done = engine(&a).quiesce_pooled("vm1", Some(UUID)).await;
     assert_eq!(done[0].error, None, "{done:?}");
     let now = claims(&a, false).await;
     assert_eq!((now[0].state.as_str(), now[0].epoch), ("quiesced", 2));
     assert!(pool_events(&a).iter().any(|(_, m)| m.contains("adopted")));
+    assert_eq!(
+        engine(&b).resume_pooled("vm1", Some(UUID)).await[0].error,
+        None
+    );
+    let s = pool.client().session(&c.session).await.unwrap();
+    assert_eq!((s.host.as_str(), s.epoch), ("hostb", 3));
 }
 
 /// The destination's hook fails closed, with one line, before any memory is copied: the pool

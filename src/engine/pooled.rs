@@ -723,14 +723,22 @@ impl Engine {
             if incoming.existing.is_some() {
                 continue;
             }
-            let (id, epoch, to) = (s.session.clone(), s.epoch, host.clone());
-            let prepared = self
-                .pool_call(
-                    &s.pool,
-                    &format!("refused to move session {} here", s.session),
-                    move |c| Box::pin(async move { c.prepare_move(&id, epoch, &to).await }),
-                )
-                .await;
+            let mut s = s.clone();
+            let mut prepared = self.prepare_move(&s, &host).await;
+            if let Err(PooledError::Pool {
+                source: PoolError::StaleEpoch { current },
+                ..
+            }) = &prepared
+            {
+                // The metadata's epoch is old, but the pool may still give the session to the
+                // host the metadata names (its quiesce lease expired there, or an earlier
+                // failed migration gave it back, each a new epoch): then that host is still the
+                // owner this migration moves it from, at the pool's epoch.
+                if self.owned_by(&s, *current).await {
+                    s.epoch = *current;
+                    prepared = self.prepare_move(&s, &host).await;
+                }
+            }
             if let Err(e) = prepared {
                 return Err(fail(
                     made,
@@ -741,6 +749,7 @@ impl Engine {
                 )
                 .await);
             }
+            let s = &s;
             let mut state = PooledState::Moving;
             let mut what = format!(
                 "incoming migration of {name} from {}: the pool accepted to move the session to {host} (prepare-move at epoch {})",
@@ -799,6 +808,36 @@ impl Engine {
             }
         }
         Ok(made)
+    }
+
+    async fn prepare_move(
+        &self,
+        s: &MetadataPooled,
+        host: &str,
+    ) -> Result<crate::pool::client::Session, PooledError> {
+        let (id, epoch, to) = (s.session.clone(), s.epoch, host.to_string());
+        self.pool_call(
+            &s.pool,
+            &format!("refused to move session {} here", s.session),
+            move |c| Box::pin(async move { c.prepare_move(&id, epoch, &to).await }),
+        )
+        .await
+    }
+
+    /// Whether the pool gives session `s` to the host its metadata names, at epoch `current`.
+    async fn owned_by(&self, s: &MetadataPooled, current: u64) -> bool {
+        if s.host.is_empty() {
+            return false;
+        }
+        let id = s.session.clone();
+        let found = self
+            .pool_call(&s.pool, "cannot read the session", move |c| {
+                Box::pin(async move { c.session(&id).await })
+            })
+            .await;
+        matches!(found, Ok(session) if session.host == s.host
+            && session.epoch == current
+            && session.state != crate::pool::protocol::SessionState::Released)
     }
 
     /// Writes the domain's pooled sessions in its `<metadata>` (keeping the devices vfiod

@@ -476,7 +476,7 @@ mod tests {
             [],
         )
         .unwrap();
-        assert_eq!(migrate(&mut conn, MIGRATIONS).unwrap(), (4, 5));
+        assert_eq!(migrate(&mut conn, &MIGRATIONS[..5]).unwrap(), (4, 5));
         let tasks: i64 = conn
             .query_row("SELECT count(*) FROM tasks", [], |r| r.get(0))
             .unwrap();
@@ -485,6 +485,33 @@ mod tests {
                       added_ms) VALUES ('a', 'gbs', 'x', 1, '/p', 'active', 'root', 1)";
         conn.execute(insert, []).unwrap();
         assert!(conn.execute(insert, []).is_err(), "a name is unique");
+    }
+
+    #[test]
+    fn version_6_holds_one_standing_claim_per_pooled_session() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        migrate(&mut conn, &MIGRATIONS[..5]).unwrap();
+        assert_eq!(migrate(&mut conn, &MIGRATIONS[..6]).unwrap(), (5, 6));
+        let insert = |state: &str| {
+            conn.execute(
+                "INSERT INTO pooled_claims (pool, session, device, epoch, state, requested_by, \
+                 created_ms, updated_ms) VALUES ('gpus', 's-1', 'dev0', 1, ?1, 'root', 1, 1)",
+                [state],
+            )
+        };
+        insert("forgotten").unwrap();
+        insert("leased").unwrap();
+        assert!(insert("moving").is_err(), "one standing claim per session");
+        conn.execute("UPDATE pooled_claims SET state = 'released'", [])
+            .unwrap();
+        insert("moving").unwrap();
+        assert!(conn
+            .execute(
+                "INSERT INTO pooled_claims (pool, session, device, epoch, state, requested_by, \
+                 created_ms, updated_ms) VALUES ('gpus', '', 'dev0', 1, 'leased', 'root', 1, 1)",
+                [],
+            )
+            .is_err());
     }
 
     #[test]
