@@ -622,10 +622,11 @@ async fn run(args: Args) -> Result<(), String> {
                 print_json(&events)?;
             } else {
                 for e in &events {
+                    // Milliseconds: a migration's quiesce window is tens of them.
                     println!(
                         "{:>6}  {}  {:<10} {}",
                         e.id,
-                        format_time(e.time_ms),
+                        format_time_ms(e.time_ms),
                         e.kind,
                         e.message
                     );
