@@ -156,6 +156,14 @@ async fn lease_list_show_and_release() {
         ("leased", 1, "gpus")
     );
     assert_eq!((c.vm_name.as_str(), c.device.as_str()), ("vm1", "dev0"));
+    // Its object, there when the call returns.
+    let object = vfiod::client::pool::pooled_claim(&h.client, c.id)
+        .await
+        .unwrap();
+    assert_eq!(object.session().await.unwrap(), c.session);
+    assert_eq!(object.state().await.unwrap(), "leased");
+    assert_eq!(object.epoch().await.unwrap(), 1);
+    assert_eq!(object.pool().await.unwrap(), "gpus");
     // The pool sees this host's name and the VM.
     let s = pool.client().session(&c.session).await.unwrap();
     assert_eq!(
@@ -209,6 +217,8 @@ async fn lease_list_show_and_release() {
     let (ok, out) = vfioctl(&bus, &["pool", "release", &c.id.to_string()]);
     assert!(ok && out.contains("released"), "{out}");
     assert!(claims(&h, false).await.is_empty());
+    let gone = object.state().await.unwrap_err();
+    assert!(gone.to_string().contains("UnknownObject"), "{gone}");
     let devices = pool.client().devices().await.unwrap();
     assert!(devices.iter().all(|d| d.session.is_none()), "{devices:?}");
     let (ok, out) = vfioctl(&bus, &["pool", "release", &c.id.to_string()]);
@@ -261,6 +271,12 @@ async fn a_session_follows_its_vm_from_one_host_to_another() {
     assert_eq!((now[0].state.as_str(), now[0].epoch), ("leased", 2));
     let s = pool.client().session(&c.session).await.unwrap();
     assert_eq!((s.host.as_str(), s.epoch), ("hostb", 2));
+    // B's object shows the new epoch, and where the session came from.
+    let object = vfiod::client::pool::pooled_claim(&b.client, now[0].id)
+        .await
+        .unwrap();
+    assert_eq!(object.epoch().await.unwrap(), 2);
+    assert_eq!(object.peer_host().await.unwrap(), "hosta");
 
     // 4. Source, stopped after the migration: forgotten, no pool call (the pool still says B).
     let (code, _, _) = hook(&a, "stopped", "end", &xml).await;

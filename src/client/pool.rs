@@ -4,6 +4,44 @@
 use crate::dbus::wire::{Dict, Entry};
 use serde::{Deserialize, Serialize};
 
+/// A pooled claim's object (`/org/vfiod/Vfiod1/pooled/N`).
+#[zbus::proxy(
+    interface = "org.vfiod.Vfiod1.PooledClaim",
+    default_service = "org.vfiod.Vfiod1"
+)]
+pub trait PooledClaim {
+    #[zbus(property)]
+    fn id(&self) -> zbus::Result<i64>;
+    #[zbus(property)]
+    fn pool(&self) -> zbus::Result<String>;
+    #[zbus(property)]
+    fn session(&self) -> zbus::Result<String>;
+    #[zbus(property)]
+    fn device(&self) -> zbus::Result<String>;
+    #[zbus(property)]
+    fn epoch(&self) -> zbus::Result<u64>;
+    #[zbus(property)]
+    fn state(&self) -> zbus::Result<String>;
+    #[zbus(property)]
+    fn reason(&self) -> zbus::Result<String>;
+    #[zbus(property)]
+    fn vm_name(&self) -> zbus::Result<String>;
+    #[zbus(property)]
+    fn peer_host(&self) -> zbus::Result<String>;
+}
+
+/// The object of pooled claim `id` (no property cache: one-shot reads).
+pub async fn pooled_claim(
+    conn: &zbus::Connection,
+    id: i64,
+) -> Result<PooledClaimProxy<'static>, super::ClientError> {
+    Ok(PooledClaimProxy::builder(conn)
+        .path(crate::dbus::pooled::pooled_path(id))
+        .cache_properties(zbus::proxy::CacheProperties::No)
+        .build()
+        .await?)
+}
+
 /// One pooled claim (`vfioctl pool list --json`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PooledEntry {

@@ -257,7 +257,8 @@ impl Manager {
         Ok(devices.iter().map(wire::pool_device).collect())
     }
 
-    /// Pooled claims (a pool's session leased to a VM), oldest first, each `{id: x, pool: s,
+    /// Pooled claims (a pool's session leased to a VM; the standing ones are also objects,
+    /// `org.vfiod.Vfiod1.PooledClaim` at `/org/vfiod/Vfiod1/pooled/N`), oldest first, each `{id: x, pool: s,
     /// session: s, device: s, epoch: t, state: s (leased, moving, quiesced, released, forgotten,
     /// error), reason: s, vm_name: s, vm_uuid: s, peer_host: s, requested_by: s, created: x,
     /// updated: x (Unix ms)}`. Query keys, all optional: `history` b (the ended ones too).
@@ -302,8 +303,9 @@ impl Manager {
         let claim = o
             .engine
             .lease_pooled(pool, device, vm_name, vm_uuid, &who)
-            .await?;
-        Ok(wire::pooled(&claim))
+            .await;
+        o.engine.flush().await;
+        Ok(wire::pooled(&claim?))
     }
 
     /// Gives pooled claim `id` back to its pool (`DELETE` with its epoch). Returns the claim as
@@ -326,8 +328,9 @@ impl Manager {
             .with(Detail::Kind, "pooled");
         o.authorizer.check(conn, &header, &check).await?;
         let who = o.requesters.of(conn, &header).await;
-        let claim = o.engine.release_pooled(id, &who).await?;
-        Ok(wire::pooled(&claim))
+        let claim = o.engine.release_pooled(id, &who).await;
+        o.engine.flush().await;
+        Ok(wire::pooled(&claim?))
     }
 
     /// The objects of the claims that hold their devices, oldest first.

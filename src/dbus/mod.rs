@@ -1,5 +1,5 @@
 //! The D-Bus face of the daemon: thin adapters over the engine, one module per object kind
-//! (manager, device, task, claim; a new kind of object is a new file). Objects read what they show from
+//! (manager, device, task, claim, pooled claim; a new kind of object is a new file). Objects read what they show from
 //! the [`view`], which the [`publisher`] keeps in step with the engine's events; errors are
 //! mapped in [`error`]; mutating calls are authorized in [`auth`]; [`strict`] checks arguments
 //! and read-only properties for every object.
@@ -10,6 +10,7 @@ pub mod device;
 pub mod error;
 pub mod images;
 pub mod manager;
+pub mod pooled;
 mod publisher;
 pub mod strict;
 pub mod task;
@@ -87,6 +88,13 @@ impl Objects {
 
     pub(crate) fn claim_object(&self, id: i64) -> Strict<claim::ClaimObject> {
         Strict::new(claim::ClaimObject {
+            id,
+            objects: self.clone(),
+        })
+    }
+
+    pub(crate) fn pooled_object(&self, id: i64) -> Strict<pooled::PooledObject> {
+        Strict::new(pooled::PooledObject {
             id,
             objects: self.clone(),
         })
@@ -176,6 +184,19 @@ pub async fn serve(
         objects.view.put_claim(c);
         server
             .at(claim::claim_path(id), objects.claim_object(id))
+            .await
+            .map_err(ServeError::Export)?;
+    }
+    let pooled = engine
+        .read(|core| core.store().pooled_claims(false))
+        .await
+        .map_err(|e| ServeError::Store(crate::error_chain(&e)))?
+        .map_err(|e| ServeError::Store(crate::error_chain(&e)))?;
+    for c in pooled {
+        let id = c.id;
+        objects.view.put_pooled(c);
+        server
+            .at(pooled::pooled_path(id), objects.pooled_object(id))
             .await
             .map_err(ServeError::Export)?;
     }

@@ -6,6 +6,7 @@
 use super::claim::{self, ClaimObject};
 use super::device::{self, DeviceObject};
 use super::manager::Manager;
+use super::pooled;
 use super::task;
 use super::{device_path, signal_changed, strict::Strict, Objects, ROOT_PATH};
 use crate::engine::{DeviceView, EngineEvent, EventStream};
@@ -73,6 +74,15 @@ pub(super) async fn run(objects: Objects, mut events: EventStream) {
                 let id = c.id;
                 if let Err(e) = publish_claim(&objects, c).await {
                     tracing::error!(claim_id = id, "cannot publish a claim on D-Bus: {e}");
+                }
+            }
+            EngineEvent::Pooled(c) => {
+                let id = c.id;
+                if let Err(e) = publish_pooled(&objects, c).await {
+                    tracing::error!(
+                        pooled_claim = id,
+                        "cannot publish a pooled claim on D-Bus: {e}"
+                    );
                 }
             }
             EngineEvent::Settings => {
@@ -203,6 +213,35 @@ async fn publish_claim(objects: &Objects, c: crate::store::ClaimRecord) -> zbus:
             .await
             .ok();
         objects.view.forget_claim(id);
+    }
+    Ok(())
+}
+
+/// Creates, updates or (once ended) removes `/org/vfiod/Vfiod1/pooled/<id>`.
+async fn publish_pooled(
+    objects: &Objects,
+    c: crate::model::pooled::PooledClaim,
+) -> zbus::Result<()> {
+    let server = objects.conn.object_server();
+    let (id, ended) = (c.id, c.state.ended());
+    match objects.view.put_pooled(c.clone()) {
+        Some(old) => {
+            let changed = pooled::changed_properties(&old, &c);
+            emit(objects, pooled::pooled_path(id), pooled::INTERFACE, changed).await?;
+        }
+        None if !ended => {
+            server
+                .at(pooled::pooled_path(id), objects.pooled_object(id))
+                .await?;
+        }
+        None => {}
+    }
+    if ended {
+        server
+            .remove::<Strict<pooled::PooledObject>, _>(pooled::pooled_path(id))
+            .await
+            .ok();
+        objects.view.forget_pooled(id);
     }
     Ok(())
 }

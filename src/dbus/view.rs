@@ -35,6 +35,8 @@ struct Inner {
     claims: BTreeMap<i64, ClaimRecord>,
     /// Function -> the active claim that holds it.
     holders: HashMap<PciAddress, i64>,
+    /// Pooled claims with objects: the standing ones, and an ended one until its object goes.
+    pooled: BTreeMap<i64, crate::model::pooled::PooledClaim>,
 }
 
 /// `e` with its task brought up to date from `inner.tasks` (see [`View::device`]).
@@ -122,6 +124,23 @@ impl View {
             }
         }
         inner.claims.insert(claim.id, claim)
+    }
+
+    pub fn pooled(&self, id: i64) -> Option<crate::model::pooled::PooledClaim> {
+        self.read().pooled.get(&id).cloned()
+    }
+
+    /// Replaces (or adds) a pooled claim; returns what it was.
+    pub fn put_pooled(
+        &self,
+        claim: crate::model::pooled::PooledClaim,
+    ) -> Option<crate::model::pooled::PooledClaim> {
+        self.write().pooled.insert(claim.id, claim)
+    }
+
+    /// Drops a pooled claim whose object is no longer exported.
+    pub fn forget_pooled(&self, id: i64) {
+        self.write().pooled.remove(&id);
     }
 
     /// Drops a claim whose object is no longer exported.

@@ -40,6 +40,8 @@ pub enum EngineEvent {
     },
     /// A claim was made or changed (released: `claim.state` says so).
     Claim(crate::store::ClaimRecord),
+    /// A pooled claim was recorded or took a step (ended: `state` says so).
+    Pooled(crate::model::pooled::PooledClaim),
     /// The settings were replaced by a reload.
     Settings,
     /// A libvirt domain was defined, started, stopped, ... (from libvirt's own events).

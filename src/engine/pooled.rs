@@ -158,6 +158,22 @@ impl Engine {
         Ok(self.read(move |core| f(core.store())).await??)
     }
 
+    /// Runs a change of one pooled claim on the blocking pool, and sends its event before
+    /// anyone else can send a later one (the engine's publishing lock, as for PCI claims).
+    async fn committed_pooled(
+        &self,
+        f: impl FnOnce(&crate::store::Store) -> Result<PooledClaim, StoreError> + Send + 'static,
+    ) -> Result<PooledClaim, PooledError> {
+        let (publishing, events) = (Arc::clone(&self.publishing), self.events.clone());
+        self.store_op(move |store| {
+            let _publishing = publishing.lock().unwrap_or_else(PoisonError::into_inner);
+            let c = f(store)?;
+            let _ = events.send(super::EngineEvent::Pooled(c.clone()));
+            Ok(c)
+        })
+        .await
+    }
+
     async fn step(
         &self,
         id: i64,
@@ -166,7 +182,7 @@ impl Engine {
         reason: String,
         what: String,
     ) -> Result<PooledClaim, PooledError> {
-        self.store_op(move |s| {
+        self.committed_pooled(move |s| {
             s.step_pooled(
                 id,
                 &PooledStep {
@@ -224,7 +240,10 @@ impl Engine {
             "leased to {vm} on {host} by {requested_by} at epoch {}",
             session.epoch
         );
-        let claim = match self.store_op(move |s| s.insert_pooled(&new, &what)).await {
+        let claim = match self
+            .committed_pooled(move |s| s.insert_pooled(&new, &what))
+            .await
+        {
             Ok(c) => c,
             Err(e) => {
                 // Not recorded: give the session back rather than leak it at the pool.
@@ -796,7 +815,10 @@ impl Engine {
                 peer_host: Some(s.host.clone()).filter(|h| !h.is_empty()),
                 requested_by: crate::hooks::BY_INCOMING.to_string(),
             };
-            match self.store_op(move |st| st.insert_pooled(&new, &what)).await {
+            match self
+                .committed_pooled(move |st| st.insert_pooled(&new, &what))
+                .await
+            {
                 Ok(c) => made.push(c.id),
                 Err(e) => {
                     return Err(fail(
