@@ -44,6 +44,7 @@
 //!  stage 3    merge                   raw, located
 //!  stage 2    raw                     the sections' raw structs, bounded, position, error
 //!  sections   select, protect, claims selector and the leaves
+//!             hooks, fpga, images     the leaves (fpga: selector too)
 //!             selector                the leaves
 //!  stage 1    files                   error
 //!  leaves     located                 position, error  (Located, Entry, last_valid)
@@ -79,6 +80,7 @@ mod bounded;
 mod claims;
 mod fpga;
 mod hooks;
+mod images;
 mod daemon;
 mod error;
 mod files;
@@ -98,6 +100,7 @@ pub use error::{ConfigError, FileRefusal};
 pub use files::{MAX_DROPINS, MAX_FILE_BYTES, MAX_TOTAL_BYTES};
 pub use fpga::{FpgaBackend, FpgaRule};
 pub use hooks::HookSettings;
+pub use images::{ImageSettings, MAX_DOWNLOAD_SECONDS};
 pub use position::Origin;
 pub use select::{DeviceRule, RuleOrigin};
 pub(crate) use selector::parse_id;
@@ -137,6 +140,8 @@ pub struct Settings {
     pub claims: ClaimSettings,
     /// `[hooks]`.
     pub hooks: HookSettings,
+    /// `[images]`: downloads of FPGA images.
+    pub images: ImageSettings,
     /// `[[fpga]]`: how FPGA devices are programmed, in file order; the first match applies.
     pub fpga: Vec<FpgaRule>,
     /// files that were read, in order (for logs and `vfioctl` status)
@@ -158,6 +163,7 @@ impl Default for Settings {
             protect: Vec::new(),
             claims: ClaimSettings::default(),
             hooks: HookSettings::default(),
+            images: ImageSettings::default(),
             fpga: Vec::new(),
             sources: Vec::new(),
         }
@@ -244,6 +250,7 @@ fn settle(inputs: &Inputs) -> Result<Settings, ConfigError> {
         protect: protect::validate(inputs.entries(|f| &f.protect))?,
         claims: claims::validate(inputs.values(|f| f.claims.as_ref()))?,
         hooks: hooks::validate(inputs.values(|f| f.hooks.as_ref()))?,
+        images: images::validate(inputs.values(|f| f.images.as_ref()))?,
         fpga: fpga::validate(inputs.entries(|f| &f.fpga))?,
         sources: inputs.sources(),
     })

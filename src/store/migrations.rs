@@ -17,7 +17,14 @@ use rusqlite::{Connection, TransactionBehavior};
 pub(super) const APPLICATION_ID: i32 = 0x7666_696f;
 
 /// Every migration step, oldest first. [`super::SCHEMA_VERSION`] is its length.
-pub(super) const MIGRATIONS: &[&str] = &[V1_INITIAL, V2_TASKS, V3_TASK_SCOPE, V4_CLAIMS, V5_IMAGES];
+pub(super) const MIGRATIONS: &[&str] = &[
+    V1_INITIAL,
+    V2_TASKS,
+    V3_TASK_SCOPE,
+    V4_CLAIMS,
+    V5_IMAGES,
+    V6_IMAGE_SOURCE,
+];
 
 /// Version 1: the inventory, its history, and the tables claims, tasks and driver restore will
 /// fill.
@@ -228,6 +235,13 @@ CREATE TABLE images (
     added_by     TEXT NOT NULL,
     added_ms     INTEGER NOT NULL
 );
+";
+
+/// Version 6: where an image was downloaded from (`Images.AddFromUrl`): NULL for an image
+/// passed by descriptor or path. The program task fetches the image again from it when the
+/// local copy is gone; the SHA-256 recorded with the image still decides.
+const V6_IMAGE_SOURCE: &str = "
+ALTER TABLE images ADD COLUMN source_url TEXT;
 ";
 
 /// Why [`migrate`] stopped: the step that failed (1-based target version) and SQLite's error.
@@ -445,7 +459,7 @@ mod tests {
             [],
         )
         .unwrap();
-        assert_eq!(migrate(&mut conn, MIGRATIONS).unwrap(), (4, 5));
+        assert_eq!(migrate(&mut conn, &MIGRATIONS[..5]).unwrap(), (4, 5));
         let tasks: i64 = conn
             .query_row("SELECT count(*) FROM tasks", [], |r| r.get(0))
             .unwrap();
@@ -454,6 +468,25 @@ mod tests {
                       added_ms) VALUES ('a', 'gbs', 'x', 1, '/p', 'active', 'root', 1)";
         conn.execute(insert, []).unwrap();
         assert!(conn.execute(insert, []).is_err(), "a name is unique");
+    }
+
+    #[test]
+    fn version_6_gives_older_images_no_source() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        migrate(&mut conn, &MIGRATIONS[..5]).unwrap();
+        conn.execute(
+            "INSERT INTO images (name, format, sha256, size, path, state, added_by, added_ms) \
+             VALUES ('a', 'gbs', 'x', 1, '/p', 'active', 'root', 1)",
+            [],
+        )
+        .unwrap();
+        assert_eq!(migrate(&mut conn, &MIGRATIONS[..6]).unwrap(), (5, 6));
+        let (name, source): (String, Option<String>) = conn
+            .query_row("SELECT name, source_url FROM images", [], |r| {
+                Ok((r.get(0)?, r.get(1)?))
+            })
+            .unwrap();
+        assert_eq!((name.as_str(), source), ("a", None));
     }
 
     #[test]
