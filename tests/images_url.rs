@@ -236,6 +236,25 @@ fn non_loopback_address() -> Option<std::net::IpAddr> {
     (!ip.is_loopback() && !ip.is_unspecified()).then_some(ip)
 }
 
+/// Waits until the download of `name` has received some bytes.
+async fn downloading(p: &vfiod::client::images::ImagesProxy<'static>, name: &str) {
+    eventually_async(Duration::from_secs(20), "a download in progress", || {
+        let p = p.clone();
+        async move {
+            let all = p.downloads().await.ok()?;
+            all.iter()
+                .any(|d| {
+                    vfiod::dbus::wire::Entry(d).str("name") == name
+                        && d.get("received")
+                            .and_then(|v| u64::try_from(v).ok())
+                            .is_some_and(|n| n > 0)
+                })
+                .then_some(())
+        }
+    })
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn downloads_are_kept_only_when_everything_holds() {
     let server = Https::start().await;
@@ -389,6 +408,24 @@ async fn downloads_are_kept_only_when_everything_holds() {
     assert!(p.downloads().await.unwrap().is_empty());
     assert_eq!(image_files(&h), ["nlb", "shell", "slow"]);
 
+    // A cancelled download keeps nothing.
+    let call = {
+        let p = p.clone();
+        let (url, digest) = (url.clone(), sha(&slow));
+        tokio::spawn(async move { p.add_from_url("cut", &url, &digest, dict(&[])).await })
+    };
+    downloading(&p, "cut").await;
+    p.cancel_download("cut").await.unwrap();
+    let (name, msg) = refusal(call.await.unwrap(), "a cancelled download");
+    assert!(
+        name.ends_with("Cancelled") && msg.contains(&url),
+        "{name}: {msg}"
+    );
+    assert_eq!(names(&h), ["nlb", "shell", "slow"]);
+    assert_eq!(image_files(&h), ["nlb", "shell", "slow"]);
+    let (name, _) = refusal(p.cancel_download("cut").await, "no download");
+    assert!(name.ends_with("NoSuchImage"), "{name}");
+
     // Every kept download is in the history with its URL.
     let events = h.store().events(None, 0, 1000).unwrap();
     let downloaded = events
@@ -501,6 +538,31 @@ async fn vfioctl_image_add_url() {
         !ok && out.contains("DownloadFailed") && out.contains("404"),
         "{out}"
     );
+    // Ctrl-C cancels the download in vfiod: nothing is kept.
+    let slow = build::gbs(IFACE, &[AFU], &vec![9u8; 64 * 4096]);
+    server.route(
+        "/slow.gbs",
+        Route::Slow(slow.clone(), Duration::from_millis(30)),
+    );
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_vfioctl"))
+        .args(["image", "add", "slow", "--url", &server.url("/slow.gbs")])
+        .args(["--sha256", &sha(&slow)])
+        .env("VFIOD_BUS", &bus)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    downloading(&images(&h.client).await.unwrap(), "slow").await;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGINT,
+    )
+    .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("Cancelled"), "{err}");
+    assert_eq!(image_files(&h), ["nlb"]);
+
     // A file and a URL at once: refused by vfioctl itself.
     let (ok, _) = vfioctl(
         &bus,

@@ -931,7 +931,8 @@ async fn run(args: Args) -> Result<(), String> {
     Ok(())
 }
 
-/// `Images.AddFromUrl`, showing the download's progress on a terminal while the call runs.
+/// `Images.AddFromUrl`, showing the download's progress on a terminal while the call runs;
+/// Ctrl-C cancels the download.
 async fn add_from_url(
     proxy: &vfiod::client::images::ImagesProxy<'static>,
     name: &str,
@@ -946,9 +947,18 @@ async fn add_from_url(
     let terminal = std::io::stderr().is_terminal();
     let mut tick = tokio::time::interval(std::time::Duration::from_millis(500));
     let mut shown = false;
+    let mut interrupted = false;
     let result = loop {
         tokio::select! {
             r = &mut call => break r,
+            // Ctrl-C stops the download in vfiod too (nothing is kept), then the call's
+            // Cancelled error ends the command.
+            _ = tokio::signal::ctrl_c(), if !interrupted => {
+                interrupted = true;
+                if let Err(e) = proxy.cancel_download(name).await {
+                    eprintln!("\ncannot cancel the download: {e}");
+                }
+            }
             _ = tick.tick(), if terminal => {
                 let Ok(all) = proxy.downloads().await else { continue };
                 let Some(d) = all.iter().find(|d| Entry(d).str("name") == name) else {

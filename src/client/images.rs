@@ -34,6 +34,7 @@ pub trait Images {
         options: Dict,
     ) -> zbus::Result<Dict>;
     fn downloads(&self) -> zbus::Result<Vec<Dict>>;
+    fn cancel_download(&self, name: &str) -> zbus::Result<()>;
     fn list(&self) -> zbus::Result<Vec<Dict>>;
     fn get(&self, name: &str) -> zbus::Result<Dict>;
     fn deactivate(&self, name: &str) -> zbus::Result<()>;

@@ -32,6 +32,8 @@ pub enum Error {
     /// A download did not give the image: the server's HTTP status, a deadline, a broken
     /// connection or TLS. Nothing was kept.
     DownloadFailed(String),
+    /// The work was stopped at a caller's request (`Images.CancelDownload`); nothing was kept.
+    Cancelled(String),
     InvalidConfig(String),
     Failed(String),
 }

@@ -6,7 +6,7 @@
 //! local file for the daemon to read (`AddFromPath`). `AddFromUrl` has the daemon download the
 //! image (`host::download`: https, plain http only to loopback unless configured, deadlines, a
 //! size cap) into its state directory and records the URL with it; `Downloads` tells how far
-//! the downloads under way are, for a client showing progress.
+//! the downloads under way are, for a client showing progress; `CancelDownload` stops one.
 
 use super::auth::{Check, Detail, ACTION_PROGRAM};
 use super::error::Error;
@@ -37,6 +37,8 @@ pub struct Download {
     pub received: u64,
     /// The announced size (0: not announced).
     pub total: u64,
+    /// Told by `CancelDownload` (a permit is kept when the download is not waiting yet).
+    cancel: Arc<tokio::sync::Notify>,
 }
 
 /// Removes a download from the map however the call ends (an error, a dropped future).
@@ -218,7 +220,7 @@ impl Images {
             .engine
             .read(move |core| core.store().check_new_image(&check))
             .await??;
-        let _reservation = {
+        let (_reservation, cancel) = {
             let mut map = self
                 .downloads
                 .lock()
@@ -229,18 +231,23 @@ impl Images {
                     new.name
                 )));
             }
+            let cancel = Arc::new(tokio::sync::Notify::new());
             map.insert(
                 new.name.clone(),
                 Download {
                     url: url.to_string(),
                     received: 0,
                     total: 0,
+                    cancel: Arc::clone(&cancel),
                 },
             );
-            Reservation {
-                downloads: Arc::clone(&self.downloads),
-                name: new.name.clone(),
-            }
+            (
+                Reservation {
+                    downloads: Arc::clone(&self.downloads),
+                    name: new.name.clone(),
+                },
+                cancel,
+            )
         };
         let downloader = Downloader::new(&settings)?;
         let tmp = self
@@ -258,12 +265,19 @@ impl Images {
             }
         };
         tracing::info!(image = %new.name, %url, "downloading an image");
-        let fetched = downloader
-            .fetch(&url, tmp, &mut progress)
-            .await
-            .inspect_err(|e| {
+        // A cancel drops the download, and with it the temporary file.
+        let fetched = tokio::select! {
+            r = downloader.fetch(&url, tmp, &mut progress) => r.inspect_err(|e| {
                 tracing::warn!(image = %new.name, "{}", crate::error_chain(e));
-            })?;
+            })?,
+            _ = cancel.notified() => {
+                tracing::info!(image = %new.name, %url, "download cancelled");
+                return Err(Error::Cancelled(format!(
+                    "{url}: the download of image {} was cancelled",
+                    new.name
+                )));
+            }
+        };
         let r = self
             .objects
             .engine
@@ -282,6 +296,32 @@ impl Images {
             })?;
         self.objects.engine.flush().await;
         Ok(image(&r))
+    }
+
+    /// Stops the download of image `name` under way: its `AddFromUrl` fails with `Cancelled`,
+    /// keeping nothing.
+    async fn cancel_download(
+        &self,
+        name: String,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] conn: &Connection,
+    ) -> Result<(), Error> {
+        self.authorize("CancelDownload", &name, &header, conn)
+            .await?;
+        let map = self
+            .downloads
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        match map.get(&name) {
+            Some(d) => {
+                d.cancel.notify_one();
+                Ok(())
+            }
+            None => Err(Error::NoSuchImage(format!(
+                "no download of image {} is under way",
+                super::error::quote(&name)
+            ))),
+        }
     }
 
     /// The downloads under way (`AddFromUrl`), each `{name: s, url: s, received: t, total: t

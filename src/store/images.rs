@@ -329,6 +329,10 @@ impl Store {
                 header.afu_ids
             )));
         };
+        // The name may have been taken while the content was read or downloaded.
+        if self.image_by_name(&new.name)?.is_some() {
+            return Err(ImageError::Exists(new.name.clone()));
+        }
         let path = self.images_dir().join(&new.name);
         tmp.persist_noclobber(&path).map_err(|e| ImageError::Io {
             action: format!("store the image as {}", path.display()),
