@@ -364,6 +364,41 @@ mod tests {
     }
 
     #[test]
+    fn the_images_table_is_checked_and_the_last_value_wins() {
+        assert_eq!(Settings::default().images, ImageSettings::default());
+        let s = parse(
+            "[images]\nallow_http = true\nca_file = \"/etc/vfiod/ca.pem\"\n\
+             connect_timeout_seconds = 5\nread_timeout_seconds = 7\ntimeout_seconds = 9\n",
+        );
+        assert_eq!(
+            s.images,
+            ImageSettings {
+                allow_http: true,
+                ca_file: Some(PathBuf::from("/etc/vfiod/ca.pem")),
+                connect_timeout: Duration::from_secs(5),
+                read_timeout: Duration::from_secs(7),
+                timeout: Duration::from_secs(9),
+            }
+        );
+        for (text, wanted) in [
+            (
+                "[images]\nca_file = \"ca.pem\"\n",
+                "test.toml:2:11: `images.ca_file`: \"ca.pem\" is not an absolute path",
+            ),
+            (
+                "[images]\ntimeout_seconds = 0\n",
+                "test.toml:2:19: `images.timeout_seconds`: 0 is out of range",
+            ),
+            ("[images]\nread_timeout_seconds = 86401\n", "out of range"),
+            ("[images]\nallow_http = \"yes\"\n", "invalid type"),
+            ("[images]\nproxy = \"x\"\n", "unknown field `proxy`"),
+        ] {
+            let e = parse_err(text);
+            assert!(e.contains(wanted), "{text}: {e}");
+        }
+    }
+
+    #[test]
     fn defaults() {
         let d = Settings::default();
         assert_eq!(d.scenario, Scenario::Private);
