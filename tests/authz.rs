@@ -1293,6 +1293,18 @@ async fn the_image_catalog_is_read_by_all_and_changed_under_the_program_action()
         let what = format!("vfioctl {} as {GRANTED_USER}", cmd.join(" "));
         assert_ok(&p.vfioctl(granted, &strs(cmd)).await, &what);
     }
+    let cancel = ["image", "cancel", "fetched"];
+    for user in [NOBODY, uid_of(MODE_USER)] {
+        let what = format!("vfioctl image cancel as uid {user}");
+        assert_refused(&p.vfioctl(user, &cancel).await, PROGRAM, &what);
+    }
+    // Authorized, it finds no download under way.
+    let r = p.vfioctl(granted, &cancel).await;
+    assert!(
+        !r.ok && r.stderr.contains("NoSuchImage") && r.stderr.contains("no download"),
+        "{}",
+        r.stderr
+    );
     let r = p.vfioctl(granted, &strs(&from_url)).await;
     assert!(
         !r.ok && r.stderr.contains("DownloadFailed") && r.stderr.contains("127.0.0.1:9"),
@@ -1313,6 +1325,7 @@ async fn the_image_catalog_is_read_by_all_and_changed_under_the_program_action()
     }
     for user in ["nobody", MODE_USER, GRANTED_USER] {
         assert_asked(&log, PROGRAM, user, "verb=AddImageFromUrl image=fetched");
+        assert_asked(&log, PROGRAM, user, "verb=CancelDownload image=fetched");
     }
 }
 

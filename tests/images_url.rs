@@ -425,6 +425,21 @@ async fn downloads_are_kept_only_when_everything_holds() {
     assert_eq!(image_files(&h), ["nlb", "shell", "slow"]);
     let (name, _) = refusal(p.cancel_download("cut").await, "no download");
     assert!(name.ends_with("NoSuchImage"), "{name}");
+    // From another terminal: vfioctl image cancel.
+    let call = {
+        let p = p.clone();
+        let (url, digest) = (url.clone(), sha(&slow));
+        tokio::spawn(async move { p.add_from_url("cut", &url, &digest, dict(&[])).await })
+    };
+    downloading(&p, "cut").await;
+    let (ok, out) = vfioctl(h.bus.address(), &["image", "cancel", "cut"]);
+    assert!(
+        ok && out.contains("download of image cut cancelled"),
+        "{out}"
+    );
+    let (name, _) = refusal(call.await.unwrap(), "a download cancelled by vfioctl");
+    assert!(name.ends_with("Cancelled"), "{name}");
+    assert_eq!(image_files(&h), ["nlb", "shell", "slow"]);
 
     // Every kept download is in the history with its URL.
     let events = h.store().events(None, 0, 1000).unwrap();

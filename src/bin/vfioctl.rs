@@ -246,6 +246,9 @@ enum ImageCommand {
     Activate { name: String },
     /// Remove an image and its file (needs authorization).
     Remove { name: String },
+    /// Stop the download of image NAME under way (`image add --url` in another terminal; needs
+    /// authorization): nothing is kept.
+    Cancel { name: String },
 }
 
 #[derive(Subcommand, Debug)]
@@ -1081,6 +1084,10 @@ async fn image(conn: &zbus::Connection, command: ImageCommand) -> Result<(), Str
         ImageCommand::Remove { name } => {
             proxy.remove(&name).await.map_err(call)?;
             println!("image {name} removed");
+        }
+        ImageCommand::Cancel { name } => {
+            proxy.cancel_download(&name).await.map_err(call)?;
+            println!("download of image {name} cancelled");
         }
     }
     Ok(())
