@@ -379,7 +379,7 @@ async fn downloads_are_kept_only_when_everything_holds() {
     let slow = build::gbs(IFACE, &[AFU], &vec![9u8; 64 * 4096]);
     server.route(
         "/slow.gbs",
-        Route::Slow(slow.clone(), Duration::from_millis(20)),
+        Route::Slow(slow.clone(), Duration::from_millis(40)),
     );
     let url = server.url("/slow.gbs");
     let call = {

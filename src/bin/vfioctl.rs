@@ -951,12 +951,15 @@ async fn add_from_url(
     let mut tick = tokio::time::interval(std::time::Duration::from_millis(500));
     let mut shown = false;
     let mut interrupted = false;
+    // One registration for the whole call: a Ctrl-C between two turns of the loop is kept.
+    let mut sigint = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
+        .map_err(|e| zbus::Error::Failure(format!("cannot catch Ctrl-C: {e}")))?;
     let result = loop {
         tokio::select! {
             r = &mut call => break r,
             // Ctrl-C stops the download in vfiod too (nothing is kept), then the call's
             // Cancelled error ends the command.
-            _ = tokio::signal::ctrl_c(), if !interrupted => {
+            _ = sigint.recv(), if !interrupted => {
                 interrupted = true;
                 if let Err(e) = proxy.cancel_download(name).await {
                     eprintln!("\ncannot cancel the download: {e}");
