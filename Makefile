@@ -35,12 +35,15 @@ build:
 	cargo build --release
 
 install:
-	@for bin in vfiod vfioctl; do \
+	@for bin in vfiod vfioctl vfiod-pool; do \
 	  test -x $(RELEASE)/$$bin || { echo "make install: $(RELEASE)/$$bin is missing: run 'cargo build --release' first" >&2; exit 1; }; \
 	done
 	@test -f conf/vfiod.toml || { echo "make install: conf/vfiod.toml is missing" >&2; exit 1; }
 	$(INSTALL) -D -m 0755 $(RELEASE)/vfiod $(DESTDIR)$(SBINDIR)/vfiod
 	$(INSTALL) -D -m 0755 $(RELEASE)/vfioctl $(DESTDIR)$(BINDIR)/vfioctl
+	@# The reference pool service and its stand-in driver (docs/pool-protocol.md); no unit: a
+	@# pool runs where the operator chooses, usually not on every host.
+	$(INSTALL) -D -m 0755 $(RELEASE)/vfiod-pool $(DESTDIR)$(BINDIR)/vfiod-pool
 	$(INSTALL) -d -m 0755 $(DESTDIR)$(UNITDIR)
 	sed -e 's|/usr/local/sbin/vfiod|$(SBINDIR)/vfiod|' -e 's|/etc/vfiod/|$(CONFDIR)/|g' \
 	  systemd/vfiod.service > $(DESTDIR)$(UNITDIR)/vfiod.service
@@ -67,7 +70,7 @@ ifneq ($(HOOKS),)
 endif
 
 uninstall:
-	rm -f $(DESTDIR)$(SBINDIR)/vfiod $(DESTDIR)$(BINDIR)/vfioctl
+	rm -f $(DESTDIR)$(SBINDIR)/vfiod $(DESTDIR)$(BINDIR)/vfioctl $(DESTDIR)$(BINDIR)/vfiod-pool
 	rm -f $(DESTDIR)$(UNITDIR)/vfiod.service $(DESTDIR)$(TMPFILESDIR)/vfiod.conf
 	rm -f $(DESTDIR)$(DBUS_POLICYDIR)/org.vfiod.Vfiod1.conf $(DESTDIR)$(POLKIT_ACTIONDIR)/org.vfiod.vfiod1.policy
 	$(if $(HOOKS),rm -f $(addprefix $(DESTDIR)$(HOOKDIR)/,$(notdir $(HOOKS))))

@@ -10,6 +10,7 @@ pub mod config; // settings from vfiod.toml and conf.d drop-ins, validated once 
 pub mod claims; // which device a claim gets: requirements, what is claimable, the choice
 pub mod store; // SQLite state store (WAL), schema migrations: the single source of truth
 pub mod host; // the machine's edges: sysfs (one root, bounded writes), uevents, libvirt
+pub mod pool; // pooled accelerators: the pool protocol, its HTTP client, the reference pool service
 pub mod sim; // the simulated kernel and a private dbus-daemon, for --simulate and tests
 pub mod inventory; // classification and change detection of PCI functions
 pub mod modes; // mode policy, plans of sysfs writes, and the executor that runs them

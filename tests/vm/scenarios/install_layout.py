@@ -26,19 +26,19 @@ def install_layout(tb: Testbed) -> None:
         # Stand-in binaries: this checks the Makefile, not the build.
         target = Path(tmp) / "target"
         (target / "release").mkdir(parents=True)
-        for name in ("vfiod", "vfioctl"):
+        for name in ("vfiod", "vfioctl", "vfiod-pool"):
             (target / "release" / name).write_text("#!/bin/sh\n")
             (target / "release" / name).chmod(0o755)
 
         for prefix, expected in {
             "/usr/local": {
-                "/usr/local/sbin/vfiod", "/usr/local/bin/vfioctl",
+                "/usr/local/sbin/vfiod", "/usr/local/bin/vfioctl", "/usr/local/bin/vfiod-pool",
                 "/usr/local/lib/systemd/system/vfiod.service", "/usr/local/lib/tmpfiles.d/vfiod.conf",
                 "/etc/dbus-1/system.d/org.vfiod.Vfiod1.conf", "/usr/share/polkit-1/actions/org.vfiod.vfiod1.policy",
                 "/etc/vfiod/vfiod.toml",
             },
             "/usr": {
-                "/usr/sbin/vfiod", "/usr/bin/vfioctl",
+                "/usr/sbin/vfiod", "/usr/bin/vfioctl", "/usr/bin/vfiod-pool",
                 "/usr/lib/systemd/system/vfiod.service", "/usr/lib/tmpfiles.d/vfiod.conf",
                 "/usr/share/dbus-1/system.d/org.vfiod.Vfiod1.conf",
                 "/usr/share/polkit-1/actions/org.vfiod.vfiod1.policy", "/etc/vfiod/vfiod.toml",

@@ -1,0 +1,390 @@
+//! The reference pool service (`vfiod-pool`): pool protocol v1 over HTTP (axum on hyper and
+//! tokio), TLS with client certificates (rustls), sessions durable in SQLite, a stand-in
+//! accelerator and the quiesce lease.
+//!
+//! [`state`] decides (pure), [`store`] persists, [`core`] applies commands and runs the data
+//! plane, [`worker`] is the stand-in accelerator and the lease clock, [`http`] translates, and
+//! [`tls`] builds the rustls configuration. [`start`] assembles them on a listening socket;
+//! tests call it in-process, the binary calls it from `main`.
+
+pub mod core;
+pub mod http;
+pub mod state;
+pub mod store;
+pub mod tls;
+pub mod worker;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use hyper_util::rt::TokioIo;
+use hyper_util::service::TowerToHyperService;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::{JoinHandle, JoinSet};
+
+use self::core::{Core, CoreError, CoreSettings};
+use self::store::{Store, StoreError};
+pub use self::tls::{TlsError, TlsFiles};
+use crate::pool::protocol::{PoolDevice, SessionState};
+
+/// The default quiesce lease: a quiesced session with no resume for this long resumes on its
+/// last owner.
+pub const DEFAULT_QUIESCE_LEASE: Duration = Duration::from_secs(60);
+/// How long a TLS handshake may take before the connection is dropped.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How to run a pool.
+#[derive(Clone, Debug)]
+pub struct PoolConfig {
+    /// Where to listen; port 0 picks a free port ([`RunningPool::addr`] tells which).
+    pub listen: SocketAddr,
+    /// Where the pool keeps `pool.db`.
+    pub state_dir: PathBuf,
+    pub devices: Vec<PoolDevice>,
+    /// TLS with client certificates; required unless `listen` is a loopback address.
+    pub tls: Option<TlsFiles>,
+    pub quiesce_lease: Duration,
+    /// The hosts the pool serves (prepare-move and resume to another are refused early);
+    /// `None`: any host.
+    pub hosts: Option<Vec<String>>,
+    /// How long the stand-in accelerator works on one item.
+    pub item_time: Duration,
+    /// How often the lease clock looks for expired leases.
+    pub lease_tick: Duration,
+}
+
+/// `n` stand-in devices `dev0`, `dev1`, ...
+pub fn standin_devices(n: u32) -> Vec<PoolDevice> {
+    (0..n)
+        .map(|i| PoolDevice {
+            id: format!("dev{i}"),
+            kind: "gpu".into(),
+            model: "vfiod-pool stand-in accelerator".into(),
+            session: None,
+        })
+        .collect()
+}
+
+impl PoolConfig {
+    /// Defaults: 4 stand-in devices, no TLS, a 60 s lease, any host, 1 ms per item.
+    pub fn new(listen: SocketAddr, state_dir: PathBuf) -> PoolConfig {
+        PoolConfig {
+            listen,
+            state_dir,
+            devices: standin_devices(4),
+            tls: None,
+            quiesce_lease: DEFAULT_QUIESCE_LEASE,
+            hosts: None,
+            item_time: Duration::from_millis(1),
+            lease_tick: Duration::from_millis(100),
+        }
+    }
+
+    /// Refuses what must not run: plain HTTP on a non-loopback address, a zero lease, bad
+    /// names.
+    pub fn check(&self) -> Result<(), ServiceError> {
+        if self.tls.is_none() && !self.listen.ip().is_loopback() {
+            return Err(ServiceError::PlainOnNetwork { addr: self.listen });
+        }
+        if self.quiesce_lease.is_zero() {
+            return Err(ServiceError::Invalid(
+                "the quiesce lease must be longer than 0".into(),
+            ));
+        }
+        for name in self
+            .devices
+            .iter()
+            .map(|d| &d.id)
+            .chain(self.hosts.iter().flatten())
+        {
+            if !crate::pool::protocol::valid_name(name) {
+                return Err(ServiceError::Invalid(format!(
+                    "{name:?} is not a valid name"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    #[error(
+        "refusing plain HTTP on {addr}: a non-loopback address needs --tls-cert, --tls-key and \
+         --client-ca (plain HTTP is for loopback only)"
+    )]
+    PlainOnNetwork { addr: SocketAddr },
+    #[error("{0}")]
+    Invalid(String),
+    #[error("TLS")]
+    Tls(#[from] TlsError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Core(#[from] CoreError),
+    #[error("cannot listen on {addr}")]
+    Listen {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// What the HTTP handlers share: the core and the worker tasks.
+pub struct Service {
+    pub core: Core,
+    stop: watch::Receiver<bool>,
+    workers: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl Service {
+    /// Starts the stand-in accelerator's worker for session `id`.
+    pub fn start_worker(self: &Arc<Self>, id: &str) {
+        let task = tokio::spawn(worker::run_worker(
+            self.clone(),
+            id.to_owned(),
+            self.stop.clone(),
+        ));
+        self.workers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(task);
+    }
+}
+
+/// A pool that runs.
+pub struct RunningPool {
+    addr: SocketAddr,
+    stop: watch::Sender<bool>,
+    server: JoinHandle<()>,
+    lease_clock: JoinHandle<()>,
+    service: Arc<Service>,
+}
+
+impl RunningPool {
+    /// The address it listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Its URL (`http://` or `https://` and the address).
+    pub fn url(&self, tls: bool) -> url::Url {
+        let scheme = if tls { "https" } else { "http" };
+        url::Url::parse(&format!("{scheme}://{}", self.addr)).expect("an address makes a URL")
+    }
+
+    /// Stops serving, stops the workers between two items, and closes the store (the state
+    /// directory can be opened again when this returns).
+    pub async fn stop(self) {
+        let _ = self.stop.send(true);
+        let _ = self.server.await;
+        let _ = self.lease_clock.await;
+        let workers = std::mem::take(
+            &mut *self
+                .service
+                .workers
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+        );
+        for w in workers {
+            let _ = w.await;
+        }
+        // Requests still being answered hold the service (and the store) for a moment.
+        for _ in 0..500 {
+            if Arc::strong_count(&self.service) == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+/// Starts a pool: opens the store, starts the workers of the live sessions and the lease
+/// clock, and serves on `cfg.listen`.
+pub async fn start(cfg: PoolConfig) -> Result<RunningPool, ServiceError> {
+    cfg.check()?;
+    let tls = cfg.tls.as_ref().map(tls::server_config).transpose()?;
+    let store = Store::open(&cfg.state_dir)?;
+    let listener = TcpListener::bind(cfg.listen)
+        .await
+        .map_err(|source| ServiceError::Listen {
+            addr: cfg.listen,
+            source,
+        })?;
+    let addr = listener
+        .local_addr()
+        .map_err(|source| ServiceError::Listen {
+            addr: cfg.listen,
+            source,
+        })?;
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let settings = CoreSettings {
+        devices: cfg.devices.clone(),
+        lease: cfg.quiesce_lease,
+        hosts: cfg.hosts.clone(),
+        item_time: cfg.item_time,
+    };
+    let service = Arc::new(Service {
+        core: Core::new(store, settings),
+        stop: stop_rx.clone(),
+        workers: Mutex::new(Vec::new()),
+    });
+    // A restart picks up where the pool stopped: running sessions go on with their queues,
+    // quiesced ones keep their lease deadline (the clock below resumes them when it passes).
+    for s in service.core.sessions()? {
+        if s.state != SessionState::Released {
+            service.start_worker(&s.id);
+        }
+    }
+    let lease_clock = tokio::spawn(worker::run_lease_clock(
+        service.clone(),
+        cfg.lease_tick,
+        stop_rx.clone(),
+    ));
+    let app = http::router(service.clone());
+    let server = match tls {
+        None => {
+            let mut stop = stop_rx;
+            tokio::spawn(async move {
+                let shutdown = async move {
+                    let _ = stop.wait_for(|s| *s).await;
+                };
+                if let Err(e) = axum::serve(listener, app)
+                    .with_graceful_shutdown(shutdown)
+                    .await
+                {
+                    tracing::error!("serving: {e}");
+                }
+            })
+        }
+        Some(config) => tokio::spawn(serve_tls(
+            listener,
+            tokio_rustls::TlsAcceptor::from(config),
+            app,
+            stop_rx,
+        )),
+    };
+    tracing::info!(%addr, tls = cfg.tls.is_some(), "vfiod-pool listening");
+    Ok(RunningPool {
+        addr,
+        stop: stop_tx,
+        server,
+        lease_clock,
+        service,
+    })
+}
+
+/// The accept loop with TLS: each connection's handshake (client certificate required), then
+/// HTTP/1.1 by hyper on the router.
+async fn serve_tls(
+    listener: TcpListener,
+    acceptor: tokio_rustls::TlsAcceptor,
+    app: axum::Router,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut conns = JoinSet::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((tcp, peer)) => {
+                    let acceptor = acceptor.clone();
+                    let app = app.clone();
+                    conns.spawn(async move {
+                        let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                            Ok(Ok(tls)) => tls,
+                            Ok(Err(e)) => {
+                                tracing::warn!(%peer, "TLS handshake refused: {e}");
+                                return;
+                            }
+                            Err(_) => {
+                                tracing::warn!(%peer, "TLS handshake timed out");
+                                return;
+                            }
+                        };
+                        let svc = TowerToHyperService::new(app);
+                        let conn = hyper::server::conn::http1::Builder::new()
+                            .serve_connection(TokioIo::new(tls), svc)
+                            .await;
+                        if let Err(e) = conn {
+                            tracing::debug!(%peer, "connection: {e}");
+                        }
+                    });
+                }
+                Err(e) => {
+                    tracing::warn!("accept: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            },
+            Some(_) = conns.join_next(), if !conns.is_empty() => {}
+            // A dropped sender (the RunningPool dropped without stop) stops the pool too.
+            changed = stop.changed() => {
+                if changed.is_err() || *stop.borrow() {
+                    break;
+                }
+            }
+        }
+    }
+    conns.abort_all();
+    while conns.join_next().await.is_some() {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(listen: &str) -> PoolConfig {
+        PoolConfig::new(listen.parse().unwrap(), "/nonexistent/pool".into())
+    }
+
+    #[test]
+    fn plain_http_only_on_loopback_and_tls_anywhere() {
+        assert!(cfg("127.0.0.1:7300").check().is_ok());
+        assert!(cfg("[::1]:7300").check().is_ok());
+        for addr in ["0.0.0.0:7300", "192.0.2.1:7300", "[::]:7300"] {
+            let e = cfg(addr).check().unwrap_err();
+            assert!(
+                matches!(e, ServiceError::PlainOnNetwork { .. }),
+                "{addr}: {e}"
+            );
+            assert!(e.to_string().contains("--client-ca"), "{e}");
+        }
+        let mut with_tls = cfg("0.0.0.0:8443");
+        with_tls.tls = Some(TlsFiles {
+            cert: "c.pem".into(),
+            key: "k.pem".into(),
+            client_ca: "ca.pem".into(),
+        });
+        assert!(with_tls.check().is_ok());
+    }
+
+    #[test]
+    fn a_zero_lease_and_bad_names_are_refused() {
+        let mut c = cfg("127.0.0.1:0");
+        c.quiesce_lease = Duration::ZERO;
+        assert!(matches!(c.check(), Err(ServiceError::Invalid(_))));
+        let mut c = cfg("127.0.0.1:0");
+        c.hosts = Some(vec!["host a".into()]);
+        assert!(matches!(c.check(), Err(ServiceError::Invalid(_))));
+    }
+
+    #[tokio::test]
+    async fn a_missing_tls_file_stops_the_start_with_its_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = PoolConfig::new("127.0.0.1:0".parse().unwrap(), dir.path().join("state"));
+        c.tls = Some(TlsFiles {
+            cert: dir.path().join("missing.pem"),
+            key: dir.path().join("missing.key"),
+            client_ca: dir.path().join("ca.pem"),
+        });
+        let e = start(c).await.err().expect("refused");
+        assert!(
+            crate::error_chain(&e).contains("missing.pem"),
+            "{}",
+            crate::error_chain(&e)
+        );
+        assert!(!dir.path().join("state").exists(), "nothing created");
+    }
+}
