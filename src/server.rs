@@ -85,6 +85,11 @@ impl Server {
                     t.id, t.kind, t.address, t.step
                 );
             }
+            // An image add or download that a stop of vfiod cut short left its temporary file
+            // (under the state lock, so no add of this daemon's is under way).
+            for name in store.remove_image_leftovers() {
+                tracing::info!(file = %name, "removed an unfinished image file");
+            }
             Ok(store)
         })
         .await

@@ -1246,6 +1246,24 @@ async fn the_image_catalog_is_read_by_all_and_changed_under_the_program_action()
             &what,
         );
     }
+    // A download: refused before any connection (nothing listens on port 9 of loopback, and
+    // the granted user's attempt shows that it would have been tried only then).
+    let from_url: Vec<String> = [
+        "image",
+        "add",
+        "fetched",
+        "--url",
+        "https://127.0.0.1:9/nlb.gbs",
+        "--sha256",
+        &digest,
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    for user in [NOBODY, uid_of(MODE_USER)] {
+        let what = format!("vfioctl {} as uid {user}", from_url.join(" "));
+        assert_refused(&p.vfioctl(user, &strs(&from_url)).await, PROGRAM, &what);
+    }
     let mut from_path = add("other");
     from_path.push("--from-path".into());
     let r = p.vfioctl(NOBODY, &strs(&from_path)).await;
@@ -1275,6 +1293,24 @@ async fn the_image_catalog_is_read_by_all_and_changed_under_the_program_action()
         let what = format!("vfioctl {} as {GRANTED_USER}", cmd.join(" "));
         assert_ok(&p.vfioctl(granted, &strs(cmd)).await, &what);
     }
+    let cancel = ["image", "cancel", "fetched"];
+    for user in [NOBODY, uid_of(MODE_USER)] {
+        let what = format!("vfioctl image cancel as uid {user}");
+        assert_refused(&p.vfioctl(user, &cancel).await, PROGRAM, &what);
+    }
+    // Authorized, it finds no download under way.
+    let r = p.vfioctl(granted, &cancel).await;
+    assert!(
+        !r.ok && r.stderr.contains("NoSuchImage") && r.stderr.contains("no download"),
+        "{}",
+        r.stderr
+    );
+    let r = p.vfioctl(granted, &strs(&from_url)).await;
+    assert!(
+        !r.ok && r.stderr.contains("DownloadFailed") && r.stderr.contains("127.0.0.1:9"),
+        "image add --url as {GRANTED_USER}: {}",
+        r.stderr
+    );
     let mut root_path = from_path.clone();
     root_path[2] = "root-copy".into();
     assert_ok(
@@ -1286,6 +1322,10 @@ async fn the_image_catalog_is_read_by_all_and_changed_under_the_program_action()
         for user in ["nobody", GRANTED_USER] {
             assert_asked(&log, PROGRAM, user, details);
         }
+    }
+    for user in ["nobody", MODE_USER, GRANTED_USER] {
+        assert_asked(&log, PROGRAM, user, "verb=AddImageFromUrl image=fetched");
+        assert_asked(&log, PROGRAM, user, "verb=CancelDownload image=fetched");
     }
 }
 

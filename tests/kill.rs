@@ -1,6 +1,7 @@
 //! vfiod killed with SIGKILL at each step of a split (the `VFIOD_TEST_KILL_AT_STEP` hook), then
 //! restarted on the same (persistent) simulated host: the task shows `error: interrupted`, the
 //! device's state is consistent and re-read, and after a reset a new split succeeds.
+//! Also: a kill during an image download leaves a partial file that the next start removes.
 
 mod common;
 
@@ -235,5 +236,74 @@ fn killed_while_programming_then_restarted() {
     let (ok, out) = vfioctl(&addr, &["fpga", "program", FPGA, "nlb", "--wait"]);
     assert!(ok, "{out}");
     assert_eq!(afu(&root), nlb);
+    drop(second);
+}
+
+/// SIGKILL while an image is being downloaded (`Images.AddFromUrl` from a plain-http server on
+/// loopback, which the loopback rule allows): the partial download stays behind as a
+/// temporary file, and the next start removes it, with no catalog entry for it.
+#[test]
+fn killed_while_downloading_an_image_then_restarted() {
+    use std::io::{BufRead, BufReader, Write};
+    let dir = common::fast_tempdir();
+    std::fs::write(dir.path().join("vfiod.toml"), CONFIG).unwrap();
+    // A server that sends a 64 MiB header's worth of promise and then a trickle.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut s) = stream else { return };
+            std::thread::spawn(move || {
+                let mut r = BufReader::new(s.try_clone().unwrap());
+                let mut line = String::new();
+                while r.read_line(&mut line).is_ok_and(|n| n > 2) {
+                    line.clear();
+                }
+                let _ = s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 67108864\r\n\r\n");
+                while s.write_all(&[0u8; 4096]).is_ok() {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            });
+        }
+    });
+    let bus = PrivateBus::start(&dir.path().join("bus"), "").unwrap();
+    let addr = bus.address().to_string();
+    let mut first = vfiod(dir.path(), &addr, None);
+    wait_ready(&addr);
+    let url = format!("http://127.0.0.1:{port}/big.gbs");
+    let mut add = Command::new(env!("CARGO_BIN_EXE_vfioctl"))
+        .args(["image", "add", "big", "--url", &url, "--sha256"])
+        .arg("0".repeat(64))
+        .env("VFIOD_BUS", &addr)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let images = dir.path().join("sim/state/images");
+    let partial = || {
+        std::fs::read_dir(&images)
+            .map(|d| {
+                d.filter_map(|e| {
+                    let n = e.ok()?.file_name().to_string_lossy().into_owned();
+                    n.starts_with(".downloading-").then_some(n)
+                })
+                .collect::<Vec<_>>()
+            })
+            .unwrap_or_default()
+    };
+    let left = common::eventually_blocking(Duration::from_secs(30), "a partial download", || {
+        let p = partial();
+        (!p.is_empty()).then_some(p)
+    });
+    first.0.kill().unwrap();
+    first.0.wait().unwrap();
+    let _ = add.wait();
+    assert_eq!(partial(), left, "the kill left the partial download");
+
+    let second = vfiod(dir.path(), &addr, None);
+    wait_ready(&addr);
+    assert!(partial().is_empty(), "{:?}", partial());
+    let (ok, out) = vfioctl(&addr, &["image", "list", "--json"]);
+    assert!(ok && out.trim() == "[]", "{out}");
     drop(second);
 }

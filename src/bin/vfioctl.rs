@@ -245,12 +245,18 @@ enum FpgaCommand {
 #[derive(Subcommand, Debug)]
 enum ImageCommand {
     /// Add an image (needs authorization). vfioctl opens FILE as you and passes the open file
-    /// to vfiod; with --from-path (root only) vfiod opens FILE itself.
+    /// to vfiod; with --from-path (root only) vfiod opens FILE itself; with --url vfiod
+    /// downloads it (progress on a terminal) and the command returns once it is kept.
     Add {
         /// The image's name in the catalog (1-64 of A-Z a-z 0-9 . _ -).
         name: String,
         /// The image file ("-": standard input).
-        file: String,
+        #[arg(required_unless_present = "url", conflicts_with = "url")]
+        file: Option<String>,
+        /// Have vfiod download the image from this https URL (plain http only to a loopback
+        /// host unless its [images] allow_http).
+        #[arg(long, conflicts_with = "from_path")]
+        url: Option<String>,
         /// The SHA-256 the content must have (64 hex digits).
         #[arg(long)]
         sha256: String,
@@ -286,6 +292,9 @@ enum ImageCommand {
     Activate { name: String },
     /// Remove an image and its file (needs authorization).
     Remove { name: String },
+    /// Stop the download of image NAME under way (`image add --url` in another terminal; needs
+    /// authorization): nothing is kept.
+    Cancel { name: String },
 }
 
 #[derive(Subcommand, Debug)]
@@ -973,6 +982,56 @@ async fn run(args: Args) -> Result<(), String> {
     Ok(())
 }
 
+/// `Images.AddFromUrl`, showing the download's progress on a terminal while the call runs;
+/// Ctrl-C cancels the download.
+async fn add_from_url(
+    proxy: &vfiod::client::images::ImagesProxy<'static>,
+    name: &str,
+    url: &str,
+    sha256: &str,
+    options: vfiod::dbus::wire::Dict,
+) -> zbus::Result<vfiod::dbus::wire::Dict> {
+    use std::io::{IsTerminal, Write};
+    use vfiod::dbus::wire::Entry;
+    let call = proxy.add_from_url(name, url, sha256, options);
+    tokio::pin!(call);
+    let terminal = std::io::stderr().is_terminal();
+    let mut tick = tokio::time::interval(std::time::Duration::from_millis(500));
+    let mut shown = false;
+    let mut interrupted = false;
+    // One registration for the whole call: a Ctrl-C between two turns of the loop is kept.
+    let mut sigint = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
+        .map_err(|e| zbus::Error::Failure(format!("cannot catch Ctrl-C: {e}")))?;
+    let result = loop {
+        tokio::select! {
+            r = &mut call => break r,
+            // Ctrl-C stops the download in vfiod too (nothing is kept), then the call's
+            // Cancelled error ends the command.
+            _ = sigint.recv(), if !interrupted => {
+                interrupted = true;
+                if let Err(e) = proxy.cancel_download(name).await {
+                    eprintln!("\ncannot cancel the download: {e}");
+                }
+            }
+            _ = tick.tick(), if terminal => {
+                let Ok(all) = proxy.downloads().await else { continue };
+                let Some(d) = all.iter().find(|d| Entry(d).str("name") == name) else {
+                    continue;
+                };
+                let get = |k: &str| d.get(k).and_then(|v| u64::try_from(v).ok()).unwrap_or(0);
+                let line = vfiod::client::images::render_download(get("received"), get("total"));
+                eprint!("\rdownloading {name}: {line}   ");
+                let _ = std::io::stderr().flush();
+                shown = true;
+            }
+        }
+    };
+    if shown {
+        eprintln!();
+    }
+    result
+}
+
 /// UTC time of day and date from epoch milliseconds, without pulling in a date crate.
 async fn image(conn: &zbus::Connection, command: ImageCommand) -> Result<(), String> {
     use vfiod::client::images::{self, ImageEntry};
@@ -987,6 +1046,7 @@ async fn image(conn: &zbus::Connection, command: ImageCommand) -> Result<(), Str
             interface_id,
             afu_id,
             from_path,
+            url,
             json,
         } => {
             let options = client::query(vec![
@@ -994,7 +1054,12 @@ async fn image(conn: &zbus::Connection, command: ImageCommand) -> Result<(), Str
                 ("interface_id", interface_id.map(zbus::Variant::from)),
                 ("afu_id", afu_id.map(zbus::Variant::from)),
             ]);
-            let added = if from_path {
+            let file = file.unwrap_or_default();
+            let added = if let Some(url) = url {
+                add_from_url(&proxy, &name, &url, &sha256, options)
+                    .await
+                    .map_err(call)?
+            } else if from_path {
                 let path = std::path::absolute(&file).map_err(|e| format!("{file}: {e}"))?;
                 proxy
                     .add_from_path(&name, &path.to_string_lossy(), &sha256, options)
@@ -1020,8 +1085,13 @@ async fn image(conn: &zbus::Connection, command: ImageCommand) -> Result<(), Str
                 print_json(&entry)?;
             } else {
                 println!(
-                    "image {} added: {}, {} bytes, interface {}",
+                    "image {} {}: {}, {} bytes, interface {}",
                     entry.name,
+                    if entry.source_url.is_empty() {
+                        "added".to_string()
+                    } else {
+                        format!("downloaded from {}", entry.source_url)
+                    },
                     entry.format,
                     entry.size,
                     if entry.interface_id.is_empty() {
@@ -1065,6 +1135,10 @@ async fn image(conn: &zbus::Connection, command: ImageCommand) -> Result<(), Str
         ImageCommand::Remove { name } => {
             proxy.remove(&name).await.map_err(call)?;
             println!("image {name} removed");
+        }
+        ImageCommand::Cancel { name } => {
+            proxy.cancel_download(&name).await.map_err(call)?;
+            println!("download of image {name} cancelled");
         }
     }
     Ok(())

@@ -26,6 +26,15 @@ pub trait Images {
         sha256: &str,
         options: Dict,
     ) -> zbus::Result<Dict>;
+    fn add_from_url(
+        &self,
+        name: &str,
+        url: &str,
+        sha256: &str,
+        options: Dict,
+    ) -> zbus::Result<Dict>;
+    fn downloads(&self) -> zbus::Result<Vec<Dict>>;
+    fn cancel_download(&self, name: &str) -> zbus::Result<()>;
     fn list(&self) -> zbus::Result<Vec<Dict>>;
     fn get(&self, name: &str) -> zbus::Result<Dict>;
     fn deactivate(&self, name: &str) -> zbus::Result<()>;
@@ -55,6 +64,9 @@ pub struct ImageEntry {
     pub state: String,
     pub added_by: String,
     pub added_ms: i64,
+    /// Where it was downloaded from ("" for an image passed by descriptor or path).
+    #[serde(default)]
+    pub source_url: String,
 }
 
 impl ImageEntry {
@@ -76,6 +88,7 @@ impl ImageEntry {
             state: e.str("state"),
             added_by: e.str("added_by"),
             added_ms: e.i64("added"),
+            source_url: e.str("source_url"),
         }
     }
 }
@@ -125,7 +138,25 @@ pub fn render_details(i: &ImageEntry) -> String {
     );
     line("afu ids:", &i.afu_ids.join(", "));
     line("path:", &i.path);
+    if !i.source_url.is_empty() {
+        line("source:", &i.source_url);
+    }
     line("added by:", &i.added_by);
     line("metadata:", &i.metadata.to_string());
     out
+}
+
+/// One line of a download's progress (`vfioctl image add --url`): "12.0 of 48.0 MiB (25%)".
+pub fn render_download(received: u64, total: u64) -> String {
+    let mib = |n: u64| n as f64 / (1024.0 * 1024.0);
+    if total == 0 {
+        format!("{:.1} MiB", mib(received))
+    } else {
+        format!(
+            "{:.1} of {:.1} MiB ({}%)",
+            mib(received),
+            mib(total),
+            received.saturating_mul(100) / total
+        )
+    }
 }

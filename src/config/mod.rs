@@ -44,6 +44,8 @@
 //!  stage 3    merge                   raw, located
 //!  stage 2    raw                     the sections' raw structs, bounded, position, error
 //!  sections   select, protect, claims selector and the leaves
+//!             hooks, fpga, images,    the leaves (fpga: selector too)
+//!             pool
 //!             selector                the leaves
 //!  stage 1    files                   error
 //!  leaves     located                 position, error  (Located, Entry, last_valid)
@@ -79,6 +81,7 @@ mod bounded;
 mod claims;
 mod fpga;
 mod hooks;
+mod images;
 mod daemon;
 mod error;
 mod files;
@@ -99,6 +102,7 @@ pub use error::{ConfigError, FileRefusal};
 pub use files::{MAX_DROPINS, MAX_FILE_BYTES, MAX_TOTAL_BYTES};
 pub use fpga::{FpgaBackend, FpgaRule};
 pub use hooks::HookSettings;
+pub use images::{ImageSettings, MAX_DOWNLOAD_SECONDS};
 pub use pool::{PoolSettings, QuiesceAt, MAX_POOL_TIMEOUT_MS};
 pub use position::Origin;
 pub use select::{DeviceRule, RuleOrigin};
@@ -139,6 +143,8 @@ pub struct Settings {
     pub claims: ClaimSettings,
     /// `[hooks]`.
     pub hooks: HookSettings,
+    /// `[images]`: downloads of FPGA images.
+    pub images: ImageSettings,
     /// `[[fpga]]`: how FPGA devices are programmed, in file order; the first match applies.
     pub fpga: Vec<FpgaRule>,
     /// `[[pool]]`: the remote device pools, names unique.
@@ -164,6 +170,7 @@ impl Default for Settings {
             protect: Vec::new(),
             claims: ClaimSettings::default(),
             hooks: HookSettings::default(),
+            images: ImageSettings::default(),
             fpga: Vec::new(),
             pools: Vec::new(),
             host_name: daemon.host_name,
@@ -257,6 +264,7 @@ fn settle(inputs: &Inputs) -> Result<Settings, ConfigError> {
         protect: protect::validate(inputs.entries(|f| &f.protect))?,
         claims: claims::validate(inputs.values(|f| f.claims.as_ref()))?,
         hooks: hooks::validate(inputs.values(|f| f.hooks.as_ref()))?,
+        images: images::validate(inputs.values(|f| f.images.as_ref()))?,
         fpga: fpga::validate(inputs.entries(|f| &f.fpga))?,
         pools: pool::validate(inputs.entries(|f| &f.pool))?,
         host_name: daemon.host_name,
@@ -429,6 +437,41 @@ mod tests {
                 "test.toml:2:18: `claims.detach_timeout`: 0 is out of range",
             ),
             ("[claims]\ndefault_lease_seconds = \"1h\"\n", "invalid type"),
+        ] {
+            let e = parse_err(text);
+            assert!(e.contains(wanted), "{text}: {e}");
+        }
+    }
+
+    #[test]
+    fn the_images_table_is_checked_and_the_last_value_wins() {
+        assert_eq!(Settings::default().images, ImageSettings::default());
+        let s = parse(
+            "[images]\nallow_http = true\nca_file = \"/etc/vfiod/ca.pem\"\n\
+             connect_timeout_seconds = 5\nread_timeout_seconds = 7\ntimeout_seconds = 9\n",
+        );
+        assert_eq!(
+            s.images,
+            ImageSettings {
+                allow_http: true,
+                ca_file: Some(PathBuf::from("/etc/vfiod/ca.pem")),
+                connect_timeout: Duration::from_secs(5),
+                read_timeout: Duration::from_secs(7),
+                timeout: Duration::from_secs(9),
+            }
+        );
+        for (text, wanted) in [
+            (
+                "[images]\nca_file = \"ca.pem\"\n",
+                "test.toml:2:11: `images.ca_file`: \"ca.pem\" is not an absolute path",
+            ),
+            (
+                "[images]\ntimeout_seconds = 0\n",
+                "test.toml:2:19: `images.timeout_seconds`: 0 is out of range",
+            ),
+            ("[images]\nread_timeout_seconds = 86401\n", "out of range"),
+            ("[images]\nallow_http = \"yes\"\n", "invalid type"),
+            ("[images]\nproxy = \"x\"\n", "unknown field `proxy`"),
         ] {
             let e = parse_err(text);
             assert!(e.contains(wanted), "{text}: {e}");

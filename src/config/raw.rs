@@ -15,6 +15,7 @@ use super::claims::RawClaims;
 use super::error::{bound_message, ConfigError, Key};
 use super::fpga::RawFpga;
 use super::hooks::RawHooks;
+use super::images::RawImages;
 use super::pool::RawPool;
 use super::position::{key_path_at, line_column, Segment, Source};
 use super::select::RawRule;
@@ -42,6 +43,7 @@ pub(crate) struct RawFile {
     pub protect: Vec<Spanned<RawSelector>>,
     pub claims: Option<Spanned<RawClaims>>,
     pub hooks: Option<Spanned<RawHooks>>,
+    pub images: Option<Spanned<RawImages>>,
     #[serde(default)]
     pub fpga: Vec<Spanned<RawFpga>>,
     #[serde(default)]

@@ -29,6 +29,11 @@ pub enum Error {
     /// did not let go in time); the claim and its records stay.
     DetachFailed(String),
     HardwareFailed(String),
+    /// A download did not give the image: the server's HTTP status, a deadline, a broken
+    /// connection or TLS. Nothing was kept.
+    DownloadFailed(String),
+    /// The work was stopped at a caller's request (`Images.CancelDownload`); nothing was kept.
+    Cancelled(String),
     InvalidConfig(String),
     Failed(String),
 }
@@ -160,6 +165,23 @@ impl From<crate::engine::PooledError> for Error {
                 PoolError::Refused { .. } | PoolError::NotFound => Error::InvalidArgument(chain),
                 _ => Error::Failed(chain),
             },
+        }
+    }
+}
+
+impl From<crate::host::download::DownloadError> for Error {
+    fn from(e: crate::host::download::DownloadError) -> Self {
+        use crate::host::download::DownloadError as D;
+        let chain = crate::error_chain(&e);
+        match e {
+            D::BadUrl { .. } | D::Refused { .. } | D::TooLarge { .. } => {
+                Error::InvalidArgument(chain)
+            }
+            D::CaFile { .. } => Error::InvalidConfig(chain),
+            D::Client(_) | D::Write { .. } => Error::Failed(chain),
+            D::Status { .. } | D::Timeout { .. } | D::Transfer { .. } => {
+                Error::DownloadFailed(chain)
+            }
         }
     }
 }

@@ -3,7 +3,10 @@
 //!
 //! An unprivileged caller passes the image as a file descriptor it opened itself (`Add`): the
 //! daemon reads the descriptor and never opens a path such a caller chose. Only root may name a
-//! local file for the daemon to read (`AddFromPath`).
+//! local file for the daemon to read (`AddFromPath`). `AddFromUrl` has the daemon download the
+//! image (`host::download`: https, plain http only to loopback unless configured, deadlines, a
+//! size cap) into its state directory and records the URL with it; `Downloads` tells how far
+//! the downloads under way are, for a client showing progress; `CancelDownload` stops one.
 
 use super::auth::{Check, Detail, ACTION_PROGRAM};
 use super::error::Error;
@@ -11,7 +14,10 @@ use super::variant as v;
 use super::wire::{Dict, Query};
 use super::Objects;
 use crate::fpga::image::Format;
+use crate::host::download::{check_url, Downloader};
 use crate::store::{ImageRecord, ImageState, NewImage};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
 use zbus::message::Header;
 use zbus::{interface, Connection};
 
@@ -19,10 +25,40 @@ pub const INTERFACE: &str = "org.vfiod.Vfiod1.Images";
 
 pub struct Images {
     pub objects: Objects,
+    /// The downloads under way, by image name: a second add of that name waits for none of
+    /// them, it is refused as Busy.
+    pub downloads: Arc<Mutex<HashMap<String, Download>>>,
+}
+
+/// One download under way, as `Downloads` shows it.
+#[derive(Clone, Debug)]
+pub struct Download {
+    pub url: String,
+    pub received: u64,
+    /// The announced size (0: not announced).
+    pub total: u64,
+    /// Told by `CancelDownload` (a permit is kept when the download is not waiting yet).
+    cancel: Arc<tokio::sync::Notify>,
+}
+
+/// Removes a download from the map however the call ends (an error, a dropped future).
+struct Reservation {
+    downloads: Arc<Mutex<HashMap<String, Download>>>,
+    name: String,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.downloads
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&self.name);
+    }
 }
 
 /// One catalog entry on the wire: `{id: x, name, format, sha256: s, size: t, path, interface_id,
-/// afu_ids: as, metadata: s (JSON), state: s (active, inactive), added_by: s, added: x}`.
+/// afu_ids: as, metadata: s (JSON), state: s (active, inactive), added_by: s, added: x,
+/// source_url: s ("" unless downloaded)}`.
 pub fn image(r: &ImageRecord) -> Dict {
     Dict::from([
         ("id".into(), v(r.id)),
@@ -40,6 +76,10 @@ pub fn image(r: &ImageRecord) -> Dict {
         ("state".into(), v(r.state.as_str())),
         ("added_by".into(), v(r.added_by.as_str())),
         ("added".into(), v(r.added_ms)),
+        (
+            "source_url".into(),
+            v(r.source_url.clone().unwrap_or_default()),
+        ),
     ])
 }
 
@@ -59,6 +99,7 @@ fn request(name: String, sha256: String, options: Dict, who: String) -> Result<N
         interface_id: q.str("interface_id")?,
         afu_ids: q.str("afu_id")?.into_iter().collect(),
         added_by: who,
+        source_url: None,
     })
 }
 
@@ -148,6 +189,162 @@ impl Images {
         let file = std::fs::File::open(&path)
             .map_err(|e| Error::InvalidArgument(format!("cannot open {path}: {e}")))?;
         self.add_from(new, file).await
+    }
+
+    /// As `Add`, from `url`, which the daemon downloads into its state directory: https (plain
+    /// http only to a loopback host unless `[images] allow_http`), within the `[images]`
+    /// deadlines, at most 4 GiB. Replies when the image is kept (the SHA-256 matched, the header
+    /// parsed), with the entry as `Get` gives it (its `source_url` is `url`); nothing is kept
+    /// otherwise. Errors: InvalidArgument (a refused URL, a digest that does not match, too
+    /// large, a malformed header), DownloadFailed (HTTP status, deadline, connection), Busy
+    /// (an image of that name is being downloaded).
+    async fn add_from_url(
+        &self,
+        name: String,
+        url: String,
+        sha256: String,
+        options: Dict,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] conn: &Connection,
+    ) -> Result<Dict, Error> {
+        let who = self
+            .authorize("AddImageFromUrl", &name, &header, conn)
+            .await?;
+        let mut new = request(name, sha256, options, who)?;
+        let settings = self.objects.engine.settings().images.clone();
+        // Refused before any connection: a URL vfiod may not fetch, a request it could not keep.
+        let url = check_url(&url, settings.allow_http)?;
+        new.source_url = Some(url.to_string());
+        let check = new.clone();
+        self.objects
+            .engine
+            .read(move |core| core.store().check_new_image(&check))
+            .await??;
+        let (_reservation, cancel) = {
+            let mut map = self
+                .downloads
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            if map.contains_key(&new.name) {
+                return Err(Error::Busy(format!(
+                    "image {} is being downloaded already",
+                    new.name
+                )));
+            }
+            let cancel = Arc::new(tokio::sync::Notify::new());
+            map.insert(
+                new.name.clone(),
+                Download {
+                    url: url.to_string(),
+                    received: 0,
+                    total: 0,
+                    cancel: Arc::clone(&cancel),
+                },
+            );
+            (
+                Reservation {
+                    downloads: Arc::clone(&self.downloads),
+                    name: new.name.clone(),
+                },
+                cancel,
+            )
+        };
+        let downloader = Downloader::new(&settings)?;
+        let tmp = self
+            .objects
+            .engine
+            .read(|core| core.store().image_temp_file(".downloading-"))
+            .await??;
+        let downloads = Arc::clone(&self.downloads);
+        let key = new.name.clone();
+        let mut progress = move |received: u64, total: Option<u64>| {
+            let mut map = downloads.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some(d) = map.get_mut(&key) {
+                d.received = received;
+                d.total = total.unwrap_or(0);
+            }
+        };
+        tracing::info!(image = %new.name, %url, "downloading an image");
+        // A cancel drops the download, and with it the temporary file.
+        let fetched = tokio::select! {
+            r = downloader.fetch(&url, tmp, &mut progress) => r.inspect_err(|e| {
+                tracing::warn!(image = %new.name, "{}", crate::error_chain(e));
+            })?,
+            _ = cancel.notified() => {
+                tracing::info!(image = %new.name, %url, "download cancelled");
+                return Err(Error::Cancelled(format!(
+                    "{url}: the download of image {} was cancelled",
+                    new.name
+                )));
+            }
+        };
+        let r = self
+            .objects
+            .engine
+            .read(move |core| {
+                core.store()
+                    .keep_image(&new, fetched.file, &fetched.sha256, fetched.size)
+            })
+            .await?
+            .map_err(|e| {
+                // The URL in the message: the digest refused is that of what it served.
+                let mut err = Error::from(e);
+                if let Error::InvalidArgument(m) = &mut err {
+                    *m = format!("{url}: {m}");
+                }
+                err
+            })?;
+        self.objects.engine.flush().await;
+        Ok(image(&r))
+    }
+
+    /// Stops the download of image `name` under way: its `AddFromUrl` fails with `Cancelled`,
+    /// keeping nothing.
+    async fn cancel_download(
+        &self,
+        name: String,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] conn: &Connection,
+    ) -> Result<(), Error> {
+        self.authorize("CancelDownload", &name, &header, conn)
+            .await?;
+        let map = self
+            .downloads
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        match map.get(&name) {
+            Some(d) => {
+                d.cancel.notify_one();
+                Ok(())
+            }
+            None => Err(Error::NoSuchImage(format!(
+                "no download of image {} is under way",
+                super::error::quote(&name)
+            ))),
+        }
+    }
+
+    /// The downloads under way (`AddFromUrl`), each `{name: s, url: s, received: t, total: t
+    /// (0: the server did not say)}`.
+    async fn downloads(&self) -> Vec<Dict> {
+        let map = self
+            .downloads
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let mut names: Vec<&String> = map.keys().collect();
+        names.sort();
+        names
+            .into_iter()
+            .map(|name| {
+                let d = &map[name];
+                Dict::from([
+                    ("name".into(), v(name.as_str())),
+                    ("url".into(), v(d.url.as_str())),
+                    ("received".into(), v(d.received)),
+                    ("total".into(), v(d.total)),
+                ])
+            })
+            .collect()
     }
 
     /// Every image, oldest first, each as `Get` gives it.

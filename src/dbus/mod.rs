@@ -147,6 +147,7 @@ pub async fn serve(
             ROOT_PATH,
             Strict::new(images::Images {
                 objects: objects.clone(),
+                downloads: Default::default(),
             }),
         )
         .await

@@ -3,9 +3,11 @@
 //! write bounded in time); [`uevent`] brings the kernel's hot-plug events; [`libvirt`] is one
 //! worker thread that owns the libvirt connection (which running domains use which functions,
 //! domain XML, hostdev attach and detach, domain lifecycle events), bounded and reconnecting;
-//! [`modules`] tells which driver names a loaded driver, a module or the kernel provides. Each
+//! [`modules`] tells which driver names a loaded driver, a module or the kernel provides;
+//! [`download`] fetches FPGA images over HTTP(S) (async, unlike the others). Each
 //! is small, blocking, and tested for real (the simulated kernel, a real libvirtd).
 
+pub mod download;
 pub mod libvirt;
 pub mod modules;
 pub mod sysfs;

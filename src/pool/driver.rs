@@ -67,7 +67,7 @@ pub fn payload(seed: u64, seq: u64) -> u64 {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct DriverMove {
     /// Since the driver started.
-    #[serde(serialize_with = "ser_ms")]
+    #[serde(rename = "at_ms", serialize_with = "ser_ms")]
     pub at: Duration,
     pub from: String,
     pub to: String,
@@ -92,15 +92,15 @@ pub struct DriveReport {
     /// Results whose value is not the item's (or for an item never submitted).
     pub wrong: u64,
     /// The longest time between two results: the pause window of a move.
-    #[serde(serialize_with = "ser_ms")]
+    #[serde(rename = "longest_gap_ms", serialize_with = "ser_ms")]
     pub longest_gap: Duration,
     /// When that gap ended, since the start.
-    #[serde(serialize_with = "ser_ms")]
+    #[serde(rename = "longest_gap_end_ms", serialize_with = "ser_ms")]
     pub longest_gap_end: Duration,
     /// Refusals (`not_owner`, `quiesced`) and unanswered calls the driver waited through.
     pub waits: u64,
     pub moves: Vec<DriverMove>,
-    #[serde(serialize_with = "ser_ms")]
+    #[serde(rename = "elapsed_ms", serialize_with = "ser_ms")]
     pub elapsed: Duration,
     /// False when the driver gave up (nothing moved for `give_up`) or was stopped.
     pub complete: bool,

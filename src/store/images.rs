@@ -17,6 +17,18 @@ use std::io::{Read, Seek, Write};
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 
+/// The prefixes of the temporary files under the images directory: an image copied in from a
+/// descriptor or path, and one being downloaded. Image names cannot start with a dot.
+pub const TEMP_PREFIXES: [&str; 2] = [".adding-", ".downloading-"];
+
+/// Makes a rename in `dir` durable (best effort: the image's row is what counts, and a
+/// missing file is found by the checksum check before any use).
+fn sync_dir(dir: &Path) {
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
+    }
+}
+
 /// The largest image vfiod copies (the biggest FPGA images are a few hundred MiB).
 pub const MAX_IMAGE_SIZE: u64 = 4 << 30;
 
@@ -59,6 +71,8 @@ pub struct ImageRecord {
     /// A uid or a D-Bus sender.
     pub added_by: String,
     pub added_ms: i64,
+    /// The URL it was downloaded from (`None`: passed by descriptor or path).
+    pub source_url: Option<String>,
 }
 
 /// A request to add an image.
@@ -73,6 +87,8 @@ pub struct NewImage {
     pub interface_id: Option<String>,
     pub afu_ids: Vec<String>,
     pub added_by: String,
+    /// The URL the content was downloaded from, recorded with the image.
+    pub source_url: Option<String>,
 }
 
 /// Why an image was not added, found, or changed.
@@ -179,7 +195,7 @@ fn declared_ids(new: &NewImage) -> Result<(Option<String>, Vec<String>), ImageEr
 }
 
 const COLUMNS: &str = "id, name, format, sha256, size, path, interface_id, afu_ids, metadata, \
-                       state, added_by, added_ms";
+                       state, added_by, added_ms, source_url";
 
 fn decode(row: &Row<'_>) -> rusqlite::Result<ImageRecord> {
     let bad = |i: usize, e: String| {
@@ -212,6 +228,7 @@ fn decode(row: &Row<'_>) -> rusqlite::Result<ImageRecord> {
         state,
         added_by: row.get(10)?,
         added_ms: row.get(11)?,
+        source_url: row.get(12)?,
     })
 }
 
@@ -228,31 +245,63 @@ impl Store {
         new: &NewImage,
         source: &mut dyn Read,
     ) -> Result<ImageRecord, ImageError> {
+        self.check_new_image(new)?;
+        let mut tmp = self.image_temp_file(".adding-")?;
+        let (actual, size) = {
+            let file = tmp.as_file_mut();
+            let mut sink = |b: &[u8]| file.write_all(b);
+            sha256_of(source, MAX_IMAGE_SIZE, &mut sink)?
+        };
+        self.keep_image(new, tmp, &actual, size)
+    }
+
+    /// Refuses a request that cannot be kept whatever its content (a bad name or digest, bad
+    /// declared ids, a name in use), before any byte is read or downloaded.
+    pub fn check_new_image(&self, new: &NewImage) -> Result<(), ImageError> {
         if !valid_name(&new.name) {
             return Err(ImageError::InvalidName(new.name.chars().take(80).collect()));
         }
-        let expected = normalize_digest(&new.sha256)?;
-        let (declared_interface, declared_afus) = declared_ids(new)?;
+        normalize_digest(&new.sha256)?;
+        declared_ids(new)?;
         if self.image_by_name(&new.name)?.is_some() {
             return Err(ImageError::Exists(new.name.clone()));
         }
+        Ok(())
+    }
+
+    /// A new temporary file in the images directory (created 0700 if missing), named
+    /// `<prefix>XXXXXX`, removed when dropped unless kept. Prefixes start with a dot:
+    /// [`Store::remove_image_leftovers`] removes what a crash left.
+    pub fn image_temp_file(&self, prefix: &str) -> Result<tempfile::NamedTempFile, ImageError> {
         let dir = self.images_dir();
         std::fs::DirBuilder::new()
             .recursive(true)
             .mode(0o700)
             .create(&dir)
             .map_err(io(format!("create {}", dir.display())))?;
-        let mut tmp = tempfile::Builder::new()
-            .prefix(".adding-")
+        tempfile::Builder::new()
+            .prefix(prefix)
             .tempfile_in(&dir)
-            .map_err(io(format!("create a file in {}", dir.display())))?;
-        let (actual, size) = {
-            let file = tmp.as_file_mut();
-            let mut sink = |b: &[u8]| file.write_all(b);
-            sha256_of(source, MAX_IMAGE_SIZE, &mut sink)?
-        };
+            .map_err(io(format!("create a file in {}", dir.display())))
+    }
+
+    /// Keeps `tmp` (written under the images directory, `size` bytes whose SHA-256 is
+    /// `actual`) as the image `new` asks for, when the digest is the one asked for and the
+    /// header parses; returns its record. Nothing is kept when anything fails.
+    pub fn keep_image(
+        &self,
+        new: &NewImage,
+        mut tmp: tempfile::NamedTempFile,
+        actual: &str,
+        size: u64,
+    ) -> Result<ImageRecord, ImageError> {
+        let expected = normalize_digest(&new.sha256)?;
+        let (declared_interface, declared_afus) = declared_ids(new)?;
         if actual != expected {
-            return Err(ImageError::Checksum { expected, actual });
+            return Err(ImageError::Checksum {
+                expected,
+                actual: actual.to_string(),
+            });
         }
         let file = tmp.as_file_mut();
         file.sync_all().map_err(io("sync the image"))?;
@@ -280,16 +329,21 @@ impl Store {
                 header.afu_ids
             )));
         };
-        let path = dir.join(&new.name);
+        // The name may have been taken while the content was read or downloaded.
+        if self.image_by_name(&new.name)?.is_some() {
+            return Err(ImageError::Exists(new.name.clone()));
+        }
+        let path = self.images_dir().join(&new.name);
         tmp.persist_noclobber(&path).map_err(|e| ImageError::Io {
             action: format!("store the image as {}", path.display()),
             source: e.error,
         })?;
+        sync_dir(&self.images_dir());
         let record = ImageRecord {
             id: 0,
             name: new.name.clone(),
             format: header.format,
-            sha256: actual,
+            sha256: actual.to_string(),
             size,
             path: path.clone(),
             interface_id,
@@ -298,6 +352,7 @@ impl Store {
             state: ImageState::Active,
             added_by: new.added_by.clone(),
             added_ms: now_ms(),
+            source_url: new.source_url.clone(),
         };
         match self.insert_image(&record) {
             Ok(r) => Ok(r),
@@ -308,6 +363,47 @@ impl Store {
         }
     }
 
+    /// Puts back the local copy of `image` from `tmp` (`actual` its SHA-256), downloaded again
+    /// from its source URL: only the content the image was registered with is accepted.
+    pub fn restore_image_file(
+        &self,
+        image: &ImageRecord,
+        mut tmp: tempfile::NamedTempFile,
+        actual: &str,
+    ) -> Result<(), ImageError> {
+        if actual != image.sha256 {
+            return Err(ImageError::Checksum {
+                expected: image.sha256.clone(),
+                actual: actual.to_string(),
+            });
+        }
+        tmp.as_file_mut().sync_all().map_err(io("sync the image"))?;
+        tmp.persist(&image.path).map_err(|e| ImageError::Io {
+            action: format!("store the image as {}", image.path.display()),
+            source: e.error,
+        })?;
+        sync_dir(&self.images_dir());
+        Ok(())
+    }
+
+    /// Removes the temporary files a crash or a kill left in the images directory (an add or
+    /// a download that never finished); returns their names. Called at start, before any add.
+    pub fn remove_image_leftovers(&self) -> Vec<String> {
+        let mut removed = Vec::new();
+        let Ok(dir) = std::fs::read_dir(self.images_dir()) else {
+            return removed;
+        };
+        for entry in dir.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if TEMP_PREFIXES.iter().any(|p| name.starts_with(p))
+                && std::fs::remove_file(entry.path()).is_ok()
+            {
+                removed.push(name);
+            }
+        }
+        removed
+    }
+
     fn insert_image(&self, r: &ImageRecord) -> Result<ImageRecord, StoreError> {
         let action = "add an image";
         let mut conn = self.lock();
@@ -316,8 +412,8 @@ impl Store {
             .map_err(|e| self.sqlite(action, e))?;
         tx.execute(
             "INSERT INTO images (name, format, sha256, size, path, interface_id, afu_ids, \
-             metadata, state, added_by, added_ms) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, \
-             ?10, ?11)",
+             metadata, state, added_by, added_ms, source_url) VALUES (?1, ?2, ?3, ?4, ?5, ?6, \
+             ?7, ?8, ?9, ?10, ?11, ?12)",
             params![
                 r.name,
                 r.format.as_str(),
@@ -330,6 +426,7 @@ impl Store {
                 r.state.as_str(),
                 r.added_by,
                 r.added_ms,
+                r.source_url,
             ],
         )
         .map_err(|e| self.sqlite(action, e))?;
@@ -339,10 +436,16 @@ impl Store {
             &NewEvent::new(
                 None,
                 EventKind::Image,
-                format!(
-                    "image {} added ({}, {} bytes, sha256 {}) by {}",
-                    r.name, r.format, r.size, r.sha256, r.added_by
-                ),
+                match &r.source_url {
+                    None => format!(
+                        "image {} added ({}, {} bytes, sha256 {}) by {}",
+                        r.name, r.format, r.size, r.sha256, r.added_by
+                    ),
+                    Some(url) => format!(
+                        "image {} downloaded from {url} ({}, {} bytes, sha256 {}) by {}",
+                        r.name, r.format, r.size, r.sha256, r.added_by
+                    ),
+                },
             ),
             now_ms(),
         )

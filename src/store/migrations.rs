@@ -23,7 +23,8 @@ pub(super) const MIGRATIONS: &[&str] = &[
     V3_TASK_SCOPE,
     V4_CLAIMS,
     V5_IMAGES,
-    V6_POOLED,
+    V6_IMAGE_SOURCE,
+    V7_POOLED,
 ];
 
 /// Version 1: the inventory, its history, and the tables claims, tasks and driver restore will
@@ -237,10 +238,17 @@ CREATE TABLE images (
 );
 ";
 
-/// Version 6: pooled claims, a remote pool's session leased to a VM (issue 11). A table of its
+/// Version 6: where an image was downloaded from (`Images.AddFromUrl`): NULL for an image
+/// passed by descriptor or path. The program task fetches the image again from it when the
+/// local copy is gone; the SHA-256 recorded with the image still decides.
+const V6_IMAGE_SOURCE: &str = "
+ALTER TABLE images ADD COLUMN source_url TEXT;
+";
+
+/// Version 7: pooled claims, a remote pool's session leased to a VM (issue 11). A table of its
 /// own: a pooled device is no PCI function of this host, and the PCI claims' constraints
 /// (`claim_functions`, one active claim per address) do not apply to it. Rows stay as history.
-const V6_POOLED: &str = "
+const V7_POOLED: &str = "
 CREATE TABLE pooled_claims (
     id           INTEGER PRIMARY KEY AUTOINCREMENT,
     pool         TEXT NOT NULL CHECK (pool <> ''),
@@ -488,10 +496,29 @@ mod tests {
     }
 
     #[test]
-    fn version_6_holds_one_standing_claim_per_pooled_session() {
+    fn version_6_gives_older_images_no_source() {
         let mut conn = Connection::open_in_memory().unwrap();
         migrate(&mut conn, &MIGRATIONS[..5]).unwrap();
+        conn.execute(
+            "INSERT INTO images (name, format, sha256, size, path, state, added_by, added_ms) \
+             VALUES ('a', 'gbs', 'x', 1, '/p', 'active', 'root', 1)",
+            [],
+        )
+        .unwrap();
         assert_eq!(migrate(&mut conn, &MIGRATIONS[..6]).unwrap(), (5, 6));
+        let (name, source): (String, Option<String>) = conn
+            .query_row("SELECT name, source_url FROM images", [], |r| {
+                Ok((r.get(0)?, r.get(1)?))
+            })
+            .unwrap();
+        assert_eq!((name.as_str(), source), ("a", None));
+    }
+
+    #[test]
+    fn version_7_holds_one_standing_claim_per_pooled_session() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        migrate(&mut conn, &MIGRATIONS[..6]).unwrap();
+        assert_eq!(migrate(&mut conn, &MIGRATIONS[..7]).unwrap(), (6, 7));
         let insert = |state: &str| {
             conn.execute(
                 "INSERT INTO pooled_claims (pool, session, device, epoch, state, requested_by, \

@@ -16,7 +16,8 @@ pub use program::FpgaJob;
 /// For the crash tests (`tests/kill_claims.rs`), only in builds with the `test-hooks` feature:
 /// `VFIOD_TEST_KILL_AT=<point>` makes the daemon kill itself (SIGKILL, no cleanup) when a job
 /// reaches `point` ("attach:attaching", "attach:in-libvirt", "detach:asked", and for
-/// `tests/kill.rs` "program:writing"). Release builds
+/// `tests/kill.rs` "program:writing"; "program:downloading" before an image is downloaded
+/// again). Release builds
 /// carry neither the code nor the variable's name.
 #[cfg(feature = "test-hooks")]
 pub(crate) fn kill_point(point: &str) {

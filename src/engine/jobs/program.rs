@@ -17,6 +17,7 @@ use crate::engine::context::JobContext;
 use crate::engine::job::{Admission, Job, JobError, JobFailure, Phase, Progress};
 use crate::fpga::image::Format;
 use crate::fpga::program::{self, ImageFacts};
+use crate::host::download::{self, Downloader};
 use crate::host::sysfs::dfl;
 use crate::model::device::Device;
 use crate::model::pci::PciAddress;
@@ -48,6 +49,8 @@ struct Prepared {
     image: ImageRecord,
     /// The stored file, opened in prepare: a removal of the image meanwhile does not matter.
     file: Option<std::fs::File>,
+    /// The local copy is gone: the URL to download it from again, in the download phase.
+    fetch: Option<String>,
     /// A card in VF mode: the restore before and the split after programming.
     resplit: Option<Resplit>,
 }
@@ -157,18 +160,31 @@ impl Job for FpgaJob {
             .clone()
             .ok_or_else(|| JobError::Internal("FPGA job prepared before it was admitted".into()))?;
         // The checksum of what is stored now, not of what was added.
-        let mut file = std::fs::File::open(&image.path).map_err(|e| {
-            self.invalid(format!(
-                "image {}: cannot open {}: {e}",
-                image.name,
-                image.path.display()
-            ))
-        })?;
-        let (digest, _) = sha256_of(&mut file, u64::MAX, &mut |_| Ok(()))
-            .map_err(|e| self.invalid(crate::error_chain(&e)))?;
-        use std::io::Seek;
-        file.rewind()
-            .map_err(|e| self.invalid(format!("image {}: {e}", image.name)))?;
+        let (file, fetch, checksum_ok) = match std::fs::File::open(&image.path) {
+            Ok(mut file) => {
+                let (digest, _) = sha256_of(&mut file, u64::MAX, &mut |_| Ok(()))
+                    .map_err(|e| self.invalid(crate::error_chain(&e)))?;
+                use std::io::Seek;
+                file.rewind()
+                    .map_err(|e| self.invalid(format!("image {}: {e}", image.name)))?;
+                (Some(file), None, digest == image.sha256)
+            }
+            // Downloaded again in the run; the recorded SHA-256 decides there.
+            Err(e)
+                if e.kind() == std::io::ErrorKind::NotFound
+                    && self.kind == TaskKind::Program
+                    && image.source_url.is_some() =>
+            {
+                (None, image.source_url.clone(), true)
+            }
+            Err(e) => {
+                return Err(self.invalid(format!(
+                    "image {}: cannot open {}: {e}",
+                    image.name,
+                    image.path.display()
+                )))
+            }
+        };
         let card = dfl::read_card(&cx.sysfs, address).map_err(|e| hardware(address, e))?;
         let num_vfs: u32 = match cx
             .sysfs
@@ -183,7 +199,7 @@ impl Job for FpgaJob {
                 name: &image.name,
                 format: image.format,
                 active: image.state == ImageState::Active,
-                checksum_ok: digest == image.sha256,
+                checksum_ok,
                 interface_id: image.interface_id.as_deref(),
             },
             card.as_ref().and_then(|c| c.interface_id.as_deref()),
@@ -210,7 +226,8 @@ impl Job for FpgaJob {
         }
         self.prepared = Some(Prepared {
             image,
-            file: Some(file),
+            file,
+            fetch,
             resplit,
         });
         Ok(self.kind)
@@ -279,7 +296,11 @@ impl Job for FpgaJob {
             return verify_now(cx, address, &image, &backend);
         }
         progress.phase("download");
-        progress.step(0, 1, &format!("reading image {}", image.name));
+        if let Some(url) = prepared.fetch.take() {
+            prepared.file = Some(download_again(cx, &image, &url, progress)?);
+        } else {
+            progress.step(0, 1, &format!("reading image {}", image.name));
+        }
         let mut bytes = Vec::new();
         if let Some(mut f) = prepared.file.take() {
             f.read_to_end(&mut bytes)
@@ -417,6 +438,52 @@ impl FpgaJob {
         Ok(())
     }
 }
+
+/// Downloads `image` again from `url` (its recorded source) as step `downloading`, keeps it
+/// as its local copy when its SHA-256 is the recorded one, and opens it.
+fn download_again(
+    cx: &JobContext,
+    image: &ImageRecord,
+    url: &str,
+    progress: &mut Progress<'_>,
+) -> Result<std::fs::File, JobFailure> {
+    let fail = |e: &dyn std::error::Error| {
+        JobFailure::new(format!(
+            "cannot download image {} again: {}",
+            image.name,
+            crate::error_chain(e)
+        ))
+    };
+    progress.step(0, 1, DOWNLOADING);
+    let settings = &cx.settings.images;
+    let url = download::check_url(url, settings.allow_http).map_err(|e| fail(&e))?;
+    let tmp = cx
+        .store
+        .image_temp_file(".downloading-")
+        .map_err(|e| fail(&e))?;
+    // The runner records every report: at most a few a second.
+    let mut last: Option<Instant> = None;
+    let mut report = |received: u64, total: Option<u64>| {
+        if last.is_some_and(|t| t.elapsed() < Duration::from_millis(250)) {
+            return;
+        }
+        last = Some(Instant::now());
+        match total {
+            Some(t) if t > 0 => progress.step(received as usize, t as usize, DOWNLOADING),
+            _ => progress.step(0, 1, DOWNLOADING),
+        }
+    };
+    kill_point("program:downloading");
+    let fetched =
+        Downloader::fetch_blocking(settings, &url, tmp, &mut report).map_err(|e| fail(&e))?;
+    cx.store
+        .restore_image_file(image, fetched.file, &fetched.sha256)
+        .map_err(|e| fail(&e))?;
+    std::fs::File::open(&image.path).map_err(|e| fail(&e))
+}
+
+/// The task's step while an image is downloaded.
+pub const DOWNLOADING: &str = "downloading";
 
 /// Reads what the device reports now and compares it with the image. A device with no DFL
 /// port (an exec backend's card) has nothing vfiod can read: the backend's verdict stands.

@@ -32,20 +32,23 @@ impl From<Refusal> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = match self.0 {
-            CoreError::Refused(r) => ErrorBody {
-                current_epoch: r.current_epoch,
-                ..ErrorBody::new(r.code, r.message)
-            },
+        let (code, body) = match self.0 {
+            CoreError::Refused(r) => (
+                r.code,
+                ErrorBody {
+                    current_epoch: r.current_epoch,
+                    ..ErrorBody::new(r.code, r.message)
+                },
+            ),
             CoreError::Store(e) => {
                 let chain = crate::error_chain(&e);
                 tracing::error!("{chain}");
-                ErrorBody::new(ErrorCode::Internal, chain)
+                (
+                    ErrorCode::Internal,
+                    ErrorBody::new(ErrorCode::Internal, chain),
+                )
             }
         };
-        let code =
-            serde_json::from_value::<ErrorCode>(serde_json::Value::String(body.error.clone()))
-                .unwrap_or(ErrorCode::Internal);
         let status =
             StatusCode::from_u16(code.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         (status, Json(body)).into_response()
