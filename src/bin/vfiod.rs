@@ -199,6 +199,16 @@ fn print_settings(s: &Settings) {
     for p in &s.protect {
         println!("  {p}");
     }
+    println!("host_name = {}", s.host_name);
+    println!("pool: {} pool(s)", s.pools.len());
+    for p in &s.pools {
+        println!(
+            "  {} {} (quiesce at {})",
+            p.name,
+            p.url,
+            p.quiesce_at.as_str()
+        );
+    }
     // Warnings, not errors: the module may be installed after the configuration is written.
     for warning in vfiod::host::modules::driver_warnings(s, &s.sysfs_root) {
         eprintln!("warning: {warning}");
