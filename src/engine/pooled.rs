@@ -464,11 +464,34 @@ impl Engine {
                     .await
             }
             Action::ResumeHere { .. } => {
+                // The source quiesced at its switchover, most likely: resume at once (one round
+                // trip inside the pause window, not two).
+                if claim.state == PooledState::Moving {
+                    let (session, epoch, h) = (claim.session.clone(), claim.epoch, host.clone());
+                    let first = self
+                        .pool_call(&claim.pool, "resume", move |c| {
+                            Box::pin(async move { c.resume(&session, epoch, &h).await })
+                        })
+                        .await;
+                    if let Ok(s) = first {
+                        let after = self
+                            .step(
+                                claim.id,
+                                PooledState::Leased,
+                                Some(s.epoch),
+                                String::new(),
+                                format!("resumed on {host} at epoch {}", s.epoch),
+                            )
+                            .await?;
+                        self.write_pooled_metadata(&after).await;
+                        return Ok(after);
+                    }
+                }
                 let claim = if claim.state == PooledState::Quiesced {
                     claim.clone()
                 } else {
-                    // The source quiesces at its switchover, and may not have yet (its event
-                    // and ours race): quiesce is idempotent, and the VM is paused there by now.
+                    // The source has not quiesced (yet: its event and ours race, or its vfiod
+                    // is down): quiesce is idempotent, and the VM is paused there by now.
                     self.quiesce_one(claim, "before resuming on this host")
                         .await?
                 };
