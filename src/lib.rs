@@ -18,6 +18,7 @@ pub mod migration; // live migration with passthrough devices: what moves, what 
 pub mod engine; // the engine: inventory passes, reconcile, tasks and the jobs they run
 pub mod dbus; // the D-Bus API: one module per object kind, named errors, polkit
 pub mod client; // D-Bus client side: proxies, the JSON device view, vfioctl tables
+pub mod fleet; // the fleet database on PostgreSQL: reports, the conductor, reservations
 pub mod server; // assembles store, engine, D-Bus service and loop into a running daemon
 
 /// An error and all its causes on one line ("a: b: c"), for logs and D-Bus error messages.

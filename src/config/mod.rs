@@ -77,6 +77,7 @@
 
 mod bounded;
 mod claims;
+mod fleet;
 mod fpga;
 mod hooks;
 mod daemon;
@@ -96,6 +97,7 @@ pub use daemon::{Scenario, DEFAULT_LIBVIRT_URI};
 pub(crate) use error::Quoted;
 pub use error::{ConfigError, FileRefusal};
 pub use files::{MAX_DROPINS, MAX_FILE_BYTES, MAX_TOTAL_BYTES};
+pub use fleet::{check_host_name, FleetSettings, DEFAULT_DOWN_AFTER};
 pub use fpga::{FpgaBackend, FpgaRule};
 pub use hooks::HookSettings;
 pub use position::Origin;
@@ -139,6 +141,8 @@ pub struct Settings {
     pub hooks: HookSettings,
     /// `[[fpga]]`: how FPGA devices are programmed, in file order; the first match applies.
     pub fpga: Vec<FpgaRule>,
+    /// `[fleet]`: reports to the fleet's database; `None` = off.
+    pub fleet: Option<FleetSettings>,
     /// files that were read, in order (for logs and `vfioctl` status)
     pub sources: Vec<PathBuf>,
 }
@@ -159,6 +163,7 @@ impl Default for Settings {
             claims: ClaimSettings::default(),
             hooks: HookSettings::default(),
             fpga: Vec::new(),
+            fleet: None,
             sources: Vec::new(),
         }
     }
@@ -245,6 +250,7 @@ fn settle(inputs: &Inputs) -> Result<Settings, ConfigError> {
         claims: claims::validate(inputs.values(|f| f.claims.as_ref()))?,
         hooks: hooks::validate(inputs.values(|f| f.hooks.as_ref()))?,
         fpga: fpga::validate(inputs.entries(|f| &f.fpga))?,
+        fleet: fleet::validate(inputs.values(|f| f.fleet.as_ref()))?,
         sources: inputs.sources(),
     })
 }

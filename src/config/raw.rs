@@ -13,6 +13,7 @@
 use super::bounded::{Int, Keyword, PathText};
 use super::claims::RawClaims;
 use super::error::{bound_message, ConfigError, Key};
+use super::fleet::RawFleet;
 use super::fpga::RawFpga;
 use super::hooks::RawHooks;
 use super::position::{key_path_at, line_column, Segment, Source};
@@ -42,6 +43,7 @@ pub(crate) struct RawFile {
     pub hooks: Option<Spanned<RawHooks>>,
     #[serde(default)]
     pub fpga: Vec<Spanned<RawFpga>>,
+    pub fleet: Option<Spanned<RawFleet>>,
 }
 
 /// One file: where it came from and its text (for positions in errors), and what it says.

@@ -1,0 +1,228 @@
+//! A real PostgreSQL server for the fleet tests, in a temporary directory: `initdb` and
+//! `pg_ctl` from Debian's `postgresql` package, listening on a unix socket only, stopped (by
+//! its PID, through pg_ctl) when dropped. PostgreSQL refuses to run as root: as root the
+//! server runs as `nobody` (setpriv), in a directory that user owns.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+/// Where Debian puts the server's binaries (`postgresql-15` on Debian 12).
+fn bindir() -> PathBuf {
+    if let Ok(dir) = std::env::var("VFIOD_PG_BINDIR") {
+        return dir.into();
+    }
+    for v in ["17", "16", "15", "14", "13"] {
+        let d = PathBuf::from(format!("/usr/lib/postgresql/{v}/bin"));
+        if d.join("pg_ctl").exists() {
+            return d;
+        }
+    }
+    panic!("no PostgreSQL server binaries under /usr/lib/postgresql (apt-get install postgresql)")
+}
+
+pub const SUPERUSER: &str = "postgres";
+pub const SUPERUSER_PASSWORD: &str = "test-superuser-secret";
+const PORT: u16 = 5432;
+
+pub struct Postgres {
+    pub dir: tempfile::TempDir,
+    data: PathBuf,
+    pub socket_dir: PathBuf,
+    /// Run the server's tools as this user (uid, gid) when the test runs as root.
+    as_user: Option<(u32, u32)>,
+}
+
+impl Postgres {
+    /// initdb (scram-sha-256 everywhere, a superuser with a password), then start.
+    pub fn start() -> Postgres {
+        let dir = super::fast_tempdir();
+        let as_user = nix::unistd::geteuid()
+            .is_root()
+            .then_some((65534u32, 65534u32));
+        let socket_dir = dir.path().join("sock");
+        let data = dir.path().join("data");
+        std::fs::create_dir(&socket_dir).unwrap();
+        let pwfile = dir.path().join("pw");
+        std::fs::write(&pwfile, SUPERUSER_PASSWORD).unwrap();
+        if let Some((uid, gid)) = as_user {
+            for p in [dir.path(), &socket_dir, &pwfile] {
+                std::os::unix::fs::chown(p, Some(uid), Some(gid)).unwrap();
+            }
+            std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+        }
+        let pg = Postgres {
+            dir,
+            data,
+            socket_dir,
+            as_user,
+        };
+        pg.run(
+            "initdb",
+            &[
+                "-D",
+                pg.data.to_str().unwrap(),
+                "-U",
+                SUPERUSER,
+                "--pwfile",
+                pwfile.to_str().unwrap(),
+                "--auth",
+                "scram-sha-256",
+                "-E",
+                "UTF8",
+                "--locale",
+                "C",
+                "--no-sync",
+            ],
+        );
+        pg.start_server();
+        pg
+    }
+
+    fn command(&self, tool: &str) -> Command {
+        let exe = bindir().join(tool);
+        match self.as_user {
+            Some((uid, gid)) => {
+                let mut c = Command::new("setpriv");
+                c.args([
+                    &format!("--reuid={uid}"),
+                    &format!("--regid={gid}"),
+                    "--clear-groups",
+                    "--",
+                ])
+                .arg(exe);
+                c
+            }
+            None => Command::new(exe),
+        }
+    }
+
+    fn run(&self, tool: &str, args: &[&str]) {
+        let out = self
+            .command(tool)
+            .args(args)
+            .current_dir(self.dir.path())
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run {tool}: {e}"));
+        assert!(
+            out.status.success(),
+            "{tool} failed: {}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// Starts the server (after [`Postgres::stop`] too) and waits until it accepts connections.
+    pub fn start_server(&self) {
+        let options = format!(
+            "-k {} -c listen_addresses='' -p {PORT} -c fsync=off -c synchronous_commit=off \
+             -c full_page_writes=off -c max_connections=200",
+            self.socket_dir.display()
+        );
+        let log = self.dir.path().join("server.log");
+        self.run(
+            "pg_ctl",
+            &[
+                "-D",
+                self.data.to_str().unwrap(),
+                "-l",
+                log.to_str().unwrap(),
+                "-o",
+                &options,
+                "-w",
+                "-t",
+                "60",
+                "start",
+            ],
+        );
+    }
+
+    /// Stops the server (fast: connections are cut, as when a database goes away).
+    pub fn stop(&self) {
+        self.run(
+            "pg_ctl",
+            &[
+                "-D",
+                self.data.to_str().unwrap(),
+                "-m",
+                "fast",
+                "-w",
+                "stop",
+            ],
+        );
+    }
+
+    /// The postmaster's PID, while it runs.
+    pub fn pid(&self) -> Option<i32> {
+        let text = std::fs::read_to_string(self.data.join("postmaster.pid")).ok()?;
+        text.lines().next()?.trim().parse().ok()
+    }
+
+    /// A libpq connection string for `user` on database `db`.
+    pub fn conninfo(&self, user: &str, password: &str, db: &str) -> String {
+        format!(
+            "host={} port={PORT} user={user} password={password} dbname={db} connect_timeout=5",
+            self.socket_dir.display()
+        )
+    }
+
+    /// Writes a credentials file (mode 0600) for `user` and returns its path.
+    pub fn credentials(&self, dir: &Path, user: &str, password: &str, db: &str) -> PathBuf {
+        let p = dir.join(format!("{user}.conn"));
+        std::fs::write(
+            &p,
+            format!(
+                "# fleet credentials for tests\n{}\n",
+                self.conninfo(user, password, db)
+            ),
+        )
+        .unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+        p
+    }
+
+    /// A client as `user`, its connection driven on the runtime.
+    pub async fn client(&self, user: &str, password: &str, db: &str) -> tokio_postgres::Client {
+        let (client, conn) =
+            tokio_postgres::connect(&self.conninfo(user, password, db), tokio_postgres::NoTls)
+                .await
+                .unwrap_or_else(|e| panic!("connect as {user}: {e}"));
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        client
+    }
+
+    pub async fn superuser(&self, db: &str) -> tokio_postgres::Client {
+        self.client(SUPERUSER, SUPERUSER_PASSWORD, db).await
+    }
+}
+
+impl Drop for Postgres {
+    fn drop(&mut self) {
+        // By the server's own PID (pg_ctl reads it from the data directory); immediate: the
+        // data is thrown away with the directory.
+        if self.pid().is_some() {
+            let _ = self
+                .command("pg_ctl")
+                .args([
+                    "-D",
+                    self.data.to_str().unwrap(),
+                    "-m",
+                    "immediate",
+                    "-w",
+                    "stop",
+                ])
+                .output();
+        }
+        // Nothing of it outlives the test: the postmaster's PID, if pg_ctl failed.
+        if let Some(pid) = self.pid() {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
