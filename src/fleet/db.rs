@@ -608,19 +608,36 @@ pub async fn reserve(
 ) -> Result<Option<Reservation>, tokio_postgres::Error> {
     let tx = client.transaction().await?;
     tx.query_one("SELECT fleet.sweep()", &[]).await?;
-    // Spread: hosts in an order that depends on the VM, so concurrent requests start on
-    // different hosts; addresses in order within a host.
-    let sql = format!(
-        "SELECT d.host, d.address FROM fleet.devices d JOIN fleet.hosts h ON h.host = d.host \
-         WHERE d.pool = 'offered' AND d.reservation_id IS NULL AND {ALIVE_SQL} AND {FILTER_SQL} \
-         ORDER BY hashtext(d.host || '/' || $9), d.address \
-         LIMIT 1 FOR UPDATE OF d SKIP LOCKED"
-    );
+    // Spread without a sort of every candidate: start at a host chosen by the VM's name (so
+    // concurrent requests start on different hosts), walk the offered rows in index order
+    // (host, address) from there, and wrap around once.
+    let start: Option<String> = tx
+        .query_opt(
+            "SELECT host FROM fleet.hosts ORDER BY hashtext(host || '/' || $1) LIMIT 1",
+            &[&vm],
+        )
+        .await?
+        .map(|r| r.get(0));
+    let Some(start) = start else {
+        return Ok(None);
+    };
+    let pick = |range: &str| {
+        format!(
+            "SELECT d.host, d.address FROM fleet.devices d JOIN fleet.hosts h ON h.host = d.host \
+             WHERE d.pool = 'offered' AND d.reservation_id IS NULL AND d.host {range} $9 \
+             AND {ALIVE_SQL} AND {FILTER_SQL} \
+             ORDER BY d.host, d.address LIMIT 1 FOR UPDATE OF d SKIP LOCKED"
+        )
+    };
     let p = filter.params();
     let mut params = refs(&p);
-    params.push(&vm);
-    let Some(row) = tx.query_opt(&sql, &params).await? else {
-        return Ok(None);
+    params.push(&start);
+    let row = match tx.query_opt(&pick(">="), &params).await? {
+        Some(row) => row,
+        None => match tx.query_opt(&pick("<"), &params).await? {
+            Some(row) => row,
+            None => return Ok(None),
+        },
     };
     let (host, address): (String, String) = (row.get(0), row.get(1));
     let r = tx

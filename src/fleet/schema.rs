@@ -80,7 +80,9 @@ CREATE TABLE fleet.devices (
   updated_at timestamptz NOT NULL DEFAULT now(),
   PRIMARY KEY (host, address)
 );
-CREATE INDEX devices_offered ON fleet.devices (host) WHERE pool = 'offered' AND reservation_id IS NULL;
+-- What a fleet claim walks, in order.
+CREATE INDEX devices_offered ON fleet.devices (host, address)
+  WHERE pool = 'offered' AND reservation_id IS NULL;
 
 CREATE TABLE fleet.reservations (
   id bigserial PRIMARY KEY,

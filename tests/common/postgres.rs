@@ -32,12 +32,34 @@ pub struct Postgres {
     pub socket_dir: PathBuf,
     /// Run the server's tools as this user (uid, gid) when the test runs as root.
     as_user: Option<(u32, u32)>,
+    /// Commits wait for the disk (the benchmark); off for the tests, whose data is thrown away.
+    durable: bool,
+}
+
+/// A directory in memory (`/dev/shm`) unless `TMPDIR` says otherwise (as tests/common's).
+fn memory_tempdir() -> tempfile::TempDir {
+    let shm = Path::new("/dev/shm");
+    if std::env::var_os("TMPDIR").is_none() && shm.is_dir() {
+        if let Ok(d) = tempfile::Builder::new().prefix("vfiod-pg.").tempdir_in(shm) {
+            return d;
+        }
+    }
+    tempfile::Builder::new()
+        .prefix("vfiod-pg.")
+        .tempdir()
+        .expect("tempdir")
 }
 
 impl Postgres {
-    /// initdb (scram-sha-256 everywhere, a superuser with a password), then start.
+    /// initdb (scram-sha-256 everywhere, a superuser with a password), then start: in memory,
+    /// without fsync (the tests).
     pub fn start() -> Postgres {
-        let dir = super::fast_tempdir();
+        Self::start_in(memory_tempdir(), false)
+    }
+
+    /// The same in `dir`, with `fsync` and synchronous commits when `durable` (a benchmark
+    /// wants the real cost of a commit: give it a directory on disk).
+    pub fn start_in(dir: tempfile::TempDir, durable: bool) -> Postgres {
         let as_user = nix::unistd::geteuid()
             .is_root()
             .then_some((65534u32, 65534u32));
@@ -57,25 +79,28 @@ impl Postgres {
             data,
             socket_dir,
             as_user,
+            durable,
         };
-        pg.run(
-            "initdb",
-            &[
-                "-D",
-                pg.data.to_str().unwrap(),
-                "-U",
-                SUPERUSER,
-                "--pwfile",
-                pwfile.to_str().unwrap(),
-                "--auth",
-                "scram-sha-256",
-                "-E",
-                "UTF8",
-                "--locale",
-                "C",
-                "--no-sync",
-            ],
-        );
+        let pwfile_arg = pwfile.to_str().unwrap().to_string();
+        let data_arg = pg.data.to_str().unwrap().to_string();
+        let mut args = vec![
+            "-D",
+            &data_arg,
+            "-U",
+            SUPERUSER,
+            "--pwfile",
+            &pwfile_arg,
+            "--auth",
+            "scram-sha-256",
+            "-E",
+            "UTF8",
+            "--locale",
+            "C",
+        ];
+        if !durable {
+            args.push("--no-sync");
+        }
+        pg.run("initdb", &args);
         pg.start_server();
         pg
     }
@@ -115,9 +140,13 @@ impl Postgres {
 
     /// Starts the server (after [`Postgres::stop`] too) and waits until it accepts connections.
     pub fn start_server(&self) {
+        let durability = if self.durable {
+            ""
+        } else {
+            " -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
+        };
         let options = format!(
-            "-k {} -c listen_addresses='' -p {PORT} -c fsync=off -c synchronous_commit=off \
-             -c full_page_writes=off -c max_connections=200",
+            "-k {} -c listen_addresses='' -p {PORT} -c max_connections=300{durability}",
             self.socket_dir.display()
         );
         let log = self.dir.path().join("server.log");
