@@ -354,6 +354,38 @@ async fn broken_devices_leave_the_pool_and_killed_hosts_go_down() {
         "restored {back:.2} s after the recovery, more than one interval"
     );
 
+    // The operator's views, as printed.
+    let (ok, out) = fleetctl(&[
+        "--credentials",
+        &db.ops_credentials(),
+        "events",
+        "--host",
+        "a",
+    ]);
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("host-up")
+            && out.contains("device-withdrawn")
+            && out.contains("device-restored"),
+        "{out}"
+    );
+    assert!(!out.contains(" b "), "only a's events: {out}");
+    let (ok, out) = fleetctl(&["--credentials", &db.ops_credentials(), "hosts"]);
+    assert!(
+        ok && out.starts_with("HOST") && out.lines().count() == 4,
+        "{out}"
+    );
+    let (ok, out) = fleetctl(&[
+        "--credentials",
+        &db.ops_credentials(),
+        "list",
+        "--host",
+        "a",
+        "--address",
+        &vf,
+    ]);
+    assert!(ok && out.contains("offered") && out.contains(&vf), "{out}");
+
     // A reservation b cannot honour: its VF was claimed locally (over D-Bus) meanwhile. The
     // reservation is made by hand, as a racing fleet claim would have made it before b's
     // report arrived.

@@ -607,17 +607,17 @@ pub async fn reserve(
     requested_by: &str,
 ) -> Result<Option<Reservation>, tokio_postgres::Error> {
     let tx = client.transaction().await?;
-    tx.query_one("SELECT fleet.sweep()", &[]).await?;
     // Spread without a sort of every candidate: start at a host chosen by the VM's name (so
     // concurrent requests start on different hosts), walk the offered rows in index order
-    // (host, address) from there, and wrap around once.
+    // (host, address) from there, and wrap around once. The sweep first, in the same round trip.
     let start: Option<String> = tx
-        .query_opt(
-            "SELECT host FROM fleet.hosts ORDER BY hashtext(host || '/' || $1) LIMIT 1",
+        .query_one(
+            "SELECT fleet.sweep(), (SELECT host FROM fleet.hosts \
+             ORDER BY hashtext(host || '/' || $1) LIMIT 1)",
             &[&vm],
         )
         .await?
-        .map(|r| r.get(0));
+        .get(1);
     let Some(start) = start else {
         return Ok(None);
     };
@@ -640,28 +640,22 @@ pub async fn reserve(
         },
     };
     let (host, address): (String, String) = (row.get(0), row.get(1));
+    // The reservation, the function's mark, the event and the notification: one statement.
     let r = tx
         .query_one(
-            "INSERT INTO fleet.reservations (host, address, vm_name, requested_by) \
-             VALUES ($1, $2, $3, $4) RETURNING id, host, address, vm_name, requested_by, \
-             state, reason, local_claim_id",
-            &[&host, &address, &vm, &requested_by],
+            "WITH r AS (INSERT INTO fleet.reservations (host, address, vm_name, requested_by) \
+               VALUES ($1, $2, $3, $4) RETURNING *), \
+             d AS (UPDATE fleet.devices SET reservation_id = (SELECT id FROM r) \
+               WHERE host = $1 AND address = $2), \
+             e AS (INSERT INTO fleet.events (host, address, kind, message) \
+               SELECT $1, $2, 'reserved', format('reservation %s for %s by %s', id, $3, $4) \
+               FROM r) \
+             SELECT id, host, address, vm_name, requested_by, state, reason, local_claim_id, \
+               pg_notify($5, $1) FROM r",
+            &[&host, &address, &vm, &requested_by, &RESERVE_CHANNEL],
         )
         .await?;
     let res = reservation(&r);
-    tx.execute(
-        "UPDATE fleet.devices SET reservation_id = $3 WHERE host = $1 AND address = $2",
-        &[&host, &address, &res.id],
-    )
-    .await?;
-    tx.execute(
-        "INSERT INTO fleet.events (host, address, kind, message) VALUES ($1, $2, 'reserved', \
-         format('reservation %s for %s by %s', $3::bigint, $4::text, $5::text))",
-        &[&host, &address, &res.id, &vm, &requested_by],
-    )
-    .await?;
-    tx.execute("SELECT pg_notify($1, $2)", &[&RESERVE_CHANNEL, &host])
-        .await?;
     tx.commit().await?;
     Ok(Some(res))
 }
@@ -700,4 +694,44 @@ pub async fn withdraw(
     .await?;
     tx.commit().await?;
     Ok(n == 1)
+}
+
+/// One fleet event as `vfioctl fleet events` shows it.
+#[derive(Clone, Debug, Serialize)]
+pub struct EventRow {
+    pub id: i64,
+    /// UTC, ISO 8601 with milliseconds.
+    pub at: String,
+    pub host: String,
+    pub address: Option<String>,
+    pub kind: String,
+    pub message: String,
+}
+
+/// The newest `limit` events (of one host), oldest first.
+pub async fn events(
+    client: &Client,
+    host: Option<&str>,
+    limit: i64,
+) -> Result<Vec<EventRow>, tokio_postgres::Error> {
+    let rows = client
+        .query(
+            "SELECT * FROM (SELECT id, \
+             to_char(at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"'), host, address, kind, \
+             message FROM fleet.events WHERE ($1::text IS NULL OR host = $1) \
+             ORDER BY id DESC LIMIT $2) newest ORDER BY id",
+            &[&host, &limit],
+        )
+        .await?;
+    Ok(rows
+        .iter()
+        .map(|r| EventRow {
+            id: r.get(0),
+            at: r.get(1),
+            host: r.get(2),
+            address: r.get(3),
+            kind: r.get(4),
+            message: r.get(5),
+        })
+        .collect())
 }

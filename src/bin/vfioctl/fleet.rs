@@ -83,6 +83,18 @@ enum FleetCommand {
         #[arg(long)]
         json: bool,
     },
+    /// The fleet's history: hosts joining and going down, devices added, withdrawn, restored
+    /// and removed, reservations made, taken and refused. The newest entries, oldest first.
+    Events {
+        /// Only this host's events.
+        #[arg(long)]
+        host: Option<String>,
+        /// How many entries (1..=10000).
+        #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(i64).range(1..=10000))]
+        limit: i64,
+        #[arg(long)]
+        json: bool,
+    },
     /// Applies the schema migrations (with the schema owner's credentials).
     Migrate,
     /// Lets a database login role report for a host (administrator).
@@ -253,6 +265,25 @@ async fn command(client: &mut tokio_postgres::Client, command: FleetCommand) -> 
                         done.id, done.address, done.host, done.state, done.reason
                     ))
                 }
+            }
+        }
+        FleetCommand::Events { host, limit, json } => {
+            let rows = db::events(client, host.as_deref(), limit)
+                .await
+                .map_err(db_error)?;
+            if json {
+                return super::print_json(&rows);
+            }
+            for e in rows {
+                println!(
+                    "{:>8} {} {:<20} {:<13} {:<22} {}",
+                    e.id,
+                    e.at,
+                    e.host,
+                    e.address.as_deref().unwrap_or("-"),
+                    e.kind,
+                    e.message
+                );
             }
         }
         FleetCommand::Migrate => {
