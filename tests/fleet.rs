@@ -697,6 +697,57 @@ async fn a_database_outage_leaves_the_hosts_alone_and_the_fleet_catches_up() {
         (offered_vfs(&db).len() == 6).then_some(())
     })
     .await;
+    // First the database hangs (its processes stopped, connections open, as behind a
+    // partition): the reporters give up on it after their bound (twice the interval, at least
+    // 5 s) and reconnect, while the hosts go on.
+    db.pg.freeze(true);
+    let frozen = Instant::now();
+    let claims_a = vfiod::client::claims::claims_proxy(&hosts[0].1.client)
+        .await
+        .unwrap();
+    let t = Instant::now();
+    let path = claims_a
+        .claim(
+            dict(&[("role", Variant::from("vf"))]),
+            dict(&[("vm_name", Variant::from("while-frozen"))]),
+        )
+        .await
+        .expect("a local claim while the database hangs");
+    assert!(t.elapsed() < Duration::from_secs(1));
+    let status = hosts[0]
+        .1
+        .server
+        .as_ref()
+        .unwrap()
+        .fleet
+        .as_ref()
+        .unwrap()
+        .status();
+    eventually_async(Duration::from_secs(20), "a's reporter times out", || {
+        let s = status.borrow().clone();
+        async move {
+            s.last_error
+                .filter(|e| e.contains("did not answer within"))
+                .map(|_| ())
+        }
+    })
+    .await;
+    eprintln!(
+        "reporter gave up on the hung database after {:?}",
+        frozen.elapsed()
+    );
+    db.pg.freeze(false);
+    vfiod::client::claims::release(&hosts[0].1.client, path)
+        .await
+        .unwrap();
+    until(
+        Duration::from_secs(30),
+        "the fleet is back to 6 offered VFs",
+        || (offered_vfs(&db).len() == 6).then_some(()),
+    )
+    .await;
+
+    // Then the database is stopped.
     db.pg.stop();
     let down = Instant::now();
     let mut claimed = Vec::new();

@@ -33,6 +33,8 @@ pub enum FleetError {
     SchemaTooOld { found: i32, needed: i32 },
     #[error("the connection to the fleet database closed")]
     ConnectionClosed,
+    #[error("the fleet database did not answer within {0:?}")]
+    Timeout(std::time::Duration),
     #[error("cannot read the local state for a report: {0}")]
     Local(String),
     #[error("internal error: {0}")]

@@ -149,23 +149,33 @@ impl Worker {
         let config = tokio::task::spawn_blocking(move || credentials::read(&path))
             .await
             .map_err(|e| FleetError::Internal(e.to_string()))??;
+        let bound = self.bound();
         let (mut client, connection) = tokio::select! {
-            c = config.connect(tokio_postgres::NoTls) => c?,
+            c = tokio::time::timeout(bound, config.connect(tokio_postgres::NoTls)) => {
+                c.map_err(|_| FleetError::Timeout(bound))??
+            }
             _ = &mut *stopped => return Ok(()),
         };
         let (notes_tx, mut notes) = mpsc::unbounded_channel();
         let driver = tokio::spawn(drive(connection, notes_tx));
         let _driver = AbortOnDrop(driver);
-        let version = db::schema_version(&client).await?;
+        let version = self.bounded(db::schema_version(&client)).await?;
         if version < super::schema::VERSION {
             return Err(FleetError::SchemaTooOld {
                 found: version,
                 needed: super::schema::VERSION,
             });
         }
-        client
-            .batch_execute(&format!("LISTEN {}", db::RESERVE_CHANNEL))
-            .await?;
+        // The server ends this session's transaction and statements past the same bound: a
+        // session this side gave up on (a partition) must not keep the host's rows locked
+        // until TCP notices, or the next session would wait on its own host's row.
+        let ms = bound.as_millis();
+        self.bounded(client.batch_execute(&format!(
+            "SET idle_in_transaction_session_timeout = {ms}; SET statement_timeout = {ms}; \
+             LISTEN {}",
+            db::RESERVE_CHANNEL
+        )))
+        .await?;
         let mut heartbeat = tokio::time::interval(self.interval);
         heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         heartbeat.tick().await;
@@ -176,16 +186,16 @@ impl Worker {
                 Wake::Stop => return Ok(()),
                 Wake::Changed | Wake::Heartbeat => {
                     self.changes.borrow_and_update();
-                    self.report(&mut client).await?;
+                    self.bounded(self.report(&mut client)).await?;
                     if matches!(wake, Wake::Heartbeat) {
-                        self.take_reservations(&mut client).await?;
+                        self.bounded(self.take_reservations(&mut client)).await?;
                     }
                 }
                 Wake::Reservation => {
-                    self.take_reservations(&mut client).await?;
+                    self.bounded(self.take_reservations(&mut client)).await?;
                     // The claims changed the host's rows: report them now.
                     self.changes.borrow_and_update();
-                    self.report(&mut client).await?;
+                    self.bounded(self.report(&mut client)).await?;
                 }
             }
             wake = loop {
@@ -204,6 +214,28 @@ impl Worker {
                     },
                 }
             };
+        }
+    }
+
+    /// How long one exchange with the database may take: a database that stops answering
+    /// without closing the connection (a partition) must not hold the reporter forever.
+    fn bound(&self) -> Duration {
+        (self.interval * 2).clamp(Duration::from_secs(5), Duration::from_secs(60))
+    }
+
+    /// `work` within [`Worker::bound`]; past it the session ends (the connection is dropped
+    /// with it, and its transaction rolls back) and the reporter reconnects.
+    async fn bounded<T, E>(
+        &self,
+        work: impl std::future::Future<Output = Result<T, E>>,
+    ) -> Result<T, FleetError>
+    where
+        FleetError: From<E>,
+    {
+        let bound = self.bound();
+        match tokio::time::timeout(bound, work).await {
+            Ok(r) => Ok(r?),
+            Err(_) => Err(FleetError::Timeout(bound)),
         }
     }
 

@@ -182,6 +182,39 @@ impl Postgres {
         );
     }
 
+    /// Freezes (SIGSTOP) or thaws (SIGCONT) the postmaster and every process under it: a
+    /// database that stops answering without closing its connections, as behind a network
+    /// partition.
+    pub fn freeze(&self, frozen: bool) {
+        let Some(postmaster) = self.pid() else {
+            return;
+        };
+        let signal = if frozen {
+            nix::sys::signal::Signal::SIGSTOP
+        } else {
+            nix::sys::signal::Signal::SIGCONT
+        };
+        let mut pids = vec![postmaster];
+        for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+            let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+                continue;
+            };
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                continue;
+            };
+            let ppid = stat
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+                .and_then(|p| p.parse::<i32>().ok());
+            if ppid == Some(postmaster) {
+                pids.push(pid);
+            }
+        }
+        for pid in pids {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), signal);
+        }
+    }
+
     /// The postmaster's PID, while it runs.
     pub fn pid(&self) -> Option<i32> {
         let text = std::fs::read_to_string(self.data.join("postmaster.pid")).ok()?;
@@ -230,6 +263,8 @@ impl Postgres {
 
 impl Drop for Postgres {
     fn drop(&mut self) {
+        // A frozen server would not stop.
+        self.freeze(false);
         // By the server's own PID (pg_ctl reads it from the data directory); immediate: the
         // data is thrown away with the directory.
         if self.pid().is_some() {
