@@ -52,6 +52,8 @@ impl Reporter {
         let (stop, stopped) = oneshot::channel();
         let (status_tx, status) = watch::channel(Status::default());
         let worker = Worker {
+            settings: settings.clone(),
+            warned_reload: std::sync::atomic::AtomicBool::new(false),
             changes: engine.subscribe_changes(),
             engine,
             credentials: settings.credentials_file.clone(),
@@ -97,6 +99,10 @@ impl Drop for Reporter {
 }
 
 struct Worker {
+    /// `[fleet]` as it was at the start: what this reporter runs with until vfiod restarts.
+    settings: FleetSettings,
+    /// Whether the log already says that a reload changed `[fleet]`.
+    warned_reload: std::sync::atomic::AtomicBool,
     engine: Arc<Engine>,
     changes: watch::Receiver<u64>,
     credentials: PathBuf,
@@ -240,6 +246,16 @@ impl Worker {
     }
 
     async fn report(&self, client: &mut tokio_postgres::Client) -> Result<(), FleetError> {
+        if self.engine.settings().fleet.as_ref() != Some(&self.settings)
+            && !self
+                .warned_reload
+                .swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            tracing::warn!(
+                "a reload changed [fleet]: the reporter keeps the settings it started with until \
+                 vfiod restarts"
+            );
+        }
         let report = self
             .engine
             .read(|core| {
