@@ -354,6 +354,55 @@ async fn broken_devices_leave_the_pool_and_killed_hosts_go_down() {
         "restored {back:.2} s after the recovery, more than one interval"
     );
 
+    // A function hot-added without an IOMMU group: selected and usable on a, but its record is
+    // incomplete (VFIO cannot hand it out), so the fleet lists it and never offers it.
+    let lone = "0000:3b:00.1";
+    a.kernel
+        .hot_add(
+            vfiod::sim::kernel::FunctionSpec::new(lone, 0x8086, 0x1572, 0x020000)
+                .under("0000:00:02.0")
+                .no_iommu(),
+        )
+        .unwrap();
+    let listed = eventually_async(
+        Duration::from_secs(20),
+        "a reports the new function",
+        || {
+            let ops = &ops;
+            async move {
+                let rows = db::list(
+                    ops,
+                    &db::Filter {
+                        host: Some("a".into()),
+                        address: Some(lone.into()),
+                        ..Default::default()
+                    },
+                )
+                .await
+                .unwrap();
+                rows.into_iter().next()
+            }
+        },
+    )
+    .await;
+    assert_eq!(listed.pool, "withdrawn", "{listed:?}");
+    assert_eq!(listed.reason, "incomplete record: no IOMMU group");
+    let local = a.store().device(addr(lone)).unwrap().unwrap();
+    assert!(
+        local.managed && local.state == vfiod::model::device::State::Usable,
+        "{local:?}"
+    );
+    let found = db::find(
+        &ops,
+        &db::Filter {
+            host: Some("a".into()),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    assert!(found.iter().all(|d| d.address != lone));
+
     // The operator's views, as printed.
     let (ok, out) = fleetctl(&[
         "--credentials",
