@@ -944,6 +944,14 @@ async fn a_hosts_credentials_cannot_change_another_hosts_rows() {
         .await
         .unwrap_err();
     assert!(format!("{e:?}").contains("permission denied"), "{e:?}");
+    let e = ops
+        .execute(
+            "INSERT INTO fleet.events (host, kind, message) VALUES ('b', 'host-down', 'forged')",
+            &[],
+        )
+        .await
+        .unwrap_err();
+    assert!(format!("{e:?}").contains("row-level security"), "{e:?}");
     assert_eq!(
         db::find(&ops, &db::Filter::default()).await.unwrap().len(),
         1

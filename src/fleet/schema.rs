@@ -138,7 +138,9 @@ CREATE POLICY reserve ON fleet.devices FOR UPDATE TO vfiod_fleet_operator
 CREATE POLICY all_reservations ON fleet.reservations TO vfiod_fleet_operator
   USING (true) WITH CHECK (true);
 CREATE POLICY read_all ON fleet.events FOR SELECT TO vfiod_fleet_operator USING (true);
-CREATE POLICY record ON fleet.events FOR INSERT TO vfiod_fleet_operator WITH CHECK (true);
+-- An operator records its reservations, nothing in a host's name.
+CREATE POLICY record ON fleet.events FOR INSERT TO vfiod_fleet_operator
+  WITH CHECK (kind = 'reserved');
 GRANT SELECT ON fleet.hosts, fleet.devices, fleet.events TO vfiod_fleet_operator;
 -- An operator reserves a function: that column only.
 GRANT UPDATE (reservation_id) ON fleet.devices TO vfiod_fleet_operator;
