@@ -403,6 +403,22 @@ async fn broken_devices_leave_the_pool_and_killed_hosts_go_down() {
     .unwrap();
     assert!(found.iter().all(|d| d.address != lone));
 
+    // vfioctl finds the credentials through a daemon's configuration too; a host's role sees
+    // its own host only.
+    let seen = json(&[
+        "--fleet-config",
+        a.config_path.to_str().unwrap(),
+        "hosts",
+        "--json",
+    ]);
+    let names: Vec<_> = seen
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| h["host"].clone())
+        .collect();
+    assert_eq!(names, ["a"], "{seen}");
+
     // The operator's views, as printed.
     let (ok, out) = fleetctl(&[
         "--credentials",
