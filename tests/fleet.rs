@@ -1017,3 +1017,66 @@ fn sample_report(address: &str) -> vfiod::fleet::record::Report {
         &[],
     )
 }
+
+/// TLS to the database (rustls, ring): a host whose `[fleet] ca_file` trusts the server's CA
+/// reports over TLS-only TCP; vfioctl is refused by certificate verification without that CA
+/// and works with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reports_and_queries_go_over_verified_tls() {
+    let pg = Postgres::start_tls();
+    let tls = pg.tls().unwrap();
+    pg.superuser("postgres")
+        .await
+        .batch_execute("CREATE DATABASE fleet")
+        .await
+        .unwrap();
+    let mut su = pg.superuser("fleet").await;
+    db::migrate(&mut su).await.unwrap();
+    su.batch_execute(
+        "CREATE ROLE host_a LOGIN PASSWORD 'pw-a'; \
+         CREATE ROLE ops LOGIN PASSWORD 'ops-secret'; GRANT vfiod_fleet_operator TO ops",
+    )
+    .await
+    .unwrap();
+    db::add_host(&su, "a", "host_a").await.unwrap();
+    let creds = tempfile::tempdir().unwrap();
+    let write = |name: &str, text: String| {
+        use std::os::unix::fs::PermissionsExt;
+        let p = creds.path().join(name);
+        std::fs::write(&p, text).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+        p
+    };
+    let host_creds = write("a.conn", pg.conninfo_tls("host_a", "pw-a", "fleet"));
+    let ops_creds = write("ops.conn", pg.conninfo_tls("ops", "ops-secret", "fleet"));
+    let config = format!(
+        "scenario = \"private\"\npoll_interval = 1\n[[select]]\nid = \"8086:1572\"\n\
+         [fleet]\ncredentials_file = \"{}\"\nhost = \"a\"\nreport_interval = 1\nca_file = \"{}\"\n",
+        host_creds.display(),
+        tls.ca.display()
+    );
+    let _a = Harness::start(&config).await;
+    let ops = ops_creds.to_str().unwrap();
+    let ca = tls.ca.to_str().unwrap();
+    let hosts = until(Duration::from_secs(30), "a reports over TLS", || {
+        let (ok, out) = fleetctl(&["--credentials", ops, "--ca-file", ca, "hosts", "--json"]);
+        assert!(ok, "{out}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        (v.as_array().unwrap().len() == 1).then_some(v)
+    })
+    .await;
+    assert_eq!(hosts[0]["status"], "up");
+    let over_tls: bool = su
+        .query_one(
+            "SELECT bool_and(s.ssl) FROM pg_stat_ssl s JOIN pg_stat_activity a USING (pid) \
+             WHERE a.usename = 'host_a'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(over_tls, "the host's session is encrypted");
+    // Without the test CA, the server's certificate is not trusted.
+    let (ok, out) = fleetctl(&["--credentials", ops, "hosts"]);
+    assert!(!ok && out.contains("UnknownIssuer"), "{out}");
+}

@@ -7,6 +7,7 @@
 //! host = "rack4-node17"   # this host's name in the fleet (default: /etc/machine-id, else hostname)
 //! report_interval = 30    # seconds between heartbeats (default: poll_interval)
 //! down_after = 3          # a host silent for this many of its intervals is marked down
+//! ca_file = "/etc/vfiod/fleet-ca.pem"  # CA certificates for TLS, beside the system's
 //! ```
 //!
 //! The connection string (with its password) is never written in the configuration or on a
@@ -35,6 +36,7 @@ pub(crate) struct RawFleet {
     pub host: Option<Spanned<Keyword>>,
     pub report_interval: Option<Spanned<Int>>,
     pub down_after: Option<Spanned<Int>>,
+    pub ca_file: Option<Spanned<PathText>>,
 }
 
 /// Validated `[fleet]`.
@@ -48,6 +50,8 @@ pub struct FleetSettings {
     pub report_interval: Option<Duration>,
     /// Intervals of silence after which the host is marked down.
     pub down_after: u32,
+    /// CA certificates (PEM) the database's TLS certificate may chain to, beside the system's.
+    pub ca_file: Option<PathBuf>,
 }
 
 /// Every `[fleet]` table of every file; each key's last value wins. `None` when no file has
@@ -62,16 +66,10 @@ pub(crate) fn validate<'a>(
         .clone()
         .filter_map(|t| t.field(|f| f.credentials_file.as_ref()));
     let credentials_file = last_valid(files, |v| {
-        let path = Path::new(v.value.as_str());
-        let result = if path.is_absolute() {
-            Ok(path.to_path_buf())
-        } else {
-            Err(format!(
-                "{} is not an absolute path",
-                Quoted(v.value.as_str())
-            ))
-        };
-        v.check(Key::top("fleet.credentials_file"), result)
+        v.check(
+            Key::top("fleet.credentials_file"),
+            absolute(v.value.as_str()),
+        )
     })?
     .ok_or_else(|| {
         first.error(
@@ -92,18 +90,36 @@ pub(crate) fn validate<'a>(
         v.check(Key::top("fleet.report_interval"), secs)
     })?
     .map(|s| Duration::from_secs(s as u64));
-    let downs = tables.filter_map(|t| t.field(|f| f.down_after.as_ref()));
+    let downs = tables
+        .clone()
+        .filter_map(|t| t.field(|f| f.down_after.as_ref()));
     let down_after = last_valid(downs, |v| {
         let n = v.value.in_range(2, MAX_DOWN_AFTER, " intervals");
         v.check(Key::top("fleet.down_after"), n)
     })?
     .map_or(DEFAULT_DOWN_AFTER, |n| n as u32);
+    let cas = tables
+        .clone()
+        .filter_map(|t| t.field(|f| f.ca_file.as_ref()));
+    let ca_file = last_valid(cas, |v| {
+        v.check(Key::top("fleet.ca_file"), absolute(v.value.as_str()))
+    })?;
     Ok(Some(FleetSettings {
         credentials_file,
         host,
         report_interval,
         down_after,
+        ca_file,
     }))
+}
+
+fn absolute(text: &str) -> Result<PathBuf, String> {
+    let path = Path::new(text);
+    if path.is_absolute() {
+        Ok(path.to_path_buf())
+    } else {
+        Err(format!("{} is not an absolute path", Quoted(text)))
+    }
 }
 
 /// A host name in the fleet: 1 to 64 of `[A-Za-z0-9._-]`, starting with a letter or digit
@@ -146,11 +162,12 @@ mod tests {
                 host: None,
                 report_interval: None,
                 down_after: DEFAULT_DOWN_AFTER,
+                ca_file: None,
             })
         );
         let s = parse(
             "[fleet]\ncredentials_file = \"/c\"\nhost = \"node-1.rack4\"\nreport_interval = 5\n\
-             down_after = 4\n",
+             down_after = 4\nca_file = \"/etc/ssl/fleet-ca.pem\"\n",
         )
         .unwrap()
         .fleet
@@ -158,6 +175,7 @@ mod tests {
         assert_eq!(s.host.as_deref(), Some("node-1.rack4"));
         assert_eq!(s.report_interval, Some(Duration::from_secs(5)));
         assert_eq!(s.down_after, 4);
+        assert_eq!(s.ca_file, Some("/etc/ssl/fleet-ca.pem".into()));
         for (text, wanted) in [
             (
                 "[fleet]\nhost = \"a\"\n",

@@ -5,7 +5,7 @@
 //! - [`conductor`]: the completeness rule and the comparison of a report with the database
 //!   (pure, run inside the report's transaction);
 //! - [`backoff`]: when to try a failed database again (pure);
-//! - [`credentials`]: the connection string, from an owner-only file;
+//! - [`credentials`]: the connection string, from an owner-only file; [`tls`]: rustls;
 //! - [`schema`]: versioned migrations and row-level security;
 //! - [`db`]: the queries (reports, reservations, the operator's views);
 //! - [`reporter`]: the task that reports and turns reservations into local claims.
@@ -19,6 +19,7 @@ pub mod db;
 pub mod record;
 pub mod reporter;
 pub mod schema;
+pub mod tls;
 
 pub use reporter::Reporter;
 
@@ -27,6 +28,8 @@ pub use reporter::Reporter;
 pub enum FleetError {
     #[error(transparent)]
     Credentials(#[from] credentials::CredentialsError),
+    #[error(transparent)]
+    Tls(#[from] tls::TlsError),
     #[error("fleet database")]
     Database(#[from] tokio_postgres::Error),
     #[error("the fleet database's schema is at version {found}, this vfiod needs {needed} (run `vfioctl fleet migrate` with the schema owner's credentials)")]

@@ -152,12 +152,18 @@ impl Worker {
     /// One connection's life: `Ok` when asked to stop, `Err` when the database failed.
     async fn session(&mut self, stopped: &mut oneshot::Receiver<()>) -> Result<(), FleetError> {
         let path = self.credentials.clone();
-        let config = tokio::task::spawn_blocking(move || credentials::read(&path))
-            .await
-            .map_err(|e| FleetError::Internal(e.to_string()))??;
+        let ca_file = self.settings.ca_file.clone();
+        let (config, tls) = tokio::task::spawn_blocking(move || {
+            Ok::<_, FleetError>((
+                credentials::read(&path)?,
+                super::tls::connector(ca_file.as_deref())?,
+            ))
+        })
+        .await
+        .map_err(|e| FleetError::Internal(e.to_string()))??;
         let bound = self.bound();
         let (mut client, connection) = tokio::select! {
-            c = tokio::time::timeout(bound, config.connect(tokio_postgres::NoTls)) => {
+            c = tokio::time::timeout(bound, config.connect(tls)) => {
                 c.map_err(|_| FleetError::Timeout(bound))??
             }
             _ = &mut *stopped => return Ok(()),

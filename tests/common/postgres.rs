@@ -34,6 +34,17 @@ pub struct Postgres {
     as_user: Option<(u32, u32)>,
     /// Commits wait for the disk (the benchmark); off for the tests, whose data is thrown away.
     durable: bool,
+    /// TLS on loopback TCP, when started so: (port, certificate, key).
+    tls: Option<Tls>,
+}
+
+/// A server certificate for 127.0.0.1 signed by a test CA, made with the openssl tool.
+pub struct Tls {
+    pub port: u16,
+    /// The CA's certificate (PEM), what clients must trust.
+    pub ca: PathBuf,
+    cert: PathBuf,
+    key: PathBuf,
 }
 
 /// A directory in memory (`/dev/shm`) unless `TMPDIR` says otherwise (as tests/common's).
@@ -57,9 +68,113 @@ impl Postgres {
         Self::start_in(memory_tempdir(), false)
     }
 
+    /// As [`Postgres::start`], also listening on 127.0.0.1 (a free port) with TLS only
+    /// (`hostssl`), its certificate signed by a CA made for the test.
+    pub fn start_tls() -> Postgres {
+        let dir = memory_tempdir();
+        let certs = dir.path().join("certs");
+        std::fs::create_dir(&certs).unwrap();
+        let openssl = |args: &[&str]| {
+            let out = Command::new("openssl")
+                .args(args)
+                .current_dir(&certs)
+                .output()
+                .expect("run openssl");
+            assert!(
+                out.status.success(),
+                "openssl {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        let ec = [
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+        ];
+        openssl(
+            &[
+                &["req", "-x509"][..],
+                &ec,
+                &[
+                    "-keyout",
+                    "ca.key",
+                    "-out",
+                    "ca.pem",
+                    "-days",
+                    "2",
+                    "-subj",
+                    "/CN=vfiod test CA",
+                ],
+            ]
+            .concat(),
+        );
+        openssl(
+            &[
+                &["req"][..],
+                &ec,
+                &[
+                    "-keyout",
+                    "server.key",
+                    "-out",
+                    "server.csr",
+                    "-subj",
+                    "/CN=127.0.0.1",
+                ],
+            ]
+            .concat(),
+        );
+        std::fs::write(certs.join("ext"), "subjectAltName=IP:127.0.0.1\n").unwrap();
+        openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            "server.pem",
+            "-days",
+            "2",
+            "-extfile",
+            "ext",
+        ]);
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let tls = Tls {
+            port,
+            ca: certs.join("ca.pem"),
+            cert: certs.join("server.pem"),
+            key: certs.join("server.key"),
+        };
+        std::fs::set_permissions(&tls.key, std::fs::Permissions::from_mode(0o600)).unwrap();
+        if nix::unistd::geteuid().is_root() {
+            for p in [&certs, &tls.cert, &tls.key] {
+                std::os::unix::fs::chown(p, Some(65534), Some(65534)).unwrap();
+            }
+        }
+        Self::start_full(dir, false, Some(tls))
+    }
+
+    /// The TLS set-up, when started with [`Postgres::start_tls`].
+    pub fn tls(&self) -> Option<&Tls> {
+        self.tls.as_ref()
+    }
+
     /// The same in `dir`, with `fsync` and synchronous commits when `durable` (a benchmark
     /// wants the real cost of a commit: give it a directory on disk).
     pub fn start_in(dir: tempfile::TempDir, durable: bool) -> Postgres {
+        Self::start_full(dir, durable, None)
+    }
+
+    fn start_full(dir: tempfile::TempDir, durable: bool, tls: Option<Tls>) -> Postgres {
         let as_user = nix::unistd::geteuid()
             .is_root()
             .then_some((65534u32, 65534u32));
@@ -80,6 +195,7 @@ impl Postgres {
             socket_dir,
             as_user,
             durable,
+            tls,
         };
         let pwfile_arg = pwfile.to_str().unwrap().to_string();
         let data_arg = pg.data.to_str().unwrap().to_string();
@@ -145,8 +261,37 @@ impl Postgres {
         } else {
             " -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
         };
+        // With TLS: loopback TCP on the chosen port (the unix socket's name follows the port),
+        // TLS only there.
+        let (port, network) = match &self.tls {
+            None => (PORT, " -c listen_addresses=''".to_string()),
+            Some(t) => (
+                t.port,
+                format!(
+                    " -c listen_addresses=127.0.0.1 -c ssl=on -c ssl_cert_file={} -c ssl_key_file={}",
+                    t.cert.display(),
+                    t.key.display()
+                ),
+            ),
+        };
+        if self.tls.is_some() {
+            // Only TLS over TCP: a plain TCP connection is refused by pg_hba.conf.
+            let hba = self.data.join("pg_hba.conf");
+            let text = std::fs::read_to_string(&hba).unwrap();
+            let text: String = text
+                .lines()
+                .map(|l| {
+                    if l.starts_with("host ") {
+                        format!("hostssl{}\n", &l[4..])
+                    } else {
+                        format!("{l}\n")
+                    }
+                })
+                .collect();
+            std::fs::write(&hba, text).unwrap();
+        }
         let options = format!(
-            "-k {} -c listen_addresses='' -p {PORT} -c max_connections=300{durability}",
+            "-k {} -p {port} -c max_connections=300{network}{durability}",
             self.socket_dir.display()
         );
         let log = self.dir.path().join("server.log");
@@ -224,8 +369,23 @@ impl Postgres {
     /// A libpq connection string for `user` on database `db`.
     pub fn conninfo(&self, user: &str, password: &str, db: &str) -> String {
         format!(
-            "host={} port={PORT} user={user} password={password} dbname={db} connect_timeout=5",
-            self.socket_dir.display()
+            "host={} port={} user={user} password={password} dbname={db} connect_timeout=5",
+            self.socket_dir.display(),
+            self.port()
+        )
+    }
+
+    /// The port (TCP with TLS; else it only names the unix socket).
+    pub fn port(&self) -> u16 {
+        self.tls.as_ref().map_or(PORT, |t| t.port)
+    }
+
+    /// A libpq connection string over loopback TCP with TLS required (a TLS server only).
+    pub fn conninfo_tls(&self, user: &str, password: &str, db: &str) -> String {
+        format!(
+            "host=127.0.0.1 port={} user={user} password={password} dbname={db} \
+             sslmode=require connect_timeout=5",
+            self.port()
         )
     }
 

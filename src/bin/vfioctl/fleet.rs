@@ -15,6 +15,10 @@ pub struct FleetArgs {
     /// A credentials file to use instead (a libpq connection string, mode 0600).
     #[arg(long, conflicts_with = "fleet_config")]
     credentials: Option<PathBuf>,
+    /// With --credentials: CA certificates (PEM) for the database's TLS certificate, beside
+    /// the system's (with --fleet-config: its `[fleet] ca_file`).
+    #[arg(long, requires = "credentials")]
+    ca_file: Option<PathBuf>,
     #[command(subcommand)]
     command: FleetCommand,
 }
@@ -136,9 +140,10 @@ fn filter(f: &FleetFilter) -> Result<db::Filter, String> {
     })
 }
 
-fn credentials_path(args: &FleetArgs) -> Result<PathBuf, String> {
+/// The credentials file and the CA file to use.
+fn credentials_path(args: &FleetArgs) -> Result<(PathBuf, Option<PathBuf>), String> {
     if let Some(p) = &args.credentials {
-        return Ok(p.clone());
+        return Ok((p.clone(), args.ca_file.clone()));
     }
     let (main, dropins, required) = match &args.fleet_config {
         Some(p) => (p.clone(), None, true),
@@ -150,12 +155,15 @@ fn credentials_path(args: &FleetArgs) -> Result<PathBuf, String> {
     };
     let settings = vfiod::config::Settings::load(&main, dropins.as_deref(), required)
         .map_err(|e| vfiod::error_chain(&e))?;
-    settings.fleet.map(|f| f.credentials_file).ok_or_else(|| {
-        format!(
-            "{} has no [fleet] section (give --credentials FILE)",
-            main.display()
-        )
-    })
+    settings
+        .fleet
+        .map(|f| (f.credentials_file, f.ca_file))
+        .ok_or_else(|| {
+            format!(
+                "{} has no [fleet] section (give --credentials FILE)",
+                main.display()
+            )
+        })
 }
 
 fn db_error(e: tokio_postgres::Error) -> String {
@@ -163,12 +171,11 @@ fn db_error(e: tokio_postgres::Error) -> String {
 }
 
 pub async fn run(args: FleetArgs) -> Result<(), String> {
-    let path = credentials_path(&args)?;
+    let (path, ca_file) = credentials_path(&args)?;
     let config = credentials::read(&path).map_err(|e| vfiod::error_chain(&e))?;
-    let (mut client, connection) = config
-        .connect(tokio_postgres::NoTls)
-        .await
-        .map_err(db_error)?;
+    let tls =
+        vfiod::fleet::tls::connector(ca_file.as_deref()).map_err(|e| vfiod::error_chain(&e))?;
+    let (mut client, connection) = config.connect(tls).await.map_err(db_error)?;
     let driver = tokio::spawn(async move {
         let _ = connection.await;
     });
