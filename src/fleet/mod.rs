@@ -5,7 +5,8 @@
 //! - [`conductor`]: the completeness rule and the comparison of a report with the database
 //!   (pure, run inside the report's transaction);
 //! - [`backoff`]: when to try a failed database again (pure);
-//! - [`credentials`]: the connection string, from an owner-only file; [`tls`]: rustls;
+//! - [`credentials`]: the connection string, from an owner-only file;
+//! - [`tls`]: connections, with TLS (rustls) where the host is a network one;
 //! - [`schema`]: versioned migrations and row-level security;
 //! - [`db`]: the queries (reports, reservations, the operator's views);
 //! - [`reporter`]: the task that reports and turns reservations into local claims.

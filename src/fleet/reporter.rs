@@ -18,11 +18,10 @@ use crate::claims::{Owner, Requirements};
 use crate::config::FleetSettings;
 use crate::engine::Engine;
 use crate::model::pci::PciAddress;
-use futures_util::StreamExt;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{oneshot, watch};
 
 /// What the reporter was last able to do, for tests and logs.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -152,25 +151,22 @@ impl Worker {
     /// One connection's life: `Ok` when asked to stop, `Err` when the database failed.
     async fn session(&mut self, stopped: &mut oneshot::Receiver<()>) -> Result<(), FleetError> {
         let path = self.credentials.clone();
-        let ca_file = self.settings.ca_file.clone();
-        let (config, tls) = tokio::task::spawn_blocking(move || {
-            Ok::<_, FleetError>((
-                credentials::read(&path)?,
-                super::tls::connector(ca_file.as_deref())?,
-            ))
-        })
-        .await
-        .map_err(|e| FleetError::Internal(e.to_string()))??;
+        let config = tokio::task::spawn_blocking(move || credentials::read(&path))
+            .await
+            .map_err(|e| FleetError::Internal(e.to_string()))??;
         let bound = self.bound();
-        let (mut client, connection) = tokio::select! {
-            c = tokio::time::timeout(bound, config.connect(tls)) => {
+        let ca_file = self.settings.ca_file.clone();
+        let connection = tokio::select! {
+            c = tokio::time::timeout(bound, super::tls::connect(&config, ca_file.as_deref())) => {
                 c.map_err(|_| FleetError::Timeout(bound))??
             }
             _ = &mut *stopped => return Ok(()),
         };
-        let (notes_tx, mut notes) = mpsc::unbounded_channel();
-        let driver = tokio::spawn(drive(connection, notes_tx));
-        let _driver = AbortOnDrop(driver);
+        let super::tls::Connection {
+            mut client,
+            mut notes,
+            driver: _driver,
+        } = connection;
         let version = self.bounded(db::schema_version(&client)).await?;
         if version < super::schema::VERSION {
             return Err(FleetError::SchemaTooOld {
@@ -356,36 +352,4 @@ impl Worker {
 /// How a local claim names the fleet reservation it was made for (`requested_by` starts so).
 pub fn reservation_tag(id: i64) -> String {
     format!("fleet reservation {id} ")
-}
-
-/// Drives the connection, handing notifications' payloads on; ends when it closes (the sender
-/// drops, which the session sees as a closed connection).
-async fn drive<S, T>(
-    mut connection: tokio_postgres::Connection<S, T>,
-    notes: mpsc::UnboundedSender<String>,
-) where
-    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
-    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
-{
-    let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
-    while let Some(m) = messages.next().await {
-        match m {
-            Ok(tokio_postgres::AsyncMessage::Notification(n)) => {
-                let _ = notes.send(n.payload().to_string());
-            }
-            Ok(_) => {}
-            Err(e) => {
-                tracing::debug!("fleet: connection ended: {e}");
-                break;
-            }
-        }
-    }
-}
-
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
 }

@@ -1,11 +1,14 @@
-//! TLS to the fleet database: rustls with the ring provider, the system's CA certificates and,
+//! Connections to the fleet database ([`connect`]: the client, its notifications, the task
+//! that drives it) and their TLS: rustls with the ring provider, the system's CA certificates and,
 //! if configured, the operator's own CA (`[fleet] ca_file`). The server's certificate is always
 //! verified against those, for its host name: `sslmode=require` in the connection string asks
 //! for TLS, `prefer` (the default) uses it when the server offers it, `disable` never. Unix
 //! sockets never use TLS (the server does not offer it there).
 
+use futures_util::StreamExt;
 use std::path::Path;
 use std::sync::Arc;
+use tokio::sync::mpsc;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
@@ -51,6 +54,86 @@ pub fn connector(
         .with_root_certificates(roots)
         .with_no_client_auth();
     Ok(tokio_postgres_rustls::MakeRustlsConnect::new(config))
+}
+
+/// An open connection: the client, the notifications' payloads (the channel closes with the
+/// connection), and the task that drives it (aborted when this is dropped).
+pub struct Connection {
+    pub client: tokio_postgres::Client,
+    pub notes: mpsc::UnboundedReceiver<String>,
+    pub driver: AbortOnDrop,
+}
+
+/// Connects as `config` says: without TLS when every host is a unix socket or `sslmode` is
+/// `disable` (a unix socket has no host name to verify, and the server offers no TLS there),
+/// else with [`connector`].
+pub async fn connect(
+    config: &tokio_postgres::Config,
+    ca_file: Option<&Path>,
+) -> Result<Connection, super::FleetError> {
+    use tokio_postgres::config::{Host, SslMode};
+    let (notes_tx, notes) = mpsc::unbounded_channel();
+    let plain = config.get_ssl_mode() == SslMode::Disable
+        || config
+            .get_hosts()
+            .iter()
+            .all(|h| matches!(h, Host::Unix(_)));
+    let (client, driver) = if plain {
+        let (client, connection) = config.connect(tokio_postgres::NoTls).await?;
+        (client, tokio::spawn(drive(connection, notes_tx)))
+    } else {
+        let (client, connection) = config.connect(connector(ca_file)?).await?;
+        (client, tokio::spawn(drive(connection, notes_tx)))
+    };
+    Ok(Connection {
+        client,
+        notes,
+        driver: AbortOnDrop(Some(driver)),
+    })
+}
+
+/// Drives the connection, handing notifications' payloads on; ends when it closes (the sender
+/// drops, which the session sees as a closed connection).
+async fn drive<S, T>(
+    mut connection: tokio_postgres::Connection<S, T>,
+    notes: mpsc::UnboundedSender<String>,
+) where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
+    while let Some(m) = messages.next().await {
+        match m {
+            Ok(tokio_postgres::AsyncMessage::Notification(n)) => {
+                let _ = notes.send(n.payload().to_string());
+            }
+            Ok(_) => {}
+            Err(e) => {
+                tracing::debug!("fleet: connection ended: {e}");
+                break;
+            }
+        }
+    }
+}
+
+/// Aborts the task when dropped.
+pub struct AbortOnDrop(Option<tokio::task::JoinHandle<()>>);
+
+impl AbortOnDrop {
+    /// Waits for the task to end by itself.
+    pub async fn join(mut self) {
+        if let Some(h) = self.0.take() {
+            let _ = h.await;
+        }
+    }
+}
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        if let Some(h) = &self.0 {
+            h.abort();
+        }
+    }
 }
 
 #[cfg(test)]

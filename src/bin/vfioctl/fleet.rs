@@ -173,15 +173,15 @@ fn db_error(e: tokio_postgres::Error) -> String {
 pub async fn run(args: FleetArgs) -> Result<(), String> {
     let (path, ca_file) = credentials_path(&args)?;
     let config = credentials::read(&path).map_err(|e| vfiod::error_chain(&e))?;
-    let tls =
-        vfiod::fleet::tls::connector(ca_file.as_deref()).map_err(|e| vfiod::error_chain(&e))?;
-    let (mut client, connection) = config.connect(tls).await.map_err(db_error)?;
-    let driver = tokio::spawn(async move {
-        let _ = connection.await;
-    });
+    let vfiod::fleet::tls::Connection {
+        mut client, driver, ..
+    } = vfiod::fleet::tls::connect(&config, ca_file.as_deref())
+        .await
+        .map_err(|e| vfiod::error_chain(&e))?;
     let result = command(&mut client, args.command).await;
+    // The driver ends once the client is gone (it tells the server goodbye).
     drop(client);
-    let _ = driver.await;
+    driver.join().await;
     result
 }
 
