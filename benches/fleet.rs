@@ -98,7 +98,7 @@ fn database_cpu(postmaster: i32) -> f64 {
 }
 
 fn device(i: usize, host: usize) -> Device {
-    // 4 SR-IOV PFs with 24 VFs each, and 4 plain functions: 100.
+    // 4 SR-IOV PFs (24, 24, 24 and 20 VFs) and 4 GPUs: 100 functions.
     let pf = i / 25;
     let index = i % 25;
     let (role, device_id, parent) = match (i >= 100 - 4, index) {
