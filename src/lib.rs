@@ -20,6 +20,7 @@ pub mod pooled; // pooled devices through a live migration: prepare-move, quiesc
 pub mod engine; // the engine: inventory passes, reconcile, tasks and the jobs they run
 pub mod dbus; // the D-Bus API: one module per object kind, named errors, polkit
 pub mod client; // D-Bus client side: proxies, the JSON device view, vfioctl tables
+pub mod fleet; // the fleet database on PostgreSQL: reports, the conductor, reservations
 pub mod server; // assembles store, engine, D-Bus service and loop into a running daemon
 pub mod demo; // vfiod --demo-pool: a pooled session handed between two simulated hosts
 

@@ -44,6 +44,8 @@ pub struct Server {
     pub engine: Arc<Engine>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<()>,
+    /// The fleet reporter, when `[fleet]` is configured.
+    pub fleet: Option<crate::fleet::Reporter>,
     /// Held while the server lives: one daemon per state directory.
     _state_lock: crate::store::lock::StateDirLock,
 }
@@ -138,6 +140,14 @@ impl Server {
         engine.flush().await;
         dbus::take_name(&conn).await?;
         tracing::info!("serving {} on {:?}", dbus::BUS_NAME, opts.bus);
+        // The fleet comes last and runs beside the daemon: a database that is slow or gone
+        // never delays the start nor anything local.
+        let fleet = engine.settings().fleet.clone().map(|f| {
+            let host = crate::fleet::host_name(f.host.as_deref());
+            let interval = f.report_interval.unwrap_or(engine.settings().poll_interval);
+            tracing::info!(host, "reporting to the fleet database every {interval:?}");
+            crate::fleet::Reporter::start(Arc::clone(&engine), &f, host, interval)
+        });
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let e = Arc::clone(&engine);
         let events = opts.events;
@@ -152,12 +162,16 @@ impl Server {
             engine,
             stop: Some(stop),
             task,
+            fleet,
             _state_lock: state_lock,
         })
     }
 
     /// Stops the loop and releases the bus name, within [`STOP_GRACE`].
     pub async fn stop(mut self) {
+        if let Some(f) = self.fleet.take() {
+            f.stop().await;
+        }
         if let Some(s) = self.stop.take() {
             let _ = s.send(());
         }

@@ -1,6 +1,9 @@
 //! `vfioctl`: the command-line client of vfiod. See `vfioctl --help`.
 
 use clap::{Parser, Subcommand};
+
+#[path = "vfioctl/fleet.rs"]
+mod fleet;
 use std::process::ExitCode;
 use vfiod::client::{self, claims, ClientError};
 use vfiod::dbus::BusTarget;
@@ -79,6 +82,9 @@ enum Command {
     /// Tasks: start one, show one, reset a device's failed task, list history.
     #[command(subcommand)]
     Task(TaskCommand),
+    /// The fleet's accelerator database (PostgreSQL): hosts, devices, fleet claims. Talks to
+    /// the database, not to a local vfiod.
+    Fleet(fleet::FleetArgs),
     /// Claim the best device that matches for a VM (needs authorization): recorded durably,
     /// with the device's whole IOMMU group. Prints the claim.
     Claim {
@@ -492,6 +498,18 @@ async fn main() -> ExitCode {
             unreachable!("matched above")
         };
         return hook(target, command).await;
+    }
+    if let Command::Fleet(_) = &args.command {
+        let Command::Fleet(f) = args.command else {
+            unreachable!("matched above")
+        };
+        return match fleet::run(f).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("vfioctl: {e}");
+                ExitCode::FAILURE
+            }
+        };
     }
     match run(args).await {
         Ok(()) => ExitCode::SUCCESS,
@@ -968,6 +986,7 @@ async fn run(args: Args) -> Result<(), String> {
             start_and_follow(&conn, path, wait).await?;
         }
         Command::Hook(_) => unreachable!("vfioctl hook is run before connecting"),
+        Command::Fleet(_) => unreachable!("vfioctl fleet is run before connecting"),
         Command::Reload => {
             let m = client::manager(&conn).await.map_err(describe)?;
             m.reload().await.map_err(|e| describe(e.into()))?;

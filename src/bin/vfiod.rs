@@ -209,6 +209,23 @@ fn print_settings(s: &Settings) {
             p.quiesce_at.as_str()
         );
     }
+    match &s.fleet {
+        None => println!("fleet: off"),
+        Some(f) => {
+            let interval = f.report_interval.unwrap_or(s.poll_interval);
+            println!(
+                "fleet: host {}, report every {}s, down after {} intervals, credentials {}",
+                vfiod::fleet::host_name(f.host.as_deref()),
+                interval.as_secs(),
+                f.down_after,
+                f.credentials_file.display()
+            );
+            // The file is checked now as the daemon will check it (mode, type, syntax).
+            if let Err(e) = vfiod::fleet::credentials::read(&f.credentials_file) {
+                eprintln!("warning: {}", error_chain(&e));
+            }
+        }
+    }
     // Warnings, not errors: the module may be installed after the configuration is written.
     for warning in vfiod::host::modules::driver_warnings(s, &s.sysfs_root) {
         eprintln!("warning: {warning}");

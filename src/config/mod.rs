@@ -79,6 +79,7 @@
 
 mod bounded;
 mod claims;
+mod fleet;
 mod fpga;
 mod hooks;
 mod images;
@@ -100,6 +101,7 @@ pub use daemon::{Scenario, DEFAULT_LIBVIRT_URI};
 pub(crate) use error::Quoted;
 pub use error::{ConfigError, FileRefusal};
 pub use files::{MAX_DROPINS, MAX_FILE_BYTES, MAX_TOTAL_BYTES};
+pub use fleet::{check_host_name, FleetSettings, DEFAULT_DOWN_AFTER};
 pub use fpga::{FpgaBackend, FpgaRule};
 pub use hooks::HookSettings;
 pub use images::{ImageSettings, MAX_DOWNLOAD_SECONDS};
@@ -151,6 +153,8 @@ pub struct Settings {
     pub pools: Vec<PoolSettings>,
     /// What the pools know this host as (`host_name`; default: the machine's host name).
     pub host_name: String,
+    /// `[fleet]`: reports to the fleet's database; `None` = off.
+    pub fleet: Option<FleetSettings>,
     /// files that were read, in order (for logs and `vfioctl` status)
     pub sources: Vec<PathBuf>,
 }
@@ -174,6 +178,7 @@ impl Default for Settings {
             fpga: Vec::new(),
             pools: Vec::new(),
             host_name: daemon.host_name,
+            fleet: None,
             sources: Vec::new(),
         }
     }
@@ -268,6 +273,7 @@ fn settle(inputs: &Inputs) -> Result<Settings, ConfigError> {
         fpga: fpga::validate(inputs.entries(|f| &f.fpga))?,
         pools: pool::validate(inputs.entries(|f| &f.pool))?,
         host_name: daemon.host_name,
+        fleet: fleet::validate(inputs.values(|f| f.fleet.as_ref()))?,
         sources: inputs.sources(),
     })
 }

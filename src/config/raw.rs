@@ -13,6 +13,7 @@
 use super::bounded::{Int, Keyword, PathText};
 use super::claims::RawClaims;
 use super::error::{bound_message, ConfigError, Key};
+use super::fleet::RawFleet;
 use super::fpga::RawFpga;
 use super::hooks::RawHooks;
 use super::images::RawImages;
@@ -48,6 +49,7 @@ pub(crate) struct RawFile {
     pub fpga: Vec<Spanned<RawFpga>>,
     #[serde(default)]
     pub pool: Vec<Spanned<RawPool>>,
+    pub fleet: Option<Spanned<RawFleet>>,
 }
 
 /// One file: where it came from and its text (for positions in errors), and what it says.

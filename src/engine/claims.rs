@@ -107,12 +107,16 @@ impl super::Engine {
         F: FnOnce(&super::Core) -> Result<Vec<ClaimRecord>, StoreError> + Send + 'static,
     {
         let (publishing, events) = (Arc::clone(&self.publishing), self.events.clone());
+        let changes = Arc::clone(&self.changes);
         let claims = self
             .read(move |core| {
                 let _publishing = publishing.lock().unwrap_or_else(|p| p.into_inner());
                 let claims = change(core)?;
                 for c in &claims {
                     let _ = events.send(EngineEvent::Claim(c.clone()));
+                }
+                if !claims.is_empty() {
+                    super::bump(&changes);
                 }
                 Ok::<_, StoreError>(claims)
             })
@@ -136,6 +140,7 @@ impl super::Engine {
                 queue: Arc::clone(&self.claims),
                 publishing: Arc::clone(&self.publishing),
                 events: self.events.clone(),
+                changes: Arc::clone(&self.changes),
             };
             tokio::task::spawn_blocking(move || committer.run());
         }
@@ -159,6 +164,7 @@ struct Committer {
     queue: Arc<Mutex<ClaimQueue>>,
     publishing: Arc<Mutex<()>>,
     events: super::events::EventSender,
+    changes: Arc<tokio::sync::watch::Sender<u64>>,
 }
 
 impl Committer {
@@ -189,6 +195,7 @@ impl Committer {
                 answers.push((result, reply));
             }
             drop(publishing);
+            super::bump(&self.changes);
             for (result, reply) in answers {
                 // The caller may have gone (a dropped D-Bus call): the change stands anyway.
                 let _ = reply.send(result);

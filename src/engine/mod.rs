@@ -58,6 +58,9 @@ pub struct Engine {
     incoming: migration::Incoming,
     /// The pools' clients and the queue of pooled steps (see [`pooled`]).
     pools: pooled::Pools,
+    /// Counts committed changes of devices, claims and tasks: a watcher (the fleet reporter)
+    /// learns that something changed without the engine waiting for it or queueing anything.
+    changes: Arc<watch::Sender<u64>>,
 }
 
 impl Engine {
@@ -73,6 +76,7 @@ impl Engine {
             claims: Arc::default(),
             incoming: migration::Incoming::default(),
             pools: pooled::Pools::default(),
+            changes: Arc::new(watch::channel(0).0),
         };
         (Arc::new(engine), stream)
     }
@@ -108,6 +112,16 @@ impl Engine {
         )
     }
 
+    /// A receiver that sees the count of committed changes move (the newest value only: a
+    /// slow watcher misses nothing but intermediate counts).
+    pub fn subscribe_changes(&self) -> watch::Receiver<u64> {
+        self.changes.subscribe()
+    }
+
+    fn changed(&self) {
+        bump(&self.changes);
+    }
+
     fn send(&self, event: EngineEvent) {
         // No consumer (a test, a benchmark): nobody to tell.
         let _ = self.events.send(event);
@@ -137,11 +151,13 @@ impl Engine {
     pub async fn refresh(&self) -> Result<Pass, EngineError> {
         let _guard = self.pass_lock.lock().await;
         let (publishing, events) = (Arc::clone(&self.publishing), self.events.clone());
+        let changes = Arc::clone(&self.changes);
         self.read(move |core| {
             let pass = core.refresh()?;
             if pass.changes.is_empty() {
                 return Ok(pass);
             }
+            bump(&changes);
             let _publishing = publishing.lock().unwrap_or_else(|p| p.into_inner());
             let mut tasks = Vec::new();
             for c in &pass.changes {
@@ -185,6 +201,9 @@ impl Engine {
             devices,
         });
         drop(publishing);
+        if change == tasks::Change::State {
+            self.changed();
+        }
         let mut watches = self.watches.lock().unwrap_or_else(|p| p.into_inner());
         if task.state.is_final() {
             if let Some(w) = watches.remove(&task.id) {
@@ -358,4 +377,9 @@ impl Engine {
             }
         }
     }
+}
+
+/// Counts one more committed change.
+fn bump(changes: &watch::Sender<u64>) {
+    changes.send_modify(|n| *n = n.wrapping_add(1));
 }

@@ -17,6 +17,7 @@ use zbus::{MessageStream, OwnedVariant};
 
 pub mod libvirtd;
 pub mod polkit;
+pub mod postgres;
 pub mod proxies;
 pub mod test_job;
 
