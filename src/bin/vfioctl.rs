@@ -318,28 +318,28 @@ enum HookCommand {
 
 /// What a claim asks for; every option is optional and all must match.
 #[derive(clap::Args, Debug)]
-struct Requirements {
+pub(crate) struct Requirements {
     /// Device kind: gpu, fpga, crypto, nvme, nic, other.
     #[arg(long)]
-    kind: Option<vfiod::model::device::Kind>,
+    pub(crate) kind: Option<vfiod::model::device::Kind>,
     /// Vendor:device id, as lspci -n prints it ("8086:154c", or "8086:*").
     #[arg(long)]
-    id: Option<String>,
+    pub(crate) id: Option<String>,
     /// Only VFs.
     #[arg(long, conflicts_with = "pf")]
-    vf: bool,
+    pub(crate) vf: bool,
     /// Only SR-IOV PFs (whole).
     #[arg(long)]
-    pf: bool,
+    pub(crate) pf: bool,
     /// Only devices on this NUMA node.
     #[arg(long)]
-    numa: Option<i32>,
+    pub(crate) numa: Option<i32>,
     /// Exactly this device (DDDD:BB:SS.F).
     #[arg(long)]
-    address: Option<String>,
+    pub(crate) address: Option<String>,
     /// Only VFs of this PF.
     #[arg(long)]
-    parent: Option<String>,
+    pub(crate) parent: Option<String>,
 }
 
 impl Requirements {

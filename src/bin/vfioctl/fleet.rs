@@ -23,33 +23,14 @@ pub struct FleetArgs {
     command: FleetCommand,
 }
 
-/// Filters like FindDevices', plus the host.
-#[derive(ClapArgs, Debug, Clone)]
+/// Filters like FindDevices' (the same options as `vfioctl find`), plus the host.
+#[derive(ClapArgs, Debug)]
 pub struct FleetFilter {
     /// Only this host.
     #[arg(long)]
     host: Option<String>,
-    /// Device kind: gpu, fpga, crypto, nvme, nic, other.
-    #[arg(long)]
-    kind: Option<vfiod::model::device::Kind>,
-    /// Vendor:device id ("8086:154c", or "8086:*").
-    #[arg(long)]
-    id: Option<String>,
-    /// Only VFs.
-    #[arg(long, conflicts_with = "pf")]
-    vf: bool,
-    /// Only SR-IOV PFs.
-    #[arg(long)]
-    pf: bool,
-    /// Only devices on this NUMA node.
-    #[arg(long)]
-    numa: Option<i32>,
-    /// Exactly this device (DDDD:BB:SS.F).
-    #[arg(long)]
-    address: Option<String>,
-    /// Only VFs of this PF.
-    #[arg(long)]
-    parent: Option<String>,
+    #[command(flatten)]
+    requirements: super::Requirements,
 }
 
 #[derive(Subcommand, Debug)]
@@ -105,7 +86,8 @@ enum FleetCommand {
     AddHost { host: String, role: String },
 }
 
-fn filter(f: &FleetFilter) -> Result<db::Filter, String> {
+fn filter(filter: &FleetFilter) -> Result<db::Filter, String> {
+    let f = &filter.requirements;
     let (vendor_id, device_id) = match &f.id {
         Some(id) => {
             let (v, d) = vfiod::claims::Requirements::parse_id(id)?;
@@ -123,7 +105,7 @@ fn filter(f: &FleetFilter) -> Result<db::Filter, String> {
             .transpose()
     };
     Ok(db::Filter {
-        host: f.host.clone(),
+        host: filter.host.clone(),
         kind: f.kind.map(|k| k.as_str().to_string()),
         vendor_id,
         device_id,
