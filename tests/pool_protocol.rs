@@ -407,6 +407,38 @@ async fn the_driver_told_of_its_new_host_follows_too() {
 }
 
 #[tokio::test]
+async fn a_second_driver_on_a_numbered_session_is_refused_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let pool = start(dir.path(), |_| {}).await;
+    let c = client(&pool);
+    let s = c.create_session("dev0", "host-a", "vm1").await.unwrap();
+    let (d, _handle) = driver::driver(client(&pool), DriverConfig::new(&s.id, "host-a", 100));
+    let first = d.run().await.unwrap();
+    assert_eq!((first.received, first.lost), (100, 0), "{first}");
+    // Its items 1..=100 are the session's: a new driver numbering from 1 again would wait for
+    // results that went to the first one, until it gave up. It says so at its first batch.
+    let mut cfg = DriverConfig::new(&s.id, "host-a", 500);
+    cfg.give_up = Duration::from_secs(60);
+    let (d, _handle) = driver::driver(client(&pool), cfg);
+    let t = Instant::now();
+    let err = d
+        .run()
+        .await
+        .expect_err("a second driver on a numbered session ran");
+    assert!(
+        t.elapsed() < Duration::from_secs(10),
+        "refused after {:?}",
+        t.elapsed()
+    );
+    let msg = err.to_string();
+    assert!(
+        msg.contains("items up to 100") && msg.contains("another driver"),
+        "{msg}"
+    );
+    pool.stop().await;
+}
+
+#[tokio::test]
 async fn every_protocol_route_is_served() {
     let dir = tempfile::tempdir().unwrap();
     let pool = start(dir.path(), |_| {}).await;

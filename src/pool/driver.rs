@@ -160,6 +160,17 @@ pub enum DriverError {
         #[source]
         source: PoolError,
     },
+    /// The session has items numbered past any this driver sent: another driver streamed to it
+    /// before. Its results went to that driver, so this one would wait for them forever.
+    #[error(
+        "session {session}: the pool has items up to {last_seq}, this driver sent up to {ours}: \
+         another driver numbered this session's items (a driver streams to a session once)"
+    )]
+    Foreign {
+        session: String,
+        last_seq: u64,
+        ours: u64,
+    },
 }
 
 /// Tells a running driver where it runs, and shows its progress.
@@ -291,6 +302,7 @@ impl Driver {
             longest_gap_end: Duration::ZERO,
         };
         let mut last_progress = Instant::now();
+        let mut sent_up_to = 0;
         let complete = loop {
             if *self.stop.borrow() {
                 break false;
@@ -323,7 +335,16 @@ impl Driver {
                         payload: payload(cfg.seed, seq),
                     })
                     .collect();
+                sent_up_to = sent_up_to.max(end - 1);
                 match self.client.submit_items(&cfg.session, &host, &batch).await {
+                    // A retried batch may be repeated; numbers this driver never sent may not.
+                    Ok(sub) if sub.last_seq > sent_up_to => {
+                        return Err(DriverError::Foreign {
+                            session: cfg.session.clone(),
+                            last_seq: sub.last_seq,
+                            ours: sent_up_to,
+                        })
+                    }
                     Ok(_) => {
                         t.next = end;
                         moved = true;
