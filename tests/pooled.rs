@@ -271,12 +271,12 @@ async fn a_session_follows_its_vm_from_one_host_to_another() {
     assert_eq!((now[0].state.as_str(), now[0].epoch), ("leased", 2));
     let s = pool.client().session(&c.session).await.unwrap();
     assert_eq!((s.host.as_str(), s.epoch), ("hostb", 2));
-    // B's object shows the new epoch, and where the session came from.
+    // B's object shows the new epoch; the session has landed (no longer incoming from A).
     let object = vfiod::client::pool::pooled_claim(&b.client, now[0].id)
         .await
         .unwrap();
     assert_eq!(object.epoch().await.unwrap(), 2);
-    assert_eq!(object.peer_host().await.unwrap(), "hosta");
+    assert_eq!(object.peer_host().await.unwrap(), "");
 
     // 4. Source, stopped after the migration: forgotten, no pool call (the pool still says B).
     let (code, _, _) = hook(&a, "stopped", "end", &xml).await;
@@ -303,6 +303,37 @@ async fn a_session_follows_its_vm_from_one_host_to_another() {
     assert!(pool_events(&b)
         .iter()
         .any(|(_, m)| m.contains("prepare-move at epoch 1")));
+
+    // 5. And back, B -> A: B, the source now, forgets at its stopped hook; it must not take its
+    // claim (which came in from A) for a failed incoming migration and resume it on A itself.
+    let xml = domain_xml(&[session_of(&now[0], "hostb")]);
+    let (code, _, message) = hook(&a, "migrate", "begin", &xml).await;
+    assert_eq!(code, 0, "{message}");
+    let done = engine(&b).quiesce_pooled("vm1", Some(UUID)).await;
+    assert_eq!(done[0].error, None, "{done:?}");
+    let done = engine(&a).resume_pooled("vm1", Some(UUID)).await;
+    assert_eq!(done[0].error, None, "{done:?}");
+    let (code, _, _) = hook(&b, "stopped", "end", &xml).await;
+    assert_eq!(code, 0);
+    eventually_async(Duration::from_secs(5), "hostb forgets", || async {
+        claims(&b, false).await.is_empty().then_some(())
+    })
+    .await;
+    let b_steps: Vec<String> = pool_events(&b).into_iter().map(|(_, m)| m).collect();
+    assert!(
+        b_steps
+            .iter()
+            .any(|m| m.contains("forgotten, no pool call"))
+            && !b_steps.iter().any(|m| m.contains("resumed on its source")),
+        "{b_steps:#?}"
+    );
+    let back = claims(&a, false).await;
+    assert_eq!(
+        (back.len(), back[0].state.as_str(), back[0].epoch),
+        (1, "leased", 3)
+    );
+    let s = pool.client().session(&c.session).await.unwrap();
+    assert_eq!((s.host.as_str(), s.epoch), ("hosta", 3));
 }
 
 /// A source fenced out (the destination took the session over) gets 409 stale epoch once,

@@ -129,8 +129,10 @@ impl Store {
                 reason: format!("epoch {epoch} is out of range"),
             })?;
             conn.execute(
-                "UPDATE pooled_claims SET state = ?2, epoch = ?3, reason = ?4, updated_ms = ?5 \
-                 WHERE id = ?1",
+                // A session that runs here (leased) has landed: it is no longer incoming, and
+                // a later stop of its domain must not take it for a failed incoming migration.
+                "UPDATE pooled_claims SET state = ?2, epoch = ?3, reason = ?4, updated_ms = ?5, \
+                 peer_host = CASE WHEN ?2 = 'leased' THEN NULL ELSE peer_host END WHERE id = ?1",
                 params![id, step.state.as_str(), epoch, step.reason, now],
             )
             .map_err(|e| self.sqlite(action, e))?;
