@@ -11,7 +11,7 @@ use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
+use rusqlite::{params, Connection, OptionalExtension, Transaction, TransactionBehavior};
 
 use super::state::SessionRecord;
 use crate::pool::protocol::{SessionState, WorkItem, WorkResult};
@@ -173,6 +173,25 @@ impl Store {
         Ok(store)
     }
 
+    /// A write transaction (taken at once: `BEGIN IMMEDIATE`) at the durability `durable` asks
+    /// for (see [`Self::durable`]), and the mapping of its SQLite errors to this file's.
+    fn begin(
+        &mut self,
+        durable: bool,
+    ) -> Result<(Transaction<'_>, impl Fn(rusqlite::Error) -> StoreError), StoreError> {
+        self.durable(durable)?;
+        let path = self.path.clone();
+        let sql = move |source| StoreError::Sqlite {
+            path: path.clone(),
+            source,
+        };
+        let tx = self
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(&sql)?;
+        Ok((tx, sql))
+    }
+
     fn sql(&self, source: rusqlite::Error) -> StoreError {
         StoreError::Sqlite {
             path: self.path.clone(),
@@ -312,16 +331,7 @@ impl Store {
     /// Writes a session's new state (a transition [`super::state::apply`] decided). A release
     /// also drops the session's queued items and undelivered results.
     pub fn update_session(&mut self, rec: &SessionRecord) -> Result<(), StoreError> {
-        self.durable(true)?;
-        let path = self.path.clone();
-        let sql = |source| StoreError::Sqlite {
-            path: path.clone(),
-            source,
-        };
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(sql)?;
+        let (tx, ref sql) = self.begin(true)?;
         tx.execute(
             "UPDATE sessions SET host = ?2, epoch = ?3, state = ?4, moving_to = ?5,
                  quiesce_deadline_ms = ?6, last_note = ?7, resumed_from = ?8
@@ -362,16 +372,7 @@ impl Store {
     /// Queues the items numbered above the session's `last_seq`; the others are repeats of a
     /// submission already accepted. Returns (accepted, repeated, new last_seq).
     pub fn submit(&mut self, id: &str, items: &[WorkItem]) -> Result<(u64, u64, u64), StoreError> {
-        self.durable(false)?;
-        let path = self.path.clone();
-        let sql = |source| StoreError::Sqlite {
-            path: path.clone(),
-            source,
-        };
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(sql)?;
+        let (tx, ref sql) = self.begin(false)?;
         let mut last: u64 = tx
             .query_row("SELECT last_seq FROM sessions WHERE id = ?1", [id], |r| {
                 r.get(0)
@@ -421,16 +422,7 @@ impl Store {
     /// Completes an item: its result replaces it, in one transaction (the clean point). False
     /// when the item is no longer queued (the session was released meanwhile).
     pub fn complete(&mut self, id: &str, result: WorkResult) -> Result<bool, StoreError> {
-        self.durable(false)?;
-        let path = self.path.clone();
-        let sql = |source| StoreError::Sqlite {
-            path: path.clone(),
-            source,
-        };
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(sql)?;
+        let (tx, ref sql) = self.begin(false)?;
         let n = tx
             .execute(
                 "DELETE FROM items WHERE session = ?1 AND seq = ?2",
@@ -451,16 +443,7 @@ impl Store {
     /// Forgets the results numbered `<= ack` (the owner holds them) and returns up to `max`
     /// of the others, oldest first.
     pub fn fetch(&mut self, id: &str, ack: u64, max: u64) -> Result<Vec<WorkResult>, StoreError> {
-        self.durable(false)?;
-        let path = self.path.clone();
-        let sql = |source| StoreError::Sqlite {
-            path: path.clone(),
-            source,
-        };
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(sql)?;
+        let (tx, ref sql) = self.begin(false)?;
         if ack > 0 {
             tx.execute(
                 "DELETE FROM results WHERE session = ?1 AND seq <= ?2",
