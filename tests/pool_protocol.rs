@@ -770,3 +770,72 @@ async fn tls_with_client_certificates_refuses_an_unknown_client() {
     assert!(plain.health().await.is_err());
     pool.stop().await;
 }
+
+/// `vfiod-pool drive` as the nested domain runs it (tests/vm pool_migration): a session leased,
+/// every item streamed and received once, progress lines on stderr while it runs, the report as
+/// JSON on stdout and exit 0; and a driver that finds the session's items numbered by another
+/// exits non-zero with that reason.
+#[test]
+fn the_drive_command_reports_progress_and_a_clean_count() {
+    let dir = tempfile::tempdir().unwrap();
+    let pool = spawn_pool(
+        &dir.path().join("state"),
+        LOOPBACK,
+        &["--item-time-ms", "1"],
+    );
+    let url = pool.url.as_str();
+    let drive = |extra: &[&str]| {
+        Command::new(BIN)
+            .args(["drive", "--url", url, "--host", "host-a", "--json"])
+            .args(extra)
+            .env("VFIOD_LOG", "warn")
+            .output()
+            .unwrap()
+    };
+    let out = drive(&["--items", "400", "--progress", "0.05"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "drive failed: {stderr}");
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        (
+            &report["submitted"],
+            &report["received"],
+            &report["lost"],
+            &report["duplicated"],
+            &report["wrong"],
+            &report["complete"]
+        ),
+        (
+            &400.into(),
+            &400.into(),
+            &0.into(),
+            &0.into(),
+            &0.into(),
+            &true.into()
+        ),
+        "{report}"
+    );
+    let progress: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.starts_with("vfiod-pool drive: ") && l.ends_with(" on host-a"))
+        .collect();
+    assert!(
+        !progress.is_empty(),
+        "no progress line on stderr:\n{stderr}"
+    );
+    let session = report["session"].as_str().unwrap();
+
+    // The same session again: its items are numbered already.
+    let again = drive(&["--session", session, "--items", "10", "--give-up", "2"]);
+    assert!(!again.status.success());
+    let err = String::from_utf8_lossy(&again.stderr);
+    assert!(err.contains("another driver numbered"), "{err}");
+    // A negative interval is refused before anything runs.
+    let bad = drive(&["--items", "10", "--progress=-1"]);
+    assert!(!bad.status.success());
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("--progress: -1 is not a number of seconds"),
+        "{}",
+        String::from_utf8_lossy(&bad.stderr)
+    );
+}

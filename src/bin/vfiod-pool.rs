@@ -112,6 +112,10 @@ struct DriveArgs {
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
+    /// Every this many seconds, one line of progress on stderr (where the driver is, what it
+    /// sent and got back); 0: none.
+    #[arg(long, default_value_t = 0.0)]
+    progress: f64,
 }
 
 fn init_logging() {
@@ -192,6 +196,9 @@ async fn serve(a: ServeArgs) -> Result<ExitCode, String> {
 }
 
 async fn drive(a: DriveArgs) -> Result<ExitCode, String> {
+    // Bad numbers are refused before a session is leased.
+    let every = seconds("--progress", a.progress)?;
+    let give_up = seconds("--give-up", a.give_up)?;
     let mut ep = PoolEndpoint::new(a.url);
     ep.ca_file = a.ca_file;
     ep.cert_file = a.cert;
@@ -214,9 +221,28 @@ async fn drive(a: DriveArgs) -> Result<ExitCode, String> {
     let mut cfg = DriverConfig::new(&session, &a.host, a.items);
     cfg.window = a.window.max(1);
     cfg.follow_session = !a.no_follow;
-    cfg.give_up = seconds("--give-up", a.give_up)?;
-    let (d, _handle) = driver::driver(client, cfg);
-    let report = d.run().await.map_err(|e| error_chain(&e))?;
+    cfg.give_up = give_up;
+    let (d, handle) = driver::driver(client, cfg);
+    let run = d.run();
+    tokio::pin!(run);
+    let result = if every.is_zero() {
+        run.await
+    } else {
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        loop {
+            tokio::select! {
+                r = &mut run => break r,
+                _ = tick.tick() => {
+                    let p = handle.progress();
+                    eprintln!(
+                        "vfiod-pool drive: {} submitted, {} received, on {}",
+                        p.submitted, p.received, p.host
+                    );
+                }
+            }
+        }
+    };
+    let report = result.map_err(|e| error_chain(&e))?;
     if a.json {
         println!(
             "{}",

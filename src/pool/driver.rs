@@ -32,8 +32,11 @@ pub struct DriverConfig {
     /// Off: only [`DriverHandle::move_to`] moves the driver (a VM's driver learns it from the
     /// host it runs on).
     pub follow_session: bool,
-    /// The pause after a round that moved nothing (and after a refusal).
+    /// The pause after a round that moved nothing.
     pub poll: Duration,
+    /// The longest pause after refusals in a row (quiesced, unreachable): the pause doubles
+    /// from `poll` up to this, so that a quiesced pool is not hammered for the whole window.
+    pub backoff_max: Duration,
     /// Stop when nothing moved for this long; the items without a result then count as lost.
     pub give_up: Duration,
     /// Seed of the payloads (item `n` carries a payload derived from the seed and `n`).
@@ -42,7 +45,8 @@ pub struct DriverConfig {
 
 impl DriverConfig {
     /// `items` items on `session` from `host`: window 64, batches of 16, following the session,
-    /// polling every 2 ms, giving up after 10 s without progress.
+    /// polling every 2 ms (backing off to 50 ms while refused), giving up after 10 s without
+    /// progress.
     pub fn new(session: &str, host: &str, items: u64) -> DriverConfig {
         DriverConfig {
             session: session.to_owned(),
@@ -52,6 +56,7 @@ impl DriverConfig {
             batch: 16,
             follow_session: true,
             poll: Duration::from_millis(2),
+            backoff_max: Duration::from_millis(50),
             give_up: Duration::from_secs(10),
             seed: 0x5eed,
         }
@@ -136,6 +141,13 @@ impl std::fmt::Display for DriveReport {
             if self.complete { "" } else { " (incomplete)" }
         )
     }
+}
+
+/// The pause after a round that moved nothing: `poll`, doubled for each refusal in a row, at
+/// most `max` (and never below `poll`).
+pub fn pause(poll: Duration, max: Duration, refusals: u32) -> Duration {
+    let doubled = poll.saturating_mul(1u32 << refusals.min(16));
+    doubled.min(max).max(poll)
 }
 
 fn ms(d: Duration) -> f64 {
@@ -302,6 +314,7 @@ impl Driver {
             longest_gap_end: Duration::ZERO,
         };
         let mut last_progress = Instant::now();
+        let mut refusals = 0u32;
         let mut sent_up_to = 0;
         let complete = loop {
             if *self.stop.borrow() {
@@ -370,6 +383,7 @@ impl Driver {
             }
             if let Some(e) = refused {
                 waits += 1;
+                refusals = refusals.saturating_add(1);
                 if let Some(to) = self.after_refusal(e, &host).await? {
                     moves.push(DriverMove {
                         at: t.start.elapsed(),
@@ -388,11 +402,12 @@ impl Driver {
             });
             if moved {
                 last_progress = Instant::now();
+                refusals = 0;
             } else {
                 if last_progress.elapsed() >= cfg.give_up {
                     break false;
                 }
-                tokio::time::sleep(cfg.poll).await;
+                tokio::time::sleep(pause(cfg.poll, cfg.backoff_max, refusals)).await;
             }
         };
         let submitted = t.next - 1;
@@ -442,5 +457,21 @@ impl Driver {
             }
             _ => fatal("the pool refused the driver", e),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_pause_doubles_with_refusals_up_to_its_cap() {
+        let (poll, max) = (Duration::from_millis(2), Duration::from_millis(50));
+        let waits: Vec<u128> = (0..8).map(|r| pause(poll, max, r).as_millis()).collect();
+        assert_eq!(waits, [2, 4, 8, 16, 32, 50, 50, 50]);
+        // However many refusals: no overflow, the cap holds.
+        assert_eq!(pause(poll, max, u32::MAX), max);
+        // A cap below the poll interval does not make the driver spin.
+        assert_eq!(pause(poll, Duration::ZERO, 3), poll);
     }
 }
