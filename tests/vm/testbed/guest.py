@@ -293,6 +293,11 @@ class Guest:
         subprocess.run(["scp", "-q", *self._ssh_options(), "-P", str(self.ssh_port), str(local),
                         f"root@127.0.0.1:{remote}"], check=True, capture_output=True)
 
+    def copy_from(self, remote: str, local: Path) -> None:
+        """Copies a guest file to this machine (symbolic links followed: the file's content)."""
+        subprocess.run(["scp", "-q", *self._ssh_options(), "-P", str(self.ssh_port), f"root@127.0.0.1:{remote}",
+                        str(local)], check=True, capture_output=True)
+
     def wait_for(self, what: str, probe, timeout: float = 60, interval: float = 1.0):
         """Calls probe() until it returns something true; returns that, or raises after timeout seconds."""
         deadline = time.monotonic() + timeout

@@ -90,7 +90,7 @@ def migrate(src: Guest, dst: Guest, name: str, timeout: float = 300) -> float:
 # the shell. `loglevel=7` puts the kernel's PCI enumeration lines (`pci 0000:01:00.0: [1b36:0010] ...`) on
 # the console. `on_reboot` restarts: a reset of the nested kernel (rare under nested SVM on TCG) boots
 # it again instead of ending the domain.
-OS_DOMAIN = """<domain type='kvm'>
+OS_DOMAIN = """<domain type='{domain_type}'>
   <name>{name}</name>
   <memory unit='MiB'>{memory_mib}</memory>
   <vcpu>1</vcpu>
@@ -98,7 +98,7 @@ OS_DOMAIN = """<domain type='kvm'>
     <type arch='x86_64' machine='q35'>hvm</type>
     <kernel>{kernel}</kernel>
     <initrd>{initrd}</initrd>
-    <cmdline>console=ttyS0 loglevel=7 break=top</cmdline>
+    <cmdline>{cmdline}</cmdline>
   </os>
   <features><acpi/></features>
   <on_poweroff>destroy</on_poweroff>
@@ -117,10 +117,21 @@ OS_DOMAIN = """<domain type='kvm'>
       <source path='{log}'/>
       <target type='serial' port='0'/>
     </console>
-    <memballoon model='none'/>{hostdevs}
+    <memballoon model='none'/>{interfaces}{hostdevs}
   </devices>
 </domain>
 """
+
+OS_CMDLINE = "console=ttyS0 loglevel=7 break=top"
+
+# QEMU's user-mode network (slirp, in the QEMU process): the domain reaches what its host reaches, by the
+# host's own sockets, with no bridge, DHCP server or firewall rules in the guest; it migrates with the
+# domain, and the destination's QEMU then opens the connections from the destination host.
+USER_NET = """
+    <interface type='user'>
+      <mac address='{mac}'/>
+      <model type='virtio'/>
+    </interface>"""
 
 # The initramfs shell's prompt: the nested kernel is up and its /init waits on the console.
 OS_READY = "(initramfs)"
@@ -132,13 +143,17 @@ def serial_path(name: str) -> str:
 
 
 def define_os_domain(guest: Guest, name: str, memory_mib: int = 256, start: bool = True,
-                     hostdevs: tuple[str, ...] = ()) -> float:
+                     hostdevs: tuple[str, ...] = (), initrd: str | None = None, cmdline: str = OS_CMDLINE,
+                     user_net_mac: str | None = None, domain_type: str = "kvm") -> float:
     """Defines (and starts) a persistent domain that boots the guest's own kernel and initramfs (see
     OS_DOMAIN), with `hostdevs` (PCI addresses, `managed='no'`) in its XML; returns the seconds
-    `virsh start` took. `wait_os_ready` waits for its kernel."""
+    `virsh start` took. `wait_os_ready` waits for its kernel. `initrd` and `cmdline` replace the guest's
+    initramfs and the `break=top` command line; `user_net_mac` adds a virtio NIC on QEMU's user-mode
+    network (USER_NET)."""
     release = guest.run("uname -r", quiet=True).out.strip()
-    xml = OS_DOMAIN.format(name=name, memory_mib=memory_mib, kernel=f"/boot/vmlinuz-{release}",
-                           initrd=f"/boot/initrd.img-{release}", log=serial_path(name),
+    xml = OS_DOMAIN.format(domain_type=domain_type, name=name, memory_mib=memory_mib, kernel=f"/boot/vmlinuz-{release}",
+                           initrd=initrd or f"/boot/initrd.img-{release}", cmdline=cmdline, log=serial_path(name),
+                           interfaces=USER_NET.format(mac=user_net_mac) if user_net_mac else "",
                            hostdevs="".join(hostdev_xml(a) for a in hostdevs))
     path = f"/tmp/{name}.xml"
     guest.run(f"cat > {path}", input=xml)
