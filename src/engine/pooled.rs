@@ -474,15 +474,7 @@ impl Engine {
                         })
                         .await;
                     if let Ok(s) = first {
-                        let after = self
-                            .step(
-                                claim.id,
-                                PooledState::Leased,
-                                Some(s.epoch),
-                                String::new(),
-                                format!("resumed on {host} at epoch {}", s.epoch),
-                            )
-                            .await?;
+                        let after = self.record_resumed(claim, &host, s.epoch).await?;
                         self.write_pooled_metadata(&after).await;
                         return Ok(after);
                     }
@@ -648,17 +640,7 @@ impl Engine {
                 )
                 .await;
             match done {
-                Ok(s) => {
-                    return self
-                        .step(
-                            claim.id,
-                            PooledState::Leased,
-                            Some(s.epoch),
-                            String::new(),
-                            format!("resumed on {host} at epoch {}", s.epoch),
-                        )
-                        .await
-                }
+                Ok(s) => return self.record_resumed(claim, host, s.epoch).await,
                 Err(PooledError::Pool {
                     source: PoolError::Unreachable(ref why),
                     ..
@@ -688,6 +670,24 @@ impl Engine {
                 Err(e) => return Err(self.refused(claim, e).await),
             }
         }
+    }
+
+    /// Records the pool's answer to a resume: the claim leased here (or, resumed on another
+    /// host, to be forgotten by the caller) at the pool's new epoch.
+    async fn record_resumed(
+        &self,
+        claim: &PooledClaim,
+        host: &str,
+        epoch: u64,
+    ) -> Result<PooledClaim, PooledError> {
+        self.step(
+            claim.id,
+            PooledState::Leased,
+            Some(epoch),
+            String::new(),
+            format!("resumed on {host} at epoch {epoch}"),
+        )
+        .await
     }
 
     /// Records a pool's refusal: a stale epoch or a session the pool no longer has ends the
