@@ -3,6 +3,12 @@
 //!
 //! Classification and diffing are pure functions (tested as tables); [`scan`] is the only part
 //! that reads sysfs.
+//!
+//! A read that fails because vfiod itself ran out of something (descriptors: EMFILE, ENFILE;
+//! memory: ENOMEM) says nothing about the device: the function keeps the record it had, the
+//! shortage is logged once until a pass reads everything again, and nothing is marked broken
+//! (issue 24: 237 "is now broken: Too many open files" events once vfiod's own descriptors ran
+//! out).
 
 use crate::config::Settings;
 use crate::host::sysfs::{hostuse, RawFunction, Sysfs, SysfsError};
@@ -11,6 +17,41 @@ use crate::model::event::EventKind;
 use crate::model::pci::{ClassCode, PciAddress};
 use crate::store::{DeviceChange, NewEvent};
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// Whether a failed read is vfiod's own shortage (no descriptor or memory left for it), not a
+/// fact about the device.
+pub fn is_own_shortage(e: &SysfsError) -> bool {
+    matches!(
+        e.errno(),
+        Some(libc::EMFILE) | Some(libc::ENFILE) | Some(libc::ENOMEM)
+    )
+}
+
+/// Set while passes meet a shortage: the warning is logged when it starts and the recovery
+/// when it ends, not once per function per pass. Process-wide because the shortage is.
+static SHORT: AtomicBool = AtomicBool::new(false);
+
+/// Logs a shortage's start or end (each once): `hit` is one failed read of this pass, `None`
+/// when the pass read everything.
+fn note_shortage(hit: Option<&SysfsError>) {
+    match hit {
+        Some(e) => {
+            if !SHORT.swap(true, Ordering::AcqRel) {
+                tracing::error!(
+                    "vfiod cannot read sysfs for lack of its own resources ({}); devices keep \
+                     their last known state until it can",
+                    crate::error_chain(e)
+                );
+            }
+        }
+        None => {
+            if SHORT.swap(false, Ordering::AcqRel) {
+                tracing::info!("vfiod reads sysfs again: the shortage of resources is over");
+            }
+        }
+    }
+}
 
 /// Accelerator kind from the class code.
 pub fn kind_from_class(class: ClassCode) -> Kind {
@@ -259,6 +300,7 @@ pub fn scan(
         .collect();
 
     let mut out = Vec::with_capacity(addresses.len());
+    let mut shortage = None;
     for (a, raw) in raws {
         match raw {
             Ok(raw) => {
@@ -282,9 +324,18 @@ pub fn scan(
             // Gone between listing and reading: not broken, just removed; the next pass (or
             // the uevent) settles it.
             Err(e) if e.is_not_found() && !sysfs.device_dir(a).exists() => continue,
+            // vfiod's own shortage: the last record stands (a function not seen before waits
+            // for a pass that can read it).
+            Err(e) if is_own_shortage(&e) => {
+                if let Some(p) = previous.get(&a) {
+                    out.push(p.clone());
+                }
+                shortage.get_or_insert(e);
+            }
             Err(e) => out.push(broken(a, previous.get(&a), &e)),
         }
     }
+    note_shortage(shortage.as_ref());
     Ok(out)
 }
 
@@ -472,6 +523,31 @@ mod tests {
 
     /// Who is managed, as a table: PFs and plain functions by their own rule, VFs by their
     /// PF's (found with the PF's address and ids) or their own, never when protected.
+    #[test]
+    fn only_vfiods_own_shortages_keep_a_device_out_of_broken() {
+        let read = |errno: i32| SysfsError::Read {
+            path: "/sys/bus/pci/devices/0000:3b:00.0/config".into(),
+            source: std::io::Error::from_raw_os_error(errno),
+        };
+        for (errno, own) in [
+            (libc::EMFILE, true),
+            (libc::ENFILE, true),
+            (libc::ENOMEM, true),
+            (libc::EIO, false),
+            (libc::ENODEV, false),
+            (libc::EACCES, false),
+            (libc::ENOENT, false),
+        ] {
+            assert_eq!(is_own_shortage(&read(errno)), own, "errno {errno}");
+        }
+        let parse = SysfsError::Parse {
+            path: "/x".into(),
+            value: "zz".into(),
+            reason: "not hex".into(),
+        };
+        assert!(!is_own_shortage(&parse));
+    }
+
     #[test]
     fn a_vf_is_managed_when_its_pf_is_selected() {
         let settings = Settings::from_toml_str(

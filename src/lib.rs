@@ -3,6 +3,8 @@
 //! The map, one folder per concept, listed from the bottom of the dependency graph up (a module
 //! uses only those above it in this list; `tests/architecture.rs` keeps it so). Pure decisions
 //! (policy, plans, the task state machine) take no I/O; host, store and dbus are the edges.
+//! docs/architecture.md is the longer map: the layers (decide, carry out, record, show) and, for
+//! each feature, the file of each layer.
 
 pub mod model; // PciAddress, class codes, the device record, task and event kinds: plain values
 pub mod fpga; // FPGA image headers (gbs, xclbin) and image legality: pure code
@@ -17,9 +19,11 @@ pub mod modes; // mode policy, plans of sysfs writes, and the executor that runs
 pub mod hooks; // libvirt's qemu hook: what each operation answers, decided from the XML
 pub mod migration; // live migration with passthrough devices: what moves, what is re-claimed
 pub mod pooled; // pooled devices through a live migration: prepare-move, quiesce, resume, decided
+pub mod metrics; // Prometheus metrics: the registry, gauges from the store, the textfile
 pub mod engine; // the engine: inventory passes, reconcile, tasks and the jobs they run
 pub mod dbus; // the D-Bus API: one module per object kind, named errors, polkit
 pub mod client; // D-Bus client side: proxies, the JSON device view, vfioctl tables
+#[cfg(feature = "fleet")]
 pub mod fleet; // the fleet database on PostgreSQL: reports, the conductor, reservations
 pub mod server; // assembles store, engine, D-Bus service and loop into a running daemon
 pub mod demo; // vfiod --demo-pool: a pooled session handed between two simulated hosts

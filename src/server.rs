@@ -16,6 +16,20 @@ use std::time::Duration;
 /// interrupted at the next start.
 pub const STOP_GRACE: Duration = Duration::from_secs(3);
 
+/// Raises the soft limit on open descriptors to the hard one (systemd's `LimitNOFILE=`, or
+/// what the shell allowed), and returns the new soft limit and the hard one. Every client may
+/// pass a descriptor with a message, and each costs one until it is closed: a soft limit of
+/// 1,024 (the usual default) is what issue 24 ran out of. The hard limit stays what the
+/// administrator set.
+pub fn raise_fd_limit() -> Result<(u64, u64), nix::Error> {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE)?;
+    if soft < hard {
+        setrlimit(Resource::RLIMIT_NOFILE, hard, hard)?;
+    }
+    Ok((hard, hard))
+}
+
 pub struct Options {
     pub settings: Settings,
     /// Where a reload re-reads the settings from; `None` = reload keeps them.
@@ -45,7 +59,10 @@ pub struct Server {
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<()>,
     /// The fleet reporter, when `[fleet]` is configured.
+    #[cfg(feature = "fleet")]
     pub fleet: Option<crate::fleet::Reporter>,
+    /// Keeps `[metrics] textfile` fresh (and writes nothing while none is configured).
+    metrics: Option<crate::metrics::textfile::Writer>,
     /// Held while the server lives: one daemon per state directory.
     _state_lock: crate::store::lock::StateDirLock,
 }
@@ -142,12 +159,23 @@ impl Server {
         tracing::info!("serving {} on {:?}", dbus::BUS_NAME, opts.bus);
         // The fleet comes last and runs beside the daemon: a database that is slow or gone
         // never delays the start nor anything local.
+        #[cfg(feature = "fleet")]
         let fleet = engine.settings().fleet.clone().map(|f| {
             let host = crate::fleet::host_name(f.host.as_deref());
             let interval = f.report_interval.unwrap_or(engine.settings().poll_interval);
             tracing::info!(host, "reporting to the fleet database every {interval:?}");
             crate::fleet::Reporter::start(Arc::clone(&engine), &f, host, interval)
         });
+        // Beside the daemon too, and it reads `[metrics]` at each write: a reload that turns
+        // the textfile on, moves or removes it takes effect without a restart.
+        if let Some(path) = &engine.settings().metrics.textfile {
+            tracing::info!("writing metrics to {}", path.display());
+        }
+        let metrics = crate::metrics::textfile::Writer::start(
+            Arc::clone(&engine) as Arc<dyn crate::metrics::textfile::Source>,
+            engine.subscribe_changes(),
+            engine.metrics().subscribe(),
+        );
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let e = Arc::clone(&engine);
         let events = opts.events;
@@ -162,15 +190,28 @@ impl Server {
             engine,
             stop: Some(stop),
             task,
+            #[cfg(feature = "fleet")]
             fleet,
+            metrics: Some(metrics),
             _state_lock: state_lock,
         })
     }
 
+    /// Returns when the bus connection is closed (the bus went away, or a read of the socket
+    /// failed, as when vfiod had no descriptor left for one passed with a message): vfiod
+    /// cannot answer anyone any more and must not stay up deaf.
+    pub async fn connection_lost(&self) {
+        self.conn.closed().await
+    }
+
     /// Stops the loop and releases the bus name, within [`STOP_GRACE`].
     pub async fn stop(mut self) {
+        #[cfg(feature = "fleet")]
         if let Some(f) = self.fleet.take() {
             f.stop().await;
+        }
+        if let Some(m) = self.metrics.take() {
+            m.stop().await;
         }
         if let Some(s) = self.stop.take() {
             let _ = s.send(());

@@ -1,5 +1,7 @@
 //! The module map holds: no dependency cycle between modules under `src/` (not `src/bin/`), and
-//! `src/lib.rs` lists the top-level modules from the bottom of the dependency graph up.
+//! `src/lib.rs` lists the top-level modules from the bottom of the dependency graph up. The
+//! longer map, docs/architecture.md, names only files that exist, and its `unsafe` table lists
+//! exactly the files with `unsafe` code.
 //!
 //! A module depends on another when its file names it through a `crate::` or `super::` path, in
 //! a `use` or in code. For every folder module (the crate root included) the children form a
@@ -726,4 +728,65 @@ mod checker {
         ]);
         assert_eq!(check_lib_order(&fixed), Vec::<String>::new());
     }
+}
+
+/// docs/architecture.md, the map beside `src/lib.rs`.
+fn architecture_md() -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/architecture.md");
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// Every file or folder the map names (in backquotes, ending in `.rs` or `/`) exists, as written
+/// from the top of the tree or under `src/`: a renamed file shows up here, not in a reader's
+/// dead end.
+#[test]
+fn architecture_md_names_only_files_that_exist() {
+    let top = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let doc = architecture_md();
+    let mut named = 0;
+    let mut missing = Vec::new();
+    for quoted in doc.split('`').skip(1).step_by(2) {
+        let is_path = (quoted.ends_with(".rs") || quoted.ends_with('/'))
+            && quoted
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "_-./".contains(c));
+        if !is_path {
+            continue;
+        }
+        named += 1;
+        if !top.join(quoted).exists() && !top.join("src").join(quoted).exists() {
+            missing.push(quoted.to_string());
+        }
+    }
+    assert!(named > 40, "docs/architecture.md names only {named} files");
+    assert!(
+        missing.is_empty(),
+        "docs/architecture.md names files that do not exist: {missing:?}"
+    );
+}
+
+/// `unsafe` code (outside comments and strings) is only in the files the map's `unsafe` table
+/// lists, and each listed file still has some.
+#[test]
+fn unsafe_code_is_where_architecture_md_says() {
+    let doc = architecture_md();
+    let table = doc
+        .split("## `unsafe` code")
+        .nth(1)
+        .expect("docs/architecture.md has a section \"`unsafe` code\"");
+    let listed: BTreeSet<String> = table
+        .lines()
+        .filter_map(|l| l.strip_prefix("| `"))
+        .filter_map(|l| l.split('`').next())
+        .map(str::to_string)
+        .collect();
+    let with_unsafe: BTreeSet<String> = crate_tree()
+        .into_iter()
+        .filter(|f| tokens(&strip(&f.text)).iter().any(|t| t.text == "unsafe"))
+        .map(|f| f.path)
+        .collect();
+    assert_eq!(
+        with_unsafe, listed,
+        "files with `unsafe` code (left) and the files docs/architecture.md lists (right)"
+    );
 }

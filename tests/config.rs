@@ -155,7 +155,7 @@ fn shipped_default_sets_every_key_and_its_examples_are_valid() {
     }
     // Uncommenting the examples must give a valid file: they are what operators copy.
     let is_example = |line: &str| {
-        line.starts_with("[[")
+        line.starts_with('[')
             || line.split_once(" = ").is_some_and(|(key, _)| {
                 !key.is_empty() && key.chars().all(|c| c.is_ascii_lowercase() || c == '_')
             })
@@ -173,6 +173,7 @@ fn shipped_default_sets_every_key_and_its_examples_are_valid() {
     assert_eq!(settings.select.len(), 2, "{uncommented}");
     assert_eq!(settings.protect.len(), 1, "{uncommented}");
     assert_eq!(settings.fpga.len(), 1, "{uncommented}");
+    assert!(settings.metrics.textfile.is_some(), "{uncommented}");
 }
 
 #[test]

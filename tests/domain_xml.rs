@@ -672,3 +672,98 @@ fn deep_nesting_and_huge_values_are_survived() {
         err.len()
     );
 }
+
+/// Runs `parse_domain` on `xml` and returns its answer and how long it took.
+fn timed(xml: &str) -> (Result<DomainXml, String>, std::time::Duration) {
+    let t = std::time::Instant::now();
+    let r = parse_domain(xml);
+    (r, t.elapsed())
+}
+
+/// The issue 24 reproducer: 1 MB of XML with 100,000 attributes on one `<hostdev>` took
+/// roxmltree's pairwise duplicate check 26 s. Refused at once, naming the element and line.
+#[test]
+fn an_element_with_100k_attributes_is_refused_at_once() {
+    let attributes: String = (0..100_000).map(|i| format!(" a{i}='1'")).collect();
+    let xml = format!(
+        "<domain><name>vm</name><devices>\n<hostdev mode='subsystem' type='pci'{attributes}>\
+         <source><address bus='1'/></source></hostdev></devices></domain>"
+    );
+    assert!(xml.len() > 1_000_000);
+    let (r, took) = timed(&xml);
+    let e = r.unwrap_err();
+    assert!(
+        e.contains("<hostdev> on line 2 has more than 1024 attributes"),
+        "{e}"
+    );
+    assert!(e.len() < 300, "{e}");
+    assert!(took < std::time::Duration::from_secs(2), "took {took:?}");
+}
+
+/// Many elements each just under the per-element cap: the document's total of pairwise checks
+/// is bounded too.
+#[test]
+fn many_elements_with_many_attributes_are_refused_by_their_total() {
+    let attributes: String = (0..1000).map(|i| format!(" a{i}=''")).collect();
+    let element = format!("<x{attributes}/>");
+    let xml = format!(
+        "<domain><name>vm</name><metadata>{}</metadata></domain>",
+        element.repeat(200)
+    );
+    let (r, took) = timed(&xml);
+    let e = r.unwrap_err();
+    assert!(
+        e.contains(&format!(
+            "past {} steps",
+            vfiod::host::libvirt::xml::MAX_WORK
+        )),
+        "{e}"
+    );
+    assert!(took < std::time::Duration::from_secs(2), "took {took:?}");
+    // Fewer of them are read as usual.
+    let xml = format!(
+        "<domain><name>vm</name><metadata>{}</metadata></domain>",
+        element.repeat(20)
+    );
+    assert_eq!(
+        parse_domain(&xml),
+        Ok(domain("vm", None, vec![], 0, vec![]))
+    );
+}
+
+/// Namespace declarations nested deep (each element copies its parent's) and prefixed names
+/// under many namespaces (each a scan of them all): both quadratic in roxmltree, both bounded.
+#[test]
+fn namespaces_declared_deep_or_wide_are_refused_by_their_cost() {
+    let n = 20_000;
+    let nested: String = (0..n).map(|i| format!("<p{i}:x xmlns:p{i}='u'>")).collect();
+    let closing: String = (0..n).rev().map(|i| format!("</p{i}:x>")).collect();
+    let xml = format!("<domain><name>vm</name><metadata>{nested}{closing}</metadata></domain>");
+    let (r, took) = timed(&xml);
+    let e = r.unwrap_err();
+    assert!(e.contains("namespaces in scope"), "{e}");
+    assert!(took < std::time::Duration::from_secs(2), "took {took:?}");
+
+    let declarations: String = (0..1000).map(|i| format!(" xmlns:p{i}='u{i}'")).collect();
+    let xml = format!(
+        "<domain><name>vm</name><metadata><m{declarations}>{}</m></metadata></domain>",
+        "<p7:y p7:a='1'/>".repeat(50_000)
+    );
+    let (r, took) = timed(&xml);
+    let e = r.unwrap_err();
+    assert!(e.contains("<p7:y>"), "{e}");
+    assert!(e.contains("1000 namespaces in scope"), "{e}");
+    assert!(took < std::time::Duration::from_secs(2), "took {took:?}");
+}
+
+/// More nodes than the cap (each costs the tree memory) are refused by roxmltree's own limit.
+#[test]
+fn more_nodes_than_the_cap_are_refused() {
+    let max = vfiod::host::libvirt::xml::MAX_NODES as usize;
+    let xml = format!(
+        "<domain><name>vm</name><metadata>{}</metadata></domain>",
+        "<a/>".repeat(max)
+    );
+    let e = parse_domain(&xml).unwrap_err();
+    assert!(e.contains(&format!("more than {max} nodes")), "{e}");
+}

@@ -870,6 +870,12 @@ async fn a_database_outage_leaves_the_hosts_alone_and_the_fleet_catches_up() {
     }
     let rest = outage.saturating_sub(down.elapsed());
     tokio::time::sleep(rest).await;
+    // The metric an operator alerts on: the last report is as old as the outage.
+    let age_during = report_age(&hosts[0].1).await;
+    assert!(
+        age_during >= outage.as_secs_f64() - 1.0,
+        "report age {age_during} s after an outage of {outage:?}"
+    );
     db.pg.start_server();
     let back = Instant::now();
     until(
@@ -888,6 +894,22 @@ async fn a_database_outage_leaves_the_hosts_alone_and_the_fleet_catches_up() {
     assert!(back.elapsed() < Duration::from_secs(10));
     let status = host_status(&db);
     assert!(status.values().all(|s| s == "up"), "{status:?}");
+    // Reporting every second again: the age is back near zero.
+    let age_after = report_age(&hosts[0].1).await;
+    assert!(
+        age_after < 3.0,
+        "report age {age_after} s once the database is back"
+    );
+}
+
+/// `vfiod_fleet_report_age_seconds` as `Manager.GetMetrics` shows it now.
+async fn report_age(h: &Harness) -> f64 {
+    let text = h.manager().await.get_metrics().await.unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix("vfiod_fleet_report_age_seconds "))
+        .unwrap_or_else(|| panic!("no report age with [fleet]:\n{text}"))
+        .parse()
+        .unwrap()
 }
 
 /// Row-level security: host a's credentials read and write only a's rows; the operator role

@@ -214,7 +214,255 @@ async fn vfioctl_image_commands() {
     assert!(vfioctl(&bus, &["image", "deactivate", "nlb"]).0);
     let (_, out) = vfioctl(&bus, &["image", "show", "nlb"]);
     assert!(out.contains("inactive"), "{out}");
+    // With --json: the image as it is left, and the removed one named.
+    let (ok, out) = vfioctl(&bus, &["image", "activate", "nlb", "--json"]);
+    assert!(ok, "{out}");
+    let active: ImageEntry = serde_json::from_str(&out).unwrap();
+    assert_eq!(active.state, shown.state, "{out}");
     assert!(vfioctl(&bus, &["image", "remove", "again"]).0);
     let (ok, out) = vfioctl(&bus, &["image", "show", "again"]);
     assert!(!ok && out.contains("NoSuchImage"), "{out}");
+    let (ok, out) = vfioctl(&bus, &["image", "remove", "nlb", "--json"]);
+    assert!(ok, "{out}");
+    let removed: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        removed,
+        serde_json::json!({"name": "nlb", "state": "removed"})
+    );
+}
+
+/// `[images]` deadlines short enough for a test: 1 s between reads, 3 s in all.
+fn short_deadlines() -> String {
+    format!("{STEADY_CONFIG}\n[images]\nread_timeout_seconds = 1\ntimeout_seconds = 3\n")
+}
+
+/// Issue 24 (2): a FIFO named to `AddFromPath` froze the daemon (a blocking open on an async
+/// thread, waiting for a writer). It is refused at once, before a read, and the daemon answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fifo_or_a_device_given_to_add_from_path_is_refused_at_once() {
+    let h = Harness::start(STEADY_CONFIG).await;
+    let p = images(&h.client).await.unwrap();
+    let fifo = h.dir.path().join("f");
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+    let bound = std::time::Duration::from_secs(2);
+    let digest = sha(b"never sent");
+    for (path, kind) in [
+        (fifo.to_str().unwrap(), "a FIFO"),
+        ("/dev/zero", "a character device"),
+        (h.dir.path().to_str().unwrap(), "a directory"),
+    ] {
+        let started = std::time::Instant::now();
+        let r = tokio::time::timeout(bound, p.add_from_path("fp1", path, &digest, dict(&[])))
+            .await
+            .unwrap_or_else(|_| panic!("AddFromPath on {kind} did not answer within {bound:?}"));
+        let (name, msg) = refusal(r, kind);
+        assert!(
+            name.ends_with("InvalidArgument")
+                && msg.contains(&format!("not a regular file but {kind}")),
+            "{name}: {msg}"
+        );
+        assert!(started.elapsed() < bound);
+    }
+    // The daemon answers, and nothing was kept.
+    let listed = tokio::time::timeout(bound, p.list())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(listed.is_empty(), "{listed:?}");
+    // A path of a megabyte is quoted back short.
+    let long = format!("/{}", "x".repeat(1_000_000));
+    let (_, msg) = refusal(
+        p.add_from_path("fp1", &long, &digest, dict(&[])).await,
+        "a long path",
+    );
+    assert!(
+        msg.len() < 400 && msg.contains("(1000001 characters)"),
+        "{}",
+        &msg[..msg.len().min(400)]
+    );
+}
+
+/// An add from `fd` on its own connection, tried again while it is refused as Busy (the cap is
+/// shared with the probes of the test): its final answer.
+async fn add_until_admitted(
+    bus: String,
+    name: String,
+    fd: std::io::PipeReader,
+    digest: String,
+) -> (
+    zbus::Connection,
+    tokio::task::JoinHandle<zbus::Result<vfiod::dbus::wire::Dict>>,
+) {
+    let conn = common::connect(&bus).await;
+    let c = conn.clone();
+    let call = tokio::spawn(async move {
+        let p = images(&c).await.unwrap();
+        loop {
+            match p.add(&name, zbus::Fd::from(&fd), &digest, dict(&[])).await {
+                Err(zbus::Error::MethodError(n, _, _)) if n.ends_with("Busy") => {
+                    tokio::time::sleep(std::time::Duration::from_millis(20)).await
+                }
+                other => return other,
+            }
+        }
+    });
+    (conn, call)
+}
+
+/// Waits until the adds from descriptors are all taken: a quick add (an empty file whose digest
+/// does not match) is refused as Busy rather than for its digest. Returns the refusal.
+async fn until_capped(p: &vfiod::client::images::ImagesProxy<'_>, dir: &std::path::Path) -> String {
+    let empty = dir.join("empty");
+    std::fs::write(&empty, b"").unwrap();
+    common::eventually_async(
+        std::time::Duration::from_secs(10),
+        "the add past the cap refused",
+        || async {
+            let f = std::fs::File::open(&empty).unwrap();
+            match p
+                .add("probe", zbus::Fd::from(&f), &sha(b"x"), dict(&[]))
+                .await
+            {
+                Err(zbus::Error::MethodError(n, m, _)) if n.ends_with("Busy") => {
+                    Some(m.unwrap_or_default())
+                }
+                _ => None,
+            }
+        },
+    )
+    .await
+}
+
+/// Issue 24 (6): adds from pipes that never close held a blocking thread each, for good. Now
+/// at most MAX_LOCAL_ADDS read at once (one more is Busy, "try again"), a silent pipe fails
+/// within `read_timeout_seconds`, a trickle within `timeout_seconds`, and an add whose caller
+/// left the bus stops and frees its place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adds_from_descriptors_are_capped_bounded_and_stopped_with_their_caller() {
+    use std::time::{Duration, Instant};
+    use vfiod::dbus::images::MAX_LOCAL_ADDS;
+    let h = Harness::start(&short_deadlines()).await;
+    let p = images(&h.client).await.unwrap();
+    let digest = sha(b"whatever");
+    let bus = h.bus.address().to_string();
+
+    // MAX_LOCAL_ADDS callers, each with a pipe whose writer stays open and silent: the next
+    // add is refused at once, and the daemon answers meanwhile.
+    let mut writers = Vec::new();
+    let mut callers = Vec::new();
+    for i in 0..MAX_LOCAL_ADDS {
+        let (r, w) = std::io::pipe().unwrap();
+        writers.push(w);
+        callers.push(add_until_admitted(bus.clone(), format!("held{i}"), r, digest.clone()).await);
+    }
+    let msg = until_capped(&p, h.dir.path()).await;
+    assert!(msg.contains("busy, try again"), "{msg}");
+    tokio::time::timeout(
+        Duration::from_secs(1),
+        h.manager().await.get_events(dict(&[])),
+    )
+    .await
+    .expect("Manager answers while adds are held")
+    .unwrap();
+    // The silent pipes fail on the 1 s read deadline, as TimedOut, keeping nothing.
+    let started = Instant::now();
+    for (_conn, call) in callers {
+        let r = tokio::time::timeout(Duration::from_secs(5), call)
+            .await
+            .expect("a silent pipe fails within the read deadline")
+            .unwrap();
+        let (name, msg) = refusal(r, "a silent pipe");
+        assert!(
+            name.ends_with("TimedOut") && msg.contains("nothing could be read"),
+            "{name}: {msg}"
+        );
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "{:?}",
+        started.elapsed()
+    );
+    drop(writers);
+    assert!(p.list().await.unwrap().is_empty());
+
+    // A trickle (a byte every 100 ms, for ever) fails on the 3 s total deadline.
+    let (r, mut w) = std::io::pipe().unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let s = std::sync::Arc::clone(&stop);
+    let trickle = std::thread::spawn(move || {
+        while !s.load(std::sync::atomic::Ordering::Relaxed) && w.write_all(b"x").is_ok() {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    });
+    let started = Instant::now();
+    let (name, msg) = refusal(
+        p.add("trickle", zbus::Fd::from(&r), &digest, dict(&[]))
+            .await,
+        "a trickle",
+    );
+    let took = started.elapsed();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    drop(r);
+    trickle.join().unwrap();
+    assert!(
+        name.ends_with("TimedOut") && msg.contains("longer than 3 s"),
+        "{name}: {msg}"
+    );
+    assert!(
+        took >= Duration::from_millis(2900) && took < Duration::from_secs(5),
+        "{took:?}"
+    );
+}
+
+/// Issue 24 (6): the adds kept reading after their callers had gone. An add whose caller left
+/// the bus stops within a moment (the read deadline here is the default minute) and frees its
+/// place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_add_stops_when_its_caller_leaves_the_bus() {
+    use std::time::{Duration, Instant};
+    use vfiod::dbus::images::MAX_LOCAL_ADDS;
+    let h = Harness::start(STEADY_CONFIG).await;
+    let p = images(&h.client).await.unwrap();
+    let digest = sha(b"whatever");
+    let bus = h.bus.address().to_string();
+    let mut writers = Vec::new();
+    let mut callers = Vec::new();
+    for i in 0..MAX_LOCAL_ADDS {
+        let (r, w) = std::io::pipe().unwrap();
+        writers.push(w);
+        callers.push(add_until_admitted(bus.clone(), format!("gone{i}"), r, digest.clone()).await);
+    }
+    until_capped(&p, h.dir.path()).await;
+    let left = Instant::now();
+    for (conn, call) in callers {
+        call.abort();
+        let _ = call.await;
+        conn.close().await.unwrap();
+    }
+    let x = build::xclbin([0xab; 16], [0x01; 16], b"after");
+    let file = h.dir.path().join("after.xclbin");
+    std::fs::write(&file, &x).unwrap();
+    let added = common::eventually_async(Duration::from_secs(3), "a place freed", || async {
+        let f = std::fs::File::open(&file).unwrap();
+        p.add("after", zbus::Fd::from(&f), &sha(&x), dict(&[]))
+            .await
+            .ok()
+    })
+    .await;
+    assert_eq!(ImageEntry::from_dict(&added).name, "after");
+    assert!(
+        left.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        left.elapsed()
+    );
+    // Nothing of the abandoned adds was kept; the writers are still open.
+    let names: Vec<String> = p
+        .list()
+        .await
+        .unwrap()
+        .iter()
+        .map(|d| ImageEntry::from_dict(d).name)
+        .collect();
+    assert_eq!(names, ["after"]);
+    drop(writers);
 }

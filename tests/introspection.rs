@@ -1,6 +1,6 @@
 //! Every object's introspection is well-formed XML (zbus writes doc comments as XML comments
 //! without escaping, so a doc comment with "--" once broke the manager's, for every client and
-//! for vfiod's own argument checks), and declares what the README promises.
+//! for vfiod's own argument checks), and declares what docs/dbus.md promises.
 
 mod common;
 

@@ -216,11 +216,7 @@ impl Host {
     fn task(&self, id: &str, address: &str, kind: &str) -> serde_json::Value {
         let out = self.ok(&["task", "list", address, "--json", "--limit", "100"]);
         let tasks: Vec<serde_json::Value> = serde_json::from_str(&out).unwrap();
-        let claim_of = |t: &serde_json::Value| {
-            let p: serde_json::Value =
-                serde_json::from_str(t["parameters"].as_str().unwrap()).unwrap();
-            p["claim"].to_string()
-        };
+        let claim_of = |t: &serde_json::Value| t["parameters"]["claim"].to_string();
         let mine: Vec<_> = tasks
             .into_iter()
             .filter(|t| t["kind"] == kind && claim_of(t) == id)

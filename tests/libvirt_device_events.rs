@@ -1,4 +1,4 @@
-//! libvirt's device removal events through the libvirt worker, against a real libvirtd serving
+//! libvirt's device events (added, removed) through the libvirt worker, against a real libvirtd serving
 //! QEMU's session driver (tests/common/libvirtd.rs) with a TCG domain that has no OS.
 //!
 //! What such a domain can lose, measured with `virsh detach-device --live` and
@@ -97,6 +97,14 @@ fn a_live_detach_without_a_guest_sends_device_removed_with_the_alias() {
 
     for (xml, alias) in [(TABLET, "ua-tablet"), (CHANNEL, "ua-channel")] {
         libvirt.attach_device("vm1", xml, Affect::Live).unwrap();
+        // The hot-plug is reported too (vfiod checks what was plugged in by hand).
+        domain_event(
+            &mut rx,
+            SOON,
+            "vm1",
+            |k| matches!(k, DomainEventKind::DeviceAdded { alias: a } if a == alias),
+            &format!("DeviceAdded {alias} for vm1"),
+        );
         let live = libvirt.domain_xml("vm1", Definition::Live).unwrap();
         assert!(live.contains(&format!("<alias name='{alias}'/>")), "{live}");
         // Only what the detach causes counts: nothing said removed before it.

@@ -529,6 +529,8 @@ fn the_openapi_file_lists_every_error_code_and_state() {
         p::ErrorCode::NotOwner,
         p::ErrorCode::Quiesced,
         p::ErrorCode::Internal,
+        p::ErrorCode::MethodNotAllowed,
+        p::ErrorCode::Unavailable,
     ];
     let ours: BTreeSet<_> = all.iter().map(|c| c.as_str().to_owned()).collect();
     assert_eq!(codes, ours);

@@ -11,7 +11,9 @@
 //!
 //! `cargo test --features test-hooks --test soak` runs it for 30 s; the documented soak is
 //! `VFIOD_SOAK_SECS=3600 cargo test --release --features test-hooks --test soak -- --nocapture`.
-//! `VFIOD_SOAK_SEED=N` replays a run's random choices.
+//! `VFIOD_SOAK_SEED=N` replays a run's random choices. The soak under exhaustion (descriptor
+//! floods, FIFOs, claims, tasks and hooks against a vfiod with a low descriptor limit) is
+//! `tests/exhaustion.rs`, `VFIOD_EXHAUST_SECS` long.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};

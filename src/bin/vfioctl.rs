@@ -2,20 +2,26 @@
 
 use clap::{Parser, Subcommand};
 
+#[cfg(feature = "fleet")]
 #[path = "vfioctl/fleet.rs"]
 mod fleet;
 use std::process::ExitCode;
+use vfiod::client::exit::Failure;
 use vfiod::client::{self, claims, ClientError};
 use vfiod::dbus::BusTarget;
 
 /// Inspect and control vfiod, the PCI accelerator manager.
 #[derive(Parser, Debug)]
-#[command(version)]
+// The name, not the package's (`vfiod`): `vfioctl --version` says `vfioctl 0.1.0`.
+#[command(name = "vfioctl", version)]
 struct Args {
     /// Bus where vfiod runs: system, session, or a D-Bus address. Default: $VFIOD_BUS, else
     /// the system bus.
     #[arg(long, global = true)]
     bus: Option<BusTarget>,
+    /// Print tables without their header row.
+    #[arg(long, global = true)]
+    no_legend: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -33,7 +39,8 @@ enum Command {
     },
     /// Show one device in detail.
     Show {
-        /// PCI address, DDDD:BB:SS.F (or BB:SS.F).
+        /// PCI address, DDDD:BB:SS.F (or BB:SS.F, or pci_DDDD_BB_SS_F).
+        #[arg(value_parser = spelling)]
         address: String,
         #[arg(long)]
         json: bool,
@@ -47,7 +54,12 @@ enum Command {
     /// the newest entries, oldest first.
     Events {
         /// Only events of this device.
+        #[arg(value_parser = spelling)]
         address: Option<String>,
+        /// Only events of this kind: added, removed, changed, broken, recovered, protected,
+        /// unprotected, config, aer, task, claim, image, pool.
+        #[arg(long)]
+        kind: Option<String>,
         /// How many entries (1..=10000).
         #[arg(long, default_value_t = 100)]
         limit: u32,
@@ -57,18 +69,24 @@ enum Command {
         /// The newest entries before this event id (page back: pass the first id shown).
         #[arg(long)]
         before: Option<i64>,
+        /// After the entries, keep printing new ones as the daemon records them, until
+        /// interrupted or the daemon stops (exit 1). With --json, one object per line.
+        #[arg(long, short = 'f', conflicts_with = "before")]
+        follow: bool,
         #[arg(long)]
         json: bool,
     },
     /// What the mode policy decides for each selected device (or one), and the exact sysfs
     /// writes it would make. A dry run: nothing is changed.
     Plan {
+        #[arg(value_parser = spelling)]
         address: Option<String>,
         #[arg(long)]
         json: bool,
     },
     /// Put a device in PF mode (whole) or VF mode (split) as a task (needs authorization).
     Mode {
+        #[arg(value_parser = spelling)]
         address: String,
         #[arg(value_parser = ["pf", "vf"])]
         mode: String,
@@ -78,12 +96,16 @@ enum Command {
         /// Show progress until the task ends; exit non-zero if it fails.
         #[arg(long)]
         wait: bool,
+        /// Print the task (at its end with --wait) as JSON.
+        #[arg(long)]
+        json: bool,
     },
     /// Tasks: start one, show one, reset a device's failed task, list history.
     #[command(subcommand)]
     Task(TaskCommand),
     /// The fleet's accelerator database (PostgreSQL): hosts, devices, fleet claims. Talks to
     /// the database, not to a local vfiod.
+    #[cfg(feature = "fleet")]
     Fleet(fleet::FleetArgs),
     /// Claim the best device that matches for a VM (needs authorization): recorded durably,
     /// with the device's whole IOMMU group. Prints the claim.
@@ -102,11 +124,18 @@ enum Command {
         /// Keep the claim when the domain is undefined.
         #[arg(long)]
         persistent: bool,
+        /// Print the claim as JSON (as `vfioctl claims --json` shows each).
+        #[arg(long)]
+        json: bool,
     },
     /// The devices a claim with these requirements could get now, best first.
+    /// Exits with the no-device code (6) when none does.
     Find {
         #[command(flatten)]
         want: Requirements,
+        /// Print JSON (an array of addresses) instead of one address per line.
+        #[arg(long)]
+        json: bool,
     },
     /// Active claims.
     Claims {
@@ -130,6 +159,9 @@ enum Command {
         /// (a failed attach releases the claim).
         #[arg(long)]
         wait: bool,
+        /// Print the claim as JSON.
+        #[arg(long)]
+        json: bool,
     },
     /// Take a claim's devices out of their domain (needs authorization); the claim ends when the
     /// guest has let go. Without --wait, returns once the detach has started.
@@ -140,11 +172,16 @@ enum Command {
         /// non-zero if it did not (the claim then stays).
         #[arg(long)]
         wait: bool,
+        /// Print the claim as JSON.
+        #[arg(long)]
+        json: bool,
     },
     /// Give a claim up: its devices return to the pool (needs authorization).
     Release {
         /// The claim's number (as `vfioctl claims` shows) or object path.
         claim: String,
+        #[arg(long)]
+        json: bool,
     },
     /// Live-migrate a running VM with the devices vfiod manages for it to another host (needs
     /// authorization): devices whose driver cannot migrate are detached first and the
@@ -164,12 +201,16 @@ enum Command {
         /// Show progress until the task ends; exit non-zero if it fails.
         #[arg(long)]
         wait: bool,
+        /// Print the task (at its end with --wait) as JSON.
+        #[arg(long)]
+        json: bool,
     },
     /// libvirt's hook: what `/etc/libvirt/hooks/qemu.d/vfiod` runs, with libvirt's arguments and
     /// the domain XML on stdin. Exits with the hook's verdict within `[hooks]` deadlines, also
     /// when vfiod does not answer. Reads the daemon's configuration ($VFIOD_CONFIG, else
     /// /etc/vfiod) for the deadlines.
-    #[command(subcommand)]
+    // Internal: for libvirt, not for a person reading the help.
+    #[command(subcommand, hide = true)]
     Hook(HookCommand),
     /// FPGA tasks: program an image into a card, verify what it runs.
     #[command(subcommand)]
@@ -180,10 +221,76 @@ enum Command {
     /// Pooled devices: the remote pools, their devices, and the sessions leased to VMs here.
     #[command(subcommand)]
     Pool(PoolCommand),
+    /// Print a completion script for SHELL (bash, zsh, fish, elvish, powershell) on stdout, e.g.
+    /// `vfioctl completions bash > /etc/bash_completion.d/vfioctl`.
+    Completions {
+        #[arg(value_parser = clap::value_parser!(clap_complete::Shell))]
+        shell: clap_complete::Shell,
+    },
+    /// Print the man page vfioctl(1) (roff) on stdout: what `make install` installs.
+    #[command(hide = true)]
+    Man,
+    /// Print the daemon's metrics in the Prometheus text format (what `[metrics] textfile`
+    /// holds), e.g. for `promtool check metrics`.
+    Metrics,
     /// Re-read the configuration (needs authorization).
-    Reload,
+    Reload {
+        #[arg(long)]
+        json: bool,
+    },
     /// Rescan the PCI devices now (needs authorization).
-    Rescan,
+    Rescan {
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+impl Command {
+    /// Whether the command was asked for JSON: then its failure is JSON on stderr too.
+    fn json(&self) -> bool {
+        match self {
+            Command::List { json, .. }
+            | Command::Show { json, .. }
+            | Command::Status { json }
+            | Command::Events { json, .. }
+            | Command::Plan { json, .. }
+            | Command::Claims { json }
+            | Command::Claim { json, .. }
+            | Command::Mode { json, .. }
+            | Command::Attach { json, .. }
+            | Command::Detach { json, .. }
+            | Command::Release { json, .. }
+            | Command::Migrate { json, .. }
+            | Command::Task(
+                TaskCommand::Start { json, .. }
+                | TaskCommand::Show { json, .. }
+                | TaskCommand::List { json, .. }
+                | TaskCommand::Reset { json, .. },
+            )
+            | Command::Reload { json }
+            | Command::Rescan { json }
+            | Command::Fpga(FpgaCommand::Program { json, .. } | FpgaCommand::Verify { json, .. })
+            | Command::Find { json, .. } => *json,
+            Command::Image(
+                ImageCommand::Add { json, .. }
+                | ImageCommand::List { json }
+                | ImageCommand::Show { json, .. }
+                | ImageCommand::Deactivate { json, .. }
+                | ImageCommand::Activate { json, .. }
+                | ImageCommand::Remove { json, .. }
+                | ImageCommand::Cancel { json, .. },
+            ) => *json,
+            Command::Pool(
+                PoolCommand::List { json, .. }
+                | PoolCommand::Show { json, .. }
+                | PoolCommand::Pools { json }
+                | PoolCommand::Devices { json, .. }
+                | PoolCommand::Lease { json, .. }
+                | PoolCommand::Release { json, .. },
+            ) => *json,
+            _ => false,
+        }
+    }
 }
 
 #[derive(Subcommand, Debug)]
@@ -226,25 +333,37 @@ enum PoolCommand {
         json: bool,
     },
     /// Give pooled claim ID back to its pool (needs authorization).
-    Release { id: i64 },
+    Release {
+        id: i64,
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Subcommand, Debug)]
 enum FpgaCommand {
     /// Write catalog image IMAGE into the FPGA at DEVICE, as a task (needs authorization).
     Program {
+        #[arg(value_parser = spelling)]
         device: String,
         image: String,
         /// Show progress until the task ends; exit non-zero if it fails.
         #[arg(long)]
         wait: bool,
+        /// Print the task (at its end with --wait) as JSON.
+        #[arg(long)]
+        json: bool,
     },
     /// Check what the FPGA at DEVICE runs against IMAGE, as a task (needs authorization).
     Verify {
+        #[arg(value_parser = spelling)]
         device: String,
         image: String,
         #[arg(long)]
         wait: bool,
+        /// Print the task (at its end with --wait) as JSON.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -293,14 +412,30 @@ enum ImageCommand {
         json: bool,
     },
     /// Keep an image but refuse it for program and verify (needs authorization).
-    Deactivate { name: String },
+    Deactivate {
+        name: String,
+        #[arg(long)]
+        json: bool,
+    },
     /// Undo deactivate (needs authorization).
-    Activate { name: String },
+    Activate {
+        name: String,
+        #[arg(long)]
+        json: bool,
+    },
     /// Remove an image and its file (needs authorization).
-    Remove { name: String },
+    Remove {
+        name: String,
+        #[arg(long)]
+        json: bool,
+    },
     /// Stop the download of image NAME under way (`image add --url` in another terminal; needs
     /// authorization): nothing is kept.
-    Cancel { name: String },
+    Cancel {
+        name: String,
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -335,10 +470,10 @@ pub(crate) struct Requirements {
     #[arg(long)]
     pub(crate) numa: Option<i32>,
     /// Exactly this device (DDDD:BB:SS.F).
-    #[arg(long)]
+    #[arg(long, value_parser = spelling)]
     pub(crate) address: Option<String>,
     /// Only VFs of this PF.
-    #[arg(long)]
+    #[arg(long, value_parser = spelling)]
     pub(crate) parent: Option<String>,
 }
 
@@ -366,6 +501,7 @@ impl Requirements {
 enum TaskCommand {
     /// Start a task: split (vf mode), restore (pf mode), or apply (the policy's mode).
     Start {
+        #[arg(value_parser = spelling)]
         address: String,
         #[arg(value_parser = ["split", "restore", "apply"])]
         kind: String,
@@ -373,14 +509,28 @@ enum TaskCommand {
         vfs: Option<u32>,
         #[arg(long)]
         wait: bool,
+        /// Print the task (at its end with --wait) as JSON.
+        #[arg(long)]
+        json: bool,
     },
     /// A task's current state, by id; or, given a device's address, the task that holds the
     /// device now, else its last result.
-    Show { task: String },
+    Show {
+        #[arg(value_parser = spelling)]
+        task: String,
+        #[arg(long)]
+        json: bool,
+    },
     /// Clear a device's task left in error (after looking at the device).
-    Reset { address: String },
+    Reset {
+        #[arg(value_parser = spelling)]
+        address: String,
+        #[arg(long)]
+        json: bool,
+    },
     /// Task history, newest first.
     List {
+        #[arg(value_parser = spelling)]
         address: Option<String>,
         #[arg(long, default_value_t = 20)]
         limit: u32,
@@ -389,39 +539,45 @@ enum TaskCommand {
     },
 }
 
-/// Draws a one-line progress bar on stderr while a task runs.
-fn progress_bar(pct: u8, step: &str) {
-    let filled = usize::from(pct) * 30 / 100;
-    let step: String = step.chars().take(60).collect();
-    eprint!(
-        "\r[{}{}] {pct:>3}% {step:<60}",
-        "#".repeat(filled),
-        "-".repeat(30 - filled)
-    );
-}
-
 async fn start_and_follow(
     conn: &zbus::Connection,
     path: zbus::OwnedObjectPath,
     wait: bool,
-) -> Result<(), String> {
+    json: bool,
+) -> Result<(), Failure> {
     let t = client::task(conn, path.clone()).await.map_err(describe)?;
     let id = t.id().await.map_err(|e| describe(e.into()))?;
     let kind = t.kind().await.map_err(|e| describe(e.into()))?;
-    println!("task {id} ({kind}) started: {}", path.as_str());
     if !wait {
+        if json {
+            print_json(&client::task_view(&t).await.map_err(describe)?)?;
+        } else {
+            println!("task {id} ({kind}) started: {}", path.as_str());
+        }
         return Ok(());
     }
-    let (state, result) = client::wait_task(&t, progress_bar)
-        .await
-        .map_err(describe)?;
-    eprintln!();
-    println!("task {id} {kind}: {state}: {result}");
+    if !json {
+        println!("task {id} ({kind}) started: {}", path.as_str());
+    }
+    let bar = client::progress::TaskProgress::new(&format!("task {id} {kind}"));
+    let waited = client::wait_task(&t, |pct, step| bar.update(pct, step)).await;
+    bar.finish();
+    let (state, result) = waited.map_err(describe)?;
+    if json {
+        print_json(&client::task_view(&t).await.map_err(describe)?)?;
+    } else {
+        println!("task {id} {kind}: {state}: {result}");
+    }
     if state == "success" {
         Ok(())
     } else {
-        Err(format!("task {id} failed"))
+        Err(format!("task {id} failed").into())
     }
+}
+
+/// clap's parser for an address argument: both spellings (see [`client::address_spelling`]).
+fn spelling(text: &str) -> Result<String, std::convert::Infallible> {
+    Ok(client::address_spelling(text))
 }
 
 fn bus(args: &Args) -> Result<BusTarget, String> {
@@ -434,21 +590,19 @@ fn bus(args: &Args) -> Result<BusTarget, String> {
     }
 }
 
-fn describe(e: ClientError) -> String {
-    match e {
-        ClientError::Call(zbus::Error::MethodError(name, Some(msg), _)) => {
-            format!("{msg} ({name})")
-        }
-        other => vfiod::error_chain(&other),
-    }
+fn describe(e: ClientError) -> Failure {
+    Failure::from(e)
 }
 
 /// A call on a claim, described; one whose object is gone says so plainly.
-fn gone_claim(claim: &str, e: ClientError) -> String {
+fn gone_claim(claim: &str, e: ClientError) -> Failure {
     match e {
-        ClientError::Call(z) if unknown_object(&z) => format!(
-            "no active claim {claim} (a released claim's object is gone; vfioctl claims lists \
-             the active ones)"
+        ClientError::Call(z) if unknown_object(&z) => Failure::named(
+            "org.vfiod.Vfiod1.Error.NoSuchClaim",
+            format!(
+                "no active claim {claim} (a released claim's object is gone; vfioctl claims \
+                 lists the active ones)"
+            ),
         ),
         other => describe(other),
     }
@@ -462,6 +616,25 @@ fn unknown_object(e: &zbus::Error) -> bool {
         }
         zbus::Error::FDO(f) => matches!(**f, zbus::fdo::Error::UnknownObject(_)),
         _ => false,
+    }
+}
+
+/// What `--json` prints for a claim that has ended (its object is gone): its number and path.
+fn ended_claim(path: &zbus::OwnedObjectPath) -> serde_json::Value {
+    let id = path
+        .as_str()
+        .rsplit('/')
+        .next()
+        .and_then(|n| n.parse::<u64>().ok());
+    serde_json::json!({ "id": id, "path": path.as_str(), "state": "released" })
+}
+
+/// A note for the person at a terminal, where a script's reader of stdout would get words it
+/// does not want: on stderr, and only when stderr is a terminal.
+fn note(text: &str) {
+    use std::io::IsTerminal;
+    if std::io::stderr().is_terminal() {
+        eprintln!("{text}");
     }
 }
 
@@ -486,6 +659,32 @@ async fn main() -> ExitCode {
         );
     }
     let args = Args::parse();
+    client::table::set_legend(!args.no_legend);
+    // Generated from the definitions above; no daemon needed.
+    match &args.command {
+        Command::Completions { shell } => {
+            let mut cmd = <Args as clap::CommandFactory>::command();
+            clap_complete::generate(*shell, &mut cmd, "vfioctl", &mut std::io::stdout());
+            return ExitCode::SUCCESS;
+        }
+        Command::Man => {
+            use vfiod::client::man;
+            let page = man::command_page(
+                <Args as clap::CommandFactory>::command(),
+                "1",
+                &man::exit_status_section(),
+            );
+            use std::io::Write;
+            return match page.and_then(|p| std::io::stdout().write_all(&p)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("vfioctl: {e}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
+        _ => {}
+    }
     if let Command::Hook(_) = &args.command {
         let target = match bus(&args) {
             Ok(t) => t,
@@ -499,6 +698,7 @@ async fn main() -> ExitCode {
         };
         return hook(target, command).await;
     }
+    #[cfg(feature = "fleet")]
     if let Command::Fleet(_) = &args.command {
         let Command::Fleet(f) = args.command else {
             unreachable!("matched above")
@@ -511,11 +711,18 @@ async fn main() -> ExitCode {
             }
         };
     }
+    let json = args.command.json();
     match run(args).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("vfioctl: {e}");
-            ExitCode::FAILURE
+            if e.quiet {
+                // Already said (or deliberately not: an empty `find` in a pipe).
+            } else if json {
+                eprintln!("{}", e.json());
+            } else {
+                eprintln!("vfioctl: {}", e.text());
+            }
+            ExitCode::from(e.code())
         }
     }
 }
@@ -529,33 +736,20 @@ async fn hook(target: BusTarget, command: HookCommand) -> ExitCode {
         sub_operation,
         extra,
     } = command;
-    let mut xml = Vec::new();
-    use std::io::Read;
-    let read = std::io::stdin()
-        .take(client::hook::MAX_XML as u64 + 1)
-        .read_to_end(&mut xml);
-    let xml = match read {
-        Ok(_) if xml.len() <= client::hook::MAX_XML => String::from_utf8_lossy(&xml).into_owned(),
-        Ok(_) => {
-            eprintln!(
-                "vfiod: the domain XML on stdin is larger than {} bytes",
-                client::hook::MAX_XML
-            );
-            return ExitCode::FAILURE;
-        }
-        Err(e) => {
-            eprintln!("vfiod: cannot read the domain XML on stdin: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    let settings = client::hook::settings();
     let args = client::hook::HookArgs {
         domain,
         operation,
         sub_operation,
         extra,
     };
-    let out = client::hook::run(&target, &args, xml, &settings.hooks, &settings.state_dir).await;
+    let settings = client::hook::settings();
+    let read = client::hook::read_xml(std::io::stdin().lock(), &args);
+    let out = match read {
+        Ok(xml) => {
+            client::hook::run(&target, &args, xml, &settings.hooks, &settings.state_dir).await
+        }
+        Err(out) => out,
+    };
     use std::io::Write;
     let _ = std::io::stdout().write_all(out.stdout.as_bytes());
     if !out.stderr.is_empty() {
@@ -567,7 +761,7 @@ async fn hook(target: BusTarget, command: HookCommand) -> ExitCode {
     ExitCode::from(u8::try_from(out.exit_code.clamp(0, 255)).unwrap_or(1))
 }
 
-async fn run(args: Args) -> Result<(), String> {
+async fn run(args: Args) -> Result<(), Failure> {
     let target = bus(&args)?;
     let conn = client::connect(&target).await.map_err(describe)?;
     match args.command {
@@ -626,39 +820,95 @@ async fn run(args: Args) -> Result<(), String> {
         }
         Command::Events {
             address,
+            kind,
             limit,
             since,
             before,
+            follow,
             json,
         } => {
             let m = client::manager(&conn).await.map_err(describe)?;
-            let q = client::query(vec![
-                ("address", address.map(zbus::Variant::from)),
-                ("limit", Some(limit.into())),
-                ("since", since.map(zbus::Variant::from)),
-                ("before", before.map(zbus::Variant::from)),
-            ]);
+            // Subscribed before the first read, so nothing recorded in between is missed.
+            let signals = if follow {
+                Some(
+                    client::events::EventFollower::subscribe(&m)
+                        .await
+                        .map_err(|e| describe(e.into()))?,
+                )
+            } else {
+                None
+            };
+            let q = |since: Option<i64>, limit: u32| {
+                client::query(vec![
+                    ("address", address.clone().map(zbus::Variant::from)),
+                    ("kind", kind.clone().map(zbus::Variant::from)),
+                    ("limit", Some(limit.into())),
+                    ("since", since.map(zbus::Variant::from)),
+                    ("before", before.map(zbus::Variant::from)),
+                ])
+            };
             let events: Vec<client::EventEntry> = m
-                .get_events(q)
+                .get_events(q(since, limit))
                 .await
                 .map_err(|e| describe(e.into()))?
                 .iter()
                 .map(client::EventEntry::from_dict)
                 .collect();
-            if json {
-                print_json(&events)?;
-            } else {
-                for e in &events {
-                    // Milliseconds: a migration's quiesce window is tens of them.
-                    println!(
-                        "{:>6}  {}  {:<10} {}",
-                        e.id,
-                        format_time_ms(e.time_ms),
-                        e.kind,
-                        e.message
-                    );
+            let Some(mut signals) = signals else {
+                if json {
+                    print_json(&events)?;
+                } else {
+                    print!("{}", events_table(&events));
                 }
+                return Ok(());
+            };
+            // Following: a line per entry as it comes (NDJSON with --json), columns of fixed
+            // width, since a table cannot be sized before its rows are known.
+            let print = |e: &client::EventEntry| -> Result<(), String> {
+                if json {
+                    println!("{}", serde_json::to_string(e).map_err(|e| e.to_string())?);
+                } else {
+                    println!("{}", event_line(e));
+                }
+                Ok(())
+            };
+            if !json && client::table::legend() {
+                println!("{}", event_line_header());
             }
+            let mut last = since.unwrap_or(0);
+            for e in &events {
+                print(e)?;
+                last = last.max(e.id);
+            }
+            // A signal only wakes: the entries are read back with the same filter, from the
+            // last one printed, so a signal the bus dropped or one that arrives out of turn
+            // loses nothing and prints nothing twice.
+            while let Some(newest) = signals.next().await.map_err(|e| describe(e.into()))? {
+                if newest <= last {
+                    continue;
+                }
+                loop {
+                    let batch: Vec<client::EventEntry> = m
+                        .get_events(q(Some(last), 10_000))
+                        .await
+                        .map_err(|e| describe(e.into()))?
+                        .iter()
+                        .map(client::EventEntry::from_dict)
+                        .collect();
+                    for e in &batch {
+                        print(e)?;
+                        last = last.max(e.id);
+                    }
+                    if batch.len() < 10_000 {
+                        break;
+                    }
+                }
+                // Entries filtered out still move the mark: they need not be asked for again.
+                last = last.max(newest);
+            }
+            return Err(Failure::from(
+                "vfiod left the bus: no more events to follow".to_string(),
+            ));
         }
         Command::Plan { address, json } => {
             let m = client::manager(&conn).await.map_err(describe)?;
@@ -699,19 +949,21 @@ async fn run(args: Args) -> Result<(), String> {
             mode,
             vfs,
             wait,
+            json,
         } => {
             let d = client::device(&conn, &address).await.map_err(describe)?;
             let path = d
                 .set_mode(&mode, vfs.unwrap_or(0))
                 .await
                 .map_err(|e| describe(e.into()))?;
-            start_and_follow(&conn, path, wait).await?;
+            start_and_follow(&conn, path, wait, json).await?;
         }
         Command::Task(TaskCommand::Start {
             address,
             kind,
             vfs,
             wait,
+            json,
         }) => {
             let d = client::device(&conn, &address).await.map_err(describe)?;
             let path = match kind.as_str() {
@@ -720,10 +972,28 @@ async fn run(args: Args) -> Result<(), String> {
                 _ => d.apply().await,
             }
             .map_err(|e| describe(e.into()))?;
-            start_and_follow(&conn, path, wait).await?;
+            start_and_follow(&conn, path, wait, json).await?;
         }
-        Command::Task(TaskCommand::Show { task }) if task.parse::<i64>().is_err() => {
+        Command::Task(TaskCommand::Show { task, json }) if task.parse::<i64>().is_err() => {
             let d = client::show_device(&conn, &task).await.map_err(describe)?;
+            if json {
+                let current = match &d.current_task {
+                    Some(path) => {
+                        let path = zbus::OwnedObjectPath::try_from(path.as_str())
+                            .map_err(|e| e.to_string())?;
+                        let t = client::task(&conn, path).await.map_err(describe)?;
+                        Some(client::task_view(&t).await.map_err(describe)?)
+                    }
+                    None => None,
+                };
+                print_json(&serde_json::json!({
+                    "address": d.address,
+                    "task_state": d.task_state,
+                    "task": current,
+                    "last_result": d.last_result,
+                }))?;
+                return Ok(());
+            }
             match &d.current_task {
                 Some(path) => {
                     let t = client::task(
@@ -753,32 +1023,36 @@ async fn run(args: Args) -> Result<(), String> {
                 println!("last:   {}", d.last_result);
             }
         }
-        Command::Task(TaskCommand::Show { task }) => {
+        Command::Task(TaskCommand::Show { task, json }) => {
             let id: i64 = task.parse().map_err(|e| format!("{task}: {e}"))?;
             let path =
                 zbus::OwnedObjectPath::try_from(format!("{}/task/{id}", vfiod::dbus::ROOT_PATH))
                     .map_err(|e| e.to_string())?;
             let t = client::task(&conn, path).await.map_err(describe)?;
-            let get = async {
-                Ok::<_, zbus::Error>((
-                    t.kind().await?,
-                    t.device().await?,
-                    t.state().await?,
-                    t.step().await?,
-                    t.percent().await?,
-                    t.result().await?,
-                ))
-            };
-            let (kind, dev, state, step, pct, result) = get.await.map_err(|e| {
-                if unknown_object(&e) {
+            let view = client::task_view(&t).await.map_err(|e| match e {
+                ClientError::Call(e) if unknown_object(&e) => Failure::named(
+                    "org.freedesktop.DBus.Error.UnknownObject",
                     format!(
-                        "no task {id} on the bus (vfioctl task list shows the history; a task's \
-                         object stays while a device shows it, and for the newest others)"
-                    )
-                } else {
-                    describe(e.into())
-                }
+                        "no task {id} on the bus (vfioctl task list shows the history; a \
+                             task's object stays while a device shows it, and for the newest \
+                             others)"
+                    ),
+                ),
+                other => describe(other),
             })?;
+            if json {
+                print_json(&view)?;
+                return Ok(());
+            }
+            let client::TaskView {
+                kind,
+                address: dev,
+                state,
+                step,
+                percent: pct,
+                result,
+                ..
+            } = view;
             println!("task {id}: {kind} on {dev}: {state} ({pct}%)");
             if !step.is_empty() {
                 println!("step:   {step}");
@@ -787,10 +1061,21 @@ async fn run(args: Args) -> Result<(), String> {
                 println!("result: {result}");
             }
         }
-        Command::Task(TaskCommand::Reset { address }) => {
+        Command::Task(TaskCommand::Reset { address, json }) => {
             let d = client::device(&conn, &address).await.map_err(describe)?;
             d.reset_task().await.map_err(|e| describe(e.into()))?;
-            println!("{address}: task reset; the device is idle");
+            if json {
+                let d = client::show_device(&conn, &address)
+                    .await
+                    .map_err(describe)?;
+                print_json(&serde_json::json!({
+                    "address": d.address,
+                    "task_state": d.task_state,
+                    "last_result": d.last_result,
+                }))?;
+            } else {
+                println!("{address}: task reset; the device is idle");
+            }
         }
         Command::Task(TaskCommand::List {
             address,
@@ -812,18 +1097,24 @@ async fn run(args: Args) -> Result<(), String> {
             if json {
                 print_json(&tasks)?;
             } else {
-                for t in tasks {
-                    println!(
-                        "{:>5}  {}  {}  {:<8} {:<8} {:>3}%  {}",
-                        t.id,
+                let rows = tasks.iter().map(|t| {
+                    vec![
+                        t.id.to_string(),
                         format_time(t.created_ms),
-                        t.address,
-                        t.kind,
-                        t.state,
-                        t.percent,
-                        t.result
-                    );
-                }
+                        t.address.clone(),
+                        t.kind.clone(),
+                        t.state.clone(),
+                        format!("{}%", t.percent),
+                        t.result.clone(),
+                    ]
+                });
+                print!(
+                    "{}",
+                    client::table::render(
+                        &["TASK", "CREATED", "DEVICE", "KIND", "STATE", "DONE", "RESULT"],
+                        rows
+                    )
+                );
             }
         }
         Command::Claim {
@@ -832,6 +1123,7 @@ async fn run(args: Args) -> Result<(), String> {
             uuid,
             lease,
             persistent,
+            json,
         } => {
             let owner = client::query(vec![
                 ("vm_name", vm.map(zbus::Variant::from)),
@@ -847,29 +1139,50 @@ async fn run(args: Args) -> Result<(), String> {
             let c = claims::claim_view(&conn, path.as_str())
                 .await
                 .map_err(describe)?;
-            println!(
-                "claim {}: {} for {} ({})",
-                c.id,
-                c.functions.join(" + "),
-                c.vm,
-                c.path
-            );
+            if json {
+                print_json(&c)?;
+            } else {
+                println!(
+                    "claim {}: {} for {} ({})",
+                    c.id,
+                    c.functions.join(" + "),
+                    c.vm,
+                    c.path
+                );
+            }
         }
-        Command::Find { want } => {
+        Command::Find { want, json } => {
             let m = claims::claims_proxy(&conn).await.map_err(describe)?;
-            let found = m
+            let found: Vec<String> = m
                 .find_devices(want.dict())
                 .await
-                .map_err(|e| describe(e.into()))?;
-            if found.is_empty() {
-                println!("no device available that matches");
-            }
-            for path in found {
-                let name = path.as_str().rsplit('/').next().unwrap_or_default();
-                match vfiod::model::pci::PciAddress::from_nodedev_name(name) {
-                    Ok(a) => println!("{a}"),
-                    Err(_) => println!("{}", path.as_str()),
+                .map_err(|e| describe(e.into()))?
+                .iter()
+                .map(|path| {
+                    let name = path.as_str().rsplit('/').next().unwrap_or_default();
+                    vfiod::model::pci::PciAddress::from_nodedev_name(name)
+                        .map_or_else(|_| path.as_str().to_string(), |a| a.to_string())
+                })
+                .collect();
+            if json {
+                print_json(&found)?;
+            } else {
+                for a in &found {
+                    println!("{a}");
                 }
+            }
+            if found.is_empty() {
+                // `$(vfioctl find ...)` gets nothing, the status says why; with --json the
+                // error object too, as for every failure.
+                let none = Failure::named(
+                    "org.vfiod.Vfiod1.Error.NoDeviceAvailable",
+                    "no device available that matches",
+                );
+                if json {
+                    return Err(none);
+                }
+                note(&none.message);
+                return Err(none.quiet());
             }
         }
         Command::Claims { json } => {
@@ -877,7 +1190,7 @@ async fn run(args: Args) -> Result<(), String> {
             if json {
                 print_json(&list)?;
             } else if list.is_empty() {
-                println!("no claims");
+                note("no claims");
             } else {
                 print!("{}", claims::render_claims(&list, format_time));
             }
@@ -888,6 +1201,7 @@ async fn run(args: Args) -> Result<(), String> {
             live,
             config,
             wait,
+            json,
         } => {
             let path = claims::claim_path(&claim)?;
             let mut flags = Vec::new();
@@ -904,6 +1218,13 @@ async fn run(args: Args) -> Result<(), String> {
             let done = claims::change(&conn, path.clone(), what, wait)
                 .await
                 .map_err(|e| gone_claim(&claim, e))?;
+            if json {
+                // The claim as it is now: attached, or still attaching without --wait.
+                let c = claims::claim_view(&conn, path.as_str())
+                    .await
+                    .map_err(|e| gone_claim(&claim, e))?;
+                return print_json(&c).map_err(Failure::from);
+            }
             match done {
                 claims::Progress::Done => {
                     let c = claims::claim_view(&conn, path.as_str())
@@ -925,11 +1246,23 @@ async fn run(args: Args) -> Result<(), String> {
                 ),
             }
         }
-        Command::Detach { claim, wait } => {
+        Command::Detach { claim, wait, json } => {
             let path = claims::claim_path(&claim)?;
-            let done = claims::change(&conn, path, claims::Change::Detach, wait)
+            let done = claims::change(&conn, path.clone(), claims::Change::Detach, wait)
                 .await
                 .map_err(|e| gone_claim(&claim, e))?;
+            if json {
+                return match done {
+                    // Its object is gone with it.
+                    claims::Progress::Done => print_json(&ended_claim(&path)),
+                    claims::Progress::Started(_) => print_json(
+                        &claims::claim_view(&conn, path.as_str())
+                            .await
+                            .map_err(|e| gone_claim(&claim, e))?,
+                    ),
+                }
+                .map_err(Failure::from);
+            }
             match done {
                 claims::Progress::Done => {
                     println!("claim {claim} detached; its devices are back in the pool")
@@ -940,12 +1273,16 @@ async fn run(args: Args) -> Result<(), String> {
                 ),
             }
         }
-        Command::Release { claim } => {
+        Command::Release { claim, json } => {
             let path = claims::claim_path(&claim)?;
-            claims::release(&conn, path)
+            claims::release(&conn, path.clone())
                 .await
                 .map_err(|e| gone_claim(&claim, e))?;
-            println!("claim {claim} released");
+            if json {
+                print_json(&ended_claim(&path))?;
+            } else {
+                println!("claim {claim} released");
+            }
         }
         Command::Migrate {
             domain,
@@ -953,6 +1290,7 @@ async fn run(args: Args) -> Result<(), String> {
             migrate_uri,
             offline,
             wait,
+            json,
         } => {
             let m = client::manager(&conn).await.map_err(describe)?;
             let options = client::query(vec![
@@ -963,7 +1301,7 @@ async fn run(args: Args) -> Result<(), String> {
                 .migrate(&domain, &destination, options)
                 .await
                 .map_err(|e| describe(e.into()))?;
-            start_and_follow(&conn, path, wait).await?;
+            start_and_follow(&conn, path, wait, json).await?;
         }
         Command::Image(command) => image(&conn, command).await?,
         Command::Pool(command) => pool(&conn, command).await?,
@@ -971,31 +1309,53 @@ async fn run(args: Args) -> Result<(), String> {
             device,
             image,
             wait,
+            json,
         }) => {
             let d = client::device(&conn, &device).await.map_err(describe)?;
             let path = d.program(&image).await.map_err(|e| describe(e.into()))?;
-            start_and_follow(&conn, path, wait).await?;
+            start_and_follow(&conn, path, wait, json).await?;
         }
         Command::Fpga(FpgaCommand::Verify {
             device,
             image,
             wait,
+            json,
         }) => {
             let d = client::device(&conn, &device).await.map_err(describe)?;
             let path = d.verify(&image).await.map_err(|e| describe(e.into()))?;
-            start_and_follow(&conn, path, wait).await?;
+            start_and_follow(&conn, path, wait, json).await?;
         }
         Command::Hook(_) => unreachable!("vfioctl hook is run before connecting"),
+        Command::Completions { .. } | Command::Man => {
+            unreachable!("completions and man are printed before connecting")
+        }
+        #[cfg(feature = "fleet")]
         Command::Fleet(_) => unreachable!("vfioctl fleet is run before connecting"),
-        Command::Reload => {
+        Command::Metrics => print!("{}", client::metrics::text(&conn).await.map_err(describe)?),
+        Command::Reload { json } => {
             let m = client::manager(&conn).await.map_err(describe)?;
             m.reload().await.map_err(|e| describe(e.into()))?;
-            println!("configuration reloaded");
+            if json {
+                let sources = m.config_sources().await.map_err(|e| describe(e.into()))?;
+                print_json(&serde_json::json!({ "config_sources": sources }))?;
+            } else {
+                println!("configuration reloaded");
+            }
         }
-        Command::Rescan => {
+        Command::Rescan { json } => {
             let m = client::manager(&conn).await.map_err(describe)?;
             m.rescan().await.map_err(|e| describe(e.into()))?;
-            println!("rescan done");
+            if json {
+                let count = |r: zbus::Result<u32>| r.map_err(|e| describe(e.into()));
+                print_json(&serde_json::json!({
+                    "devices": count(m.device_count().await)?,
+                    "usable": count(m.usable_count().await)?,
+                    "protected": count(m.protected_count().await)?,
+                    "broken": count(m.broken_count().await)?,
+                }))?;
+            } else {
+                println!("rescan done");
+            }
         }
     }
     Ok(())
@@ -1010,13 +1370,13 @@ async fn add_from_url(
     sha256: &str,
     options: vfiod::dbus::wire::Dict,
 ) -> zbus::Result<vfiod::dbus::wire::Dict> {
-    use std::io::{IsTerminal, Write};
+    use std::io::IsTerminal;
     use vfiod::dbus::wire::Entry;
     let call = proxy.add_from_url(name, url, sha256, options);
     tokio::pin!(call);
     let terminal = std::io::stderr().is_terminal();
     let mut tick = tokio::time::interval(std::time::Duration::from_millis(500));
-    let mut shown = false;
+    let bar = vfiod::client::progress::DownloadProgress::new(name);
     let mut interrupted = false;
     // One registration for the whole call: a Ctrl-C between two turns of the loop is kept.
     let mut sigint = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
@@ -1029,7 +1389,8 @@ async fn add_from_url(
             _ = sigint.recv(), if !interrupted => {
                 interrupted = true;
                 if let Err(e) = proxy.cancel_download(name).await {
-                    eprintln!("\ncannot cancel the download: {e}");
+                    bar.finish();
+                    eprintln!("cannot cancel the download: {e}");
                 }
             }
             _ = tick.tick(), if terminal => {
@@ -1038,21 +1399,15 @@ async fn add_from_url(
                     continue;
                 };
                 let get = |k: &str| d.get(k).and_then(|v| u64::try_from(v).ok()).unwrap_or(0);
-                let line = vfiod::client::images::render_download(get("received"), get("total"));
-                eprint!("\rdownloading {name}: {line}   ");
-                let _ = std::io::stderr().flush();
-                shown = true;
+                bar.update(get("received"), get("total"));
             }
         }
     };
-    if shown {
-        eprintln!();
-    }
+    bar.finish();
     result
 }
 
-/// UTC time of day and date from epoch milliseconds, without pulling in a date crate.
-async fn image(conn: &zbus::Connection, command: ImageCommand) -> Result<(), String> {
+async fn image(conn: &zbus::Connection, command: ImageCommand) -> Result<(), Failure> {
     use vfiod::client::images::{self, ImageEntry};
     let proxy = images::images(conn).await.map_err(describe)?;
     let call = |e: zbus::Error| describe(e.into());
@@ -1143,27 +1498,47 @@ async fn image(conn: &zbus::Connection, command: ImageCommand) -> Result<(), Str
                 print!("{}", images::render_details(&entry));
             }
         }
-        ImageCommand::Deactivate { name } => {
+        ImageCommand::Deactivate { name, json } => {
             proxy.deactivate(&name).await.map_err(call)?;
-            println!("image {name} deactivated");
+            if json {
+                print_json(&ImageEntry::from_dict(
+                    &proxy.get(&name).await.map_err(call)?,
+                ))?;
+            } else {
+                println!("image {name} deactivated");
+            }
         }
-        ImageCommand::Activate { name } => {
+        ImageCommand::Activate { name, json } => {
             proxy.activate(&name).await.map_err(call)?;
-            println!("image {name} activated");
+            if json {
+                print_json(&ImageEntry::from_dict(
+                    &proxy.get(&name).await.map_err(call)?,
+                ))?;
+            } else {
+                println!("image {name} activated");
+            }
         }
-        ImageCommand::Remove { name } => {
+        ImageCommand::Remove { name, json } => {
             proxy.remove(&name).await.map_err(call)?;
-            println!("image {name} removed");
+            if json {
+                print_json(&serde_json::json!({ "name": name, "state": "removed" }))?;
+            } else {
+                println!("image {name} removed");
+            }
         }
-        ImageCommand::Cancel { name } => {
+        ImageCommand::Cancel { name, json } => {
             proxy.cancel_download(&name).await.map_err(call)?;
-            println!("download of image {name} cancelled");
+            if json {
+                print_json(&serde_json::json!({ "name": name, "state": "cancelled" }))?;
+            } else {
+                println!("download of image {name} cancelled");
+            }
         }
     }
     Ok(())
 }
 
-async fn pool(conn: &zbus::Connection, command: PoolCommand) -> Result<(), String> {
+async fn pool(conn: &zbus::Connection, command: PoolCommand) -> Result<(), Failure> {
     use vfiod::client::pool::{self, PoolDeviceEntry, PoolEntry, PooledEntry};
     let m = client::manager(conn).await.map_err(describe)?;
     let call = |e: zbus::Error| describe(e.into());
@@ -1171,7 +1546,7 @@ async fn pool(conn: &zbus::Connection, command: PoolCommand) -> Result<(), Strin
         let m = m.clone();
         async move {
             let q = client::query(vec![("history", Some(all.into()))]);
-            Ok::<_, String>(
+            Ok::<_, Failure>(
                 m.get_pooled_claims(q)
                     .await
                     .map_err(call)?
@@ -1195,7 +1570,12 @@ async fn pool(conn: &zbus::Connection, command: PoolCommand) -> Result<(), Strin
                 .await?
                 .into_iter()
                 .find(|c| c.id == id)
-                .ok_or(format!("no pooled claim {id}"))?;
+                .ok_or_else(|| {
+                    Failure::named(
+                        "org.vfiod.Vfiod1.Error.NoSuchClaim",
+                        format!("no pooled claim {id}"),
+                    )
+                })?;
             // Its steps: the history entries of kind pool that name it.
             let prefix = format!("pooled claim {id} ");
             let mut events = Vec::new();
@@ -1265,20 +1645,22 @@ async fn pool(conn: &zbus::Connection, command: PoolCommand) -> Result<(), Strin
             if json {
                 print_json(&devices)?;
             } else {
-                println!("{:<16} {:<10} {:<24} SESSION", "DEVICE", "KIND", "MODEL");
-                for d in &devices {
-                    println!(
-                        "{:<16} {:<10} {:<24} {}",
-                        d.id,
-                        d.kind,
-                        d.model,
+                let rows = devices.iter().map(|d| {
+                    vec![
+                        d.id.clone(),
+                        d.kind.clone(),
+                        d.model.clone(),
                         if d.session.is_empty() {
-                            "-"
+                            "-".into()
                         } else {
-                            &d.session
-                        }
-                    );
-                }
+                            d.session.clone()
+                        },
+                    ]
+                });
+                print!(
+                    "{}",
+                    client::table::render(&["DEVICE", "KIND", "MODEL", "SESSION"], rows)
+                );
             }
         }
         PoolCommand::Lease {
@@ -1312,8 +1694,11 @@ async fn pool(conn: &zbus::Connection, command: PoolCommand) -> Result<(), Strin
                 );
             }
         }
-        PoolCommand::Release { id } => {
+        PoolCommand::Release { id, json } => {
             let c = PooledEntry::from_dict(&m.release_pooled(id).await.map_err(call)?);
+            if json {
+                return print_json(&c).map_err(Failure::from);
+            }
             println!(
                 "pooled claim {id} {}{}",
                 c.state,
@@ -1328,31 +1713,46 @@ async fn pool(conn: &zbus::Connection, command: PoolCommand) -> Result<(), Strin
     Ok(())
 }
 
-/// [`format_time`] with milliseconds: a quiesce window is milliseconds long.
-fn format_time_ms(ms: i64) -> String {
-    let t = format_time(ms);
-    format!("{}.{:03}Z", t.trim_end_matches('Z'), ms.rem_euclid(1000))
+/// A time from Unix milliseconds, UTC, in RFC 3339 with milliseconds (a migration's quiesce
+/// window is tens of them): `2026-12-02T05:18:40.123Z`.
+/// `vfioctl events`' table. Milliseconds: a migration's quiesce window is tens of them.
+fn events_table(events: &[client::EventEntry]) -> String {
+    let rows = events.iter().map(|e| {
+        vec![
+            e.id.to_string(),
+            format_time_ms(e.time_ms),
+            e.kind.clone(),
+            e.message.clone(),
+        ]
+    });
+    client::table::render(&["ID", "TIME", "KIND", "MESSAGE"], rows)
 }
 
-fn format_time(ms: i64) -> String {
-    let secs = ms.div_euclid(1000);
-    let days = secs.div_euclid(86_400);
-    let rem = secs.rem_euclid(86_400);
-    // Civil-from-days (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let y = yoe + era * 400;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = if m <= 2 { y + 1 } else { y };
+/// One entry of `vfioctl events --follow`: the table's columns at fixed widths (an id of up
+/// to 7 digits, the time's 24 characters, the longest kind's 11), since rows come one at a time.
+fn event_line(e: &client::EventEntry) -> String {
     format!(
-        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
+        "{:<7}  {:<24}  {:<11}  {}",
+        e.id,
+        format_time_ms(e.time_ms),
+        e.kind,
+        e.message
     )
+}
+
+fn event_line_header() -> String {
+    format!("{:<7}  {:<24}  {:<11}  {}", "ID", "TIME", "KIND", "MESSAGE")
+}
+
+fn format_time_ms(ms: i64) -> String {
+    humantime::format_rfc3339_millis(system_time(ms)).to_string()
+}
+
+/// The same to the second: `2026-12-02T05:18:40Z`.
+fn format_time(ms: i64) -> String {
+    humantime::format_rfc3339_seconds(system_time(ms)).to_string()
+}
+
+fn system_time(ms: i64) -> std::time::SystemTime {
+    std::time::UNIX_EPOCH + std::time::Duration::from_millis(u64::try_from(ms).unwrap_or(0))
 }

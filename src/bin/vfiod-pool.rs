@@ -11,13 +11,15 @@ use clap::{Args, Parser, Subcommand};
 use vfiod::error_chain;
 use vfiod::pool::client::{PoolClient, PoolEndpoint};
 use vfiod::pool::driver::{self, DriverConfig};
-use vfiod::pool::service::{self, PoolConfig, TlsFiles};
+use vfiod::pool::service::{self, ConnectionLimits, PoolConfig, TlsFiles};
 
 /// A device pool speaking pool protocol v1: leases pooled accelerators to VMs, quiesces and
 /// resumes their work across a live migration, with epochs that fence a stale host off. Its
 /// devices are stand-ins: a worker per session computes numbered work items.
 #[derive(Parser, Debug)]
+// Its own name, not the package's: `vfiod-pool --version` says `vfiod-pool 0.1.0`.
 #[command(
+    name = "vfiod-pool",
     version,
     args_conflicts_with_subcommands = true,
     subcommand_negates_reqs = true
@@ -34,7 +36,11 @@ enum Command {
     /// Run the stand-in user-mode driver: stream numbered items to a session, follow it when
     /// it moves, report lost and duplicated items and the longest pause. Exits 0 only when
     /// every result came, once and right.
-    Drive(DriveArgs),
+    Drive(Box<DriveArgs>),
+    /// Print the man page vfiod-pool(1) (roff) on stdout: what `make install` installs.
+    // Hidden: for the install, not for a person reading the help.
+    #[command(hide = true)]
+    Man,
 }
 
 #[derive(Args, Debug)]
@@ -69,6 +75,20 @@ struct ServeArgs {
     /// Milliseconds the stand-in accelerator works on one item.
     #[arg(long, default_value_t = 1)]
     item_time_ms: u64,
+    /// Connections served at once, all clients together (lowered to what the descriptor
+    /// limit allows; more are refused with 503 `unavailable` on plain HTTP, closed on TLS).
+    #[arg(long, default_value_t = 1024)]
+    max_connections: usize,
+    /// Connections served at once from one client address.
+    #[arg(long, default_value_t = 64)]
+    max_connections_per_client: usize,
+    /// Seconds a connection has to send a request's headers (from its start, or the end of
+    /// the previous reply: idle connections are closed after it too).
+    #[arg(long, default_value_t = 10.0)]
+    header_timeout: f64,
+    /// Seconds one request may take, its body included (then 503 `unavailable`).
+    #[arg(long, default_value_t = 30.0)]
+    request_timeout: f64,
 }
 
 #[derive(Args, Debug)]
@@ -136,6 +156,17 @@ fn seconds(what: &str, s: f64) -> Result<Duration, String> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Some(Command::Man) = cli.command {
+        let page =
+            vfiod::client::man::command_page(<Cli as clap::CommandFactory>::command(), "1", "");
+        return match page.and_then(|p| std::io::stdout().write_all(&p)) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("vfiod-pool: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     init_logging();
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -148,8 +179,9 @@ fn main() -> ExitCode {
         }
     };
     let result = match cli.command {
-        Some(Command::Drive(args)) => rt.block_on(drive(args)),
+        Some(Command::Drive(args)) => rt.block_on(drive(*args)),
         None => rt.block_on(serve(cli.serve)),
+        Some(Command::Man) => unreachable!("printed before the runtime starts"),
     };
     match result {
         Ok(code) => code,
@@ -169,6 +201,17 @@ async fn serve(a: ServeArgs) -> Result<ExitCode, String> {
     cfg.quiesce_lease = seconds("--quiesce-lease", a.quiesce_lease)?;
     cfg.hosts = a.hosts;
     cfg.item_time = Duration::from_millis(a.item_time_ms);
+    cfg.limits = ConnectionLimits {
+        header_read_timeout: seconds("--header-timeout", a.header_timeout)?,
+        request_timeout: seconds("--request-timeout", a.request_timeout)?,
+        max_connections: a.max_connections,
+        max_per_client: a.max_connections_per_client,
+    };
+    // Each connection is a descriptor: the hard limit, not the default soft 1024.
+    match service::raise_nofile_limit() {
+        Ok(n) => tracing::debug!(nofile = n, "descriptor limit"),
+        Err(e) => tracing::warn!("cannot raise the descriptor limit: {e}"),
+    }
     if let (Some(cert), Some(key), Some(client_ca)) = (a.tls_cert, a.tls_key, a.client_ca) {
         cfg.tls = Some(TlsFiles {
             cert,
@@ -199,6 +242,13 @@ async fn drive(a: DriveArgs) -> Result<ExitCode, String> {
     // Bad numbers are refused before a session is leased.
     let every = seconds("--progress", a.progress)?;
     let give_up = seconds("--give-up", a.give_up)?;
+    if a.items > service::core::MAX_SEQ {
+        return Err(format!(
+            "--items {}: items are numbered up to {} (2^63 - 1)",
+            a.items,
+            service::core::MAX_SEQ
+        ));
+    }
     let mut ep = PoolEndpoint::new(a.url);
     ep.ca_file = a.ca_file;
     ep.cert_file = a.cert;

@@ -48,6 +48,65 @@ struct Args {
     /// from one host to the other by the code libvirt's hooks and events run (issue 11).
     #[arg(long, conflicts_with_all = ["simulate", "check_config"])]
     demo_pool: bool,
+    /// Create the state database and exit, taking an existing but empty `vfiod.db` as a new
+    /// store (the daemon refuses to start on one: it is a database that lost its content).
+    #[arg(long, conflicts_with_all = ["simulate", "check_config", "demo_pool"])]
+    init_state: bool,
+    /// Print a man page (roff) on stdout and exit: vfiod.8 (this daemon, from these options)
+    /// or vfiod.toml.5 (its configuration, from docs/config.md). What `make install` installs.
+    // Hidden: for the install, not for a person reading the help (nor in the page itself).
+    #[arg(long, hide = true, value_name = "PAGE", exclusive = true)]
+    man: Option<ManPage>,
+}
+
+/// The pages `vfiod --man` prints.
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+enum ManPage {
+    #[value(name = "vfiod.8")]
+    Daemon,
+    #[value(name = "vfiod.toml.5")]
+    Config,
+}
+
+/// `vfiod --man PAGE`: the page on stdout.
+fn print_man(page: ManPage) -> ExitCode {
+    use vfiod::client::man;
+    let text = match page {
+        ManPage::Daemon => man::command_page(
+            <Args as clap::CommandFactory>::command(),
+            "8",
+            &daemon_man_sections(),
+        ),
+        ManPage::Config => Ok(man::config_page(env!("CARGO_PKG_VERSION")).into_bytes()),
+    };
+    use std::io::Write;
+    match text.and_then(|t| std::io::stdout().write_all(&t)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("vfiod: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// vfiod(8)'s sections beyond its options: where it reads and keeps things.
+fn daemon_man_sections() -> String {
+    format!(
+        ".SH FILES\n\
+         .TP\n\\fB/etc/vfiod/vfiod.toml\\fR, \\fB{dropins}/*.toml\\fR\n\
+         The configuration, see \\fBvfiod.toml\\fR(5).\n\
+         .TP\n\\fB/var/lib/vfiod/vfiod.db\\fR\n\
+         The state database (claims, tasks, history), under the configuration's state_dir.\n\
+         .SH ENVIRONMENT\n\
+         .TP\n\\fBVFIOD_LOG\\fR\n\
+         The log filter (tracing's EnvFilter syntax, e.g. \\fBdebug\\fR); default \\fBinfo\\fR.\n\
+         .SH SIGNALS\n\
+         .TP\n\\fBSIGHUP\\fR\n\
+         Re-read the configuration, as \\fBvfioctl reload\\fR does.\n\
+         .TP\n\\fBSIGTERM\\fR\n\
+         Stop within seconds; a task cut short is reported as interrupted at the next start.\n",
+        dropins = config::DEFAULT_DROPIN_DIR.replace('-', "\\-"),
+    )
 }
 
 /// Called once the API is served; may start the `--simulate -- COMMAND` child.
@@ -83,8 +142,16 @@ fn init_logging(default: &'static str) {
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    if let Some(page) = args.man {
+        return print_man(page);
+    }
     // The demo prints its own steps; the daemons' log would drown them.
     init_logging(if args.demo_pool { "warn" } else { "info" });
+    // Before any thread or descriptor: the limit is the process's.
+    match vfiod::server::raise_fd_limit() {
+        Ok((soft, hard)) => tracing::debug!("descriptor limit {soft} (hard {hard})"),
+        Err(e) => tracing::warn!("cannot raise the descriptor limit: {e}"),
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -151,6 +218,9 @@ async fn run(args: Args) -> Result<ExitCode, String> {
         print_settings(&settings);
         return Ok(ExitCode::SUCCESS);
     }
+    if args.init_state {
+        return init_state(&settings.state_dir);
+    }
     let sysfs = Sysfs::host(&settings.sysfs_root);
     // Kernel events describe the real /sys; with another root they would name devices that
     // are not in the tree we read, so only polling applies there.
@@ -176,6 +246,19 @@ async fn run(args: Args) -> Result<ExitCode, String> {
         None,
     )
     .await
+}
+
+/// `--init-state`: the store created (or an empty file taken as a new one), under the state
+/// lock, so that a running daemon's database is never touched.
+fn init_state(dir: &std::path::Path) -> Result<ExitCode, String> {
+    let _lock = vfiod::store::lock::StateDirLock::acquire(dir).map_err(|e| error_chain(&e))?;
+    let store = vfiod::store::Store::init(dir).map_err(|e| error_chain(&e))?;
+    let version = store.schema_version().map_err(|e| error_chain(&e))?;
+    println!(
+        "state database {} ready (schema version {version})",
+        store.path().display()
+    );
+    Ok(ExitCode::SUCCESS)
 }
 
 fn print_settings(s: &Settings) {
@@ -211,6 +294,10 @@ fn print_settings(s: &Settings) {
     }
     match &s.fleet {
         None => println!("fleet: off"),
+        // Not reached from a file: without the fleet built in, `[fleet]` does not validate.
+        #[cfg(not(feature = "fleet"))]
+        Some(_) => println!("fleet: configured, but not built into this vfiod"),
+        #[cfg(feature = "fleet")]
         Some(f) => {
             let interval = f.report_interval.unwrap_or(s.poll_interval);
             println!(
@@ -223,6 +310,20 @@ fn print_settings(s: &Settings) {
             // The file is checked now as the daemon will check it (mode, type, syntax).
             if let Err(e) = vfiod::fleet::credentials::read(&f.credentials_file) {
                 eprintln!("warning: {}", error_chain(&e));
+            }
+        }
+    }
+    match &s.metrics.textfile {
+        None => println!("metrics: no textfile (vfioctl metrics only)"),
+        Some(path) => {
+            println!("metrics: textfile {}", path.display());
+            // A warning, as the daemon gives: node_exporter's directory may come later.
+            if !path.parent().is_some_and(|d| d.is_dir()) {
+                eprintln!(
+                    "warning: metrics: the directory of {} does not exist: vfiod will log a \
+                     warning and write the file once it does",
+                    path.display()
+                );
             }
         }
     }
@@ -269,10 +370,18 @@ async fn serve(
     };
     let code = match child {
         Ok(Some(mut c)) => c.wait().await.ok().and_then(|s| s.code()).unwrap_or(1),
-        Ok(None) => {
-            shutdown.await;
-            0
-        }
+        Ok(None) => tokio::select! {
+            () = &mut shutdown => 0,
+            // Reconnecting would need every object exported again and every subscription
+            // remade; exiting non-zero has systemd (Restart=on-failure) start a whole new
+            // daemon within seconds, which the state store makes safe.
+            () = server.connection_lost() => {
+                tracing::error!(
+                    "the connection to the bus is lost; exiting so that vfiod is restarted"
+                );
+                1
+            }
+        },
         Err(e) => {
             eprintln!("vfiod: {e}");
             127

@@ -132,28 +132,30 @@ impl Reason {
     }
 }
 
+/// The predicate of a sentence whose subject is the function: "0000:3b:02.1 {reason}" reads
+/// whole for every reason, and one nested in a group-mate's ("..., which {reason}") too.
 impl fmt::Display for Reason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Reason::Broken(why) => write!(f, "broken ({why})"),
-            Reason::Protected(why) => write!(f, "used by the host ({why})"),
+            Reason::Broken(why) => write!(f, "is broken ({why})"),
+            Reason::Protected(why) => write!(f, "is used by the host ({why})"),
             Reason::NotManaged => f.write_str(
-                "not selected by the configuration (add a [[select]] rule for it to claim it)",
+                "is not selected by the configuration (add a [[select]] rule for it to claim it)",
             ),
-            Reason::Claimed { claim_id } => write!(f, "held by claim {claim_id}"),
+            Reason::Claimed { claim_id } => write!(f, "is held by claim {claim_id}"),
             Reason::PfClaimed { pf, claim_id } => {
-                write!(f, "its PF {pf} is held whole by claim {claim_id}")
+                write!(f, "has its PF {pf} held whole by claim {claim_id}")
             }
             Reason::VfClaimed { vf, claim_id } => {
-                write!(f, "its VF {vf} is held by claim {claim_id}")
+                write!(f, "has its VF {vf} held by claim {claim_id}")
             }
-            Reason::Busy { task_id } => write!(f, "task {task_id} is working on it"),
+            Reason::Busy { task_id } => write!(f, "is busy: task {task_id} is working on it"),
             Reason::GroupMate { mate, reason } => {
-                write!(f, "{mate}, in its IOMMU group, is {reason}")
+                write!(f, "shares its IOMMU group with {mate}, which {reason}")
             }
             Reason::OtherKind { mate, kind } => write!(
                 f,
-                "in one IOMMU group with {mate}, a {kind}, which its claim would take too \
+                "shares its IOMMU group with {mate}, a {kind}, which its claim would take too \
                  (ask for kind {kind})"
             ),
         }
@@ -172,7 +174,38 @@ pub enum Unavailable {
     },
 }
 
+/// A policy that refuses the one function a claim could have had: the caller named a device
+/// that the host uses or that the configuration does not select, and the error says so by name
+/// (`Protected`, `NotManaged`: exit 7 of vfioctl) rather than as "nothing available".
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Policy {
+    Protected,
+    NotManaged,
+}
+
+impl Reason {
+    /// The policy behind the reason, through group-mates too (a claim takes its whole group).
+    fn policy(&self) -> Option<Policy> {
+        match self {
+            Reason::Protected(_) => Some(Policy::Protected),
+            Reason::NotManaged => Some(Policy::NotManaged),
+            Reason::GroupMate { reason, .. } => reason.policy(),
+            _ => None,
+        }
+    }
+}
+
 impl Unavailable {
+    /// The policy that refuses the one matching function, when policy is the only obstacle.
+    pub fn policy(&self) -> Option<Policy> {
+        match self {
+            Unavailable::NoneClaimable { reasons, .. } if reasons.len() == 1 => {
+                reasons[0].1.policy()
+            }
+            _ => None,
+        }
+    }
+
     /// The task that holds the one matching function, when a task is the only obstacle: the
     /// caller named a device, and `Busy` naming the task says when to come back.
     pub fn busy_task(&self) -> Option<(PciAddress, i64)> {
@@ -197,7 +230,7 @@ impl fmt::Display for Unavailable {
                 reasons,
             } => {
                 if let [(a, r)] = reasons.as_slice() {
-                    return write!(f, "{a} matches {requirements} but is {r}");
+                    return write!(f, "{a} matches {requirements} but {r}");
                 }
                 let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
                 for (_, r) in reasons {
@@ -535,6 +568,8 @@ mod tests {
             "none of the 6 functions matching role=vf can be claimed: 6 claimed"
         );
         assert_eq!(e.busy_task(), None);
+        // Six claimed functions are not a policy's refusal.
+        assert_eq!(e.policy(), None);
     }
 
     #[test]
@@ -596,7 +631,7 @@ mod tests {
         .unwrap_err();
         assert_eq!(
             e.to_string(),
-            "0000:5e:00.0 matches address=0000:5e:00.0 but is its VF 0000:5e:02.2 is held by claim 1"
+            "0000:5e:00.0 matches address=0000:5e:00.0 but has its VF 0000:5e:02.2 held by claim 1"
         );
     }
 
@@ -623,7 +658,7 @@ mod tests {
         let e = choose(&s, &other).unwrap_err();
         assert_eq!(
             e.to_string(),
-            "0000:17:00.1 matches kind=other but is in one IOMMU group with 0000:17:00.0, a \
+            "0000:17:00.1 matches kind=other but shares its IOMMU group with 0000:17:00.0, a \
              gpu, which its claim would take too (ask for kind gpu)"
         );
         assert!(candidates(&s, &other).is_empty());
@@ -636,7 +671,8 @@ mod tests {
         let e = choose(&s, &gpu).unwrap_err();
         assert_eq!(
             e.to_string(),
-            "0000:17:00.0 matches kind=gpu but is 0000:17:00.1, in its IOMMU group, is held by claim 9"
+            "0000:17:00.0 matches kind=gpu but shares its IOMMU group with 0000:17:00.1, which is \
+             held by claim 9"
         );
     }
 
@@ -656,7 +692,7 @@ mod tests {
                     d.state = State::Broken;
                     d.state_reason = "config space reads all-ones".into();
                 }),
-                "broken (config space reads all-ones)",
+                "but is broken (config space reads all-ones)",
             ),
             (
                 Box::new(|s| {
@@ -664,22 +700,23 @@ mod tests {
                     d.state = State::Protected;
                     d.state_reason = "boot disk".into();
                 }),
-                "used by the host (boot disk)",
+                "but is used by the host (boot disk)",
             ),
             (
                 Box::new(|s| {
                     let d = s.devices.iter_mut().find(|d| d.address == target).unwrap();
                     d.managed = false;
                 }),
-                "not selected by the configuration",
+                "but is not selected by the configuration",
             ),
             (
                 Box::new(|s| s.busy.push((target, 42))),
-                "task 42 is working on it",
+                "0000:3b:02.1 matches address=0000:3b:02.1 but is busy: task 42 is working on it",
             ),
             (
                 Box::new(|s| s.busy.push((a("0000:3b:00.0"), 43))),
-                "task 43 is working on it",
+                // The PF's task covers its VFs.
+                "0000:3b:02.1 matches address=0000:3b:02.1 but is busy: task 43 is working on it",
             ),
         ];
         for (change, wanted) in cases {
@@ -688,11 +725,15 @@ mod tests {
             let e = choose(&s, &only).unwrap_err();
             assert!(e.to_string().contains(wanted), "{e} / {wanted}");
             assert!(candidates(&s, &vf()).iter().all(|c| *c != target));
-            assert_eq!(
-                e.busy_task().is_some(),
-                wanted.starts_with("task"),
-                "{wanted}"
-            );
+            assert_eq!(e.busy_task().is_some(), wanted.contains("task"), "{wanted}");
+            let policy = if wanted.contains("used by the host") {
+                Some(Policy::Protected)
+            } else if wanted.contains("not selected") {
+                Some(Policy::NotManaged)
+            } else {
+                None
+            };
+            assert_eq!(e.policy(), policy, "{wanted}");
         }
         assert_eq!(
             choose(

@@ -92,7 +92,8 @@ pub struct ClaimView {
     pub id: u64,
     pub address: String,
     pub functions: Vec<String>,
-    /// The VM's name, else its UUID.
+    /// The VM's name, else its UUID: for the table. Not in the JSON, which has both.
+    #[serde(skip_serializing, default)]
     pub vm: String,
     pub vm_name: String,
     pub vm_uuid: String,
@@ -100,9 +101,9 @@ pub struct ClaimView {
     pub state: String,
     pub guest_address: String,
     /// Unix milliseconds.
-    pub created: u64,
+    pub created_ms: u64,
     /// Unix milliseconds; 0 for no lease.
-    pub lease_expires: u64,
+    pub lease_expires_ms: u64,
     pub persistent: bool,
     pub requested_by: String,
 }
@@ -131,8 +132,8 @@ fn view(path: &str, p: &HashMap<String, OwnedVariant>) -> Result<ClaimView, Clie
         kind: s("Kind")?,
         state: s("State")?,
         guest_address: s("GuestAddress")?,
-        created: prop(p, path, "Created")?,
-        lease_expires: prop(p, path, "LeaseExpires")?,
+        created_ms: prop(p, path, "Created")?,
+        lease_expires_ms: prop(p, path, "LeaseExpires")?,
         persistent: prop(p, path, "Persistent")?,
         requested_by: s("RequestedBy")?,
     })
@@ -197,41 +198,22 @@ pub async fn release(conn: &Connection, path: zbus::OwnedObjectPath) -> Result<(
 
 /// The `vfioctl claims` table.
 pub fn render_claims(claims: &[ClaimView], time: impl Fn(i64) -> String) -> String {
-    let mut out = String::new();
-    let rows: Vec<[String; 6]> = claims
-        .iter()
-        .map(|c| {
-            [
-                c.id.to_string(),
-                c.address.clone(),
-                c.functions.len().to_string(),
-                c.vm.clone(),
-                c.state.clone(),
-                if c.lease_expires == 0 {
-                    "-".into()
-                } else {
-                    format!("until {}", time(c.lease_expires as i64))
-                },
-            ]
-        })
-        .collect();
-    let header = ["CLAIM", "DEVICE", "FUNCTIONS", "VM", "STATE", "LEASE"];
-    let mut widths = header.map(str::len);
-    for r in &rows {
-        for (i, c) in r.iter().enumerate() {
-            widths[i] = widths[i].max(c.chars().count());
-        }
-    }
-    for cells in std::iter::once(header.map(String::from)).chain(rows) {
-        let mut line = String::new();
-        for (i, c) in cells.iter().enumerate() {
-            line.push_str(c);
-            if i + 1 < cells.len() {
-                line.push_str(&" ".repeat(widths[i] - c.chars().count() + 2));
-            }
-        }
-        out.push_str(line.trim_end());
-        out.push('\n');
-    }
-    out
+    let rows = claims.iter().map(|c| {
+        vec![
+            c.id.to_string(),
+            c.address.clone(),
+            c.functions.len().to_string(),
+            c.vm.clone(),
+            c.state.clone(),
+            if c.lease_expires_ms == 0 {
+                "-".into()
+            } else {
+                format!("until {}", time(c.lease_expires_ms as i64))
+            },
+        ]
+    });
+    super::table::render(
+        &["CLAIM", "DEVICE", "FUNCTIONS", "VM", "STATE", "LEASE"],
+        rows,
+    )
 }

@@ -2,14 +2,18 @@
 //! (`Manager.Hook`) within a hard deadline, and decides alone when vfiod cannot answer: a
 //! notification passes (libvirt must never be held up, and a failing `reconnect` would make it
 //! kill the VM), while `prepare`, `start`, `migrate` and `restore` fail closed for a domain with
-//! a device vfiod manages, and pass for any other domain.
+//! a device vfiod manages or one the host uses (by vfiod's records), and pass for any other
+//! domain. After its deadline the hook decides from what it already has: its own parse of the
+//! XML runs on a thread of its own from the start, and one that has not finished by then is not
+//! waited for.
 
 use crate::config::{HookSettings, Settings, DEFAULT_CONFIG_PATH, DEFAULT_DROPIN_DIR};
 use crate::dbus::BusTarget;
-use crate::hooks::Operation;
+use crate::hooks::{HostUses, Operation};
 use crate::model::pci::PciAddress;
+use std::io::Read;
 use std::path::Path;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// The most XML read from stdin: libvirt's largest domains are far smaller.
 pub const MAX_XML: usize = 16 << 20;
@@ -29,6 +33,46 @@ pub struct Outcome {
     pub exit_code: i32,
     pub stdout: String,
     pub stderr: String,
+}
+
+/// Reads the domain XML libvirt writes on the hook's stdin, at most [`MAX_XML`] bytes.
+/// `Err` is the hook's answer without vfiod: an operation that may fail refuses a document over
+/// the cap; a notification still passes (libvirt ignores its failure, or for `reconnect` kills
+/// the VM), with the rest of its input drained so that libvirt's write completes. `reconnect`
+/// needs no XML: it goes on with an empty one.
+pub fn read_xml(input: impl Read, args: &HookArgs) -> Result<String, Outcome> {
+    let op = Operation::parse(&args.operation);
+    let mut input = input;
+    let mut xml = Vec::new();
+    let read = (&mut input).take(MAX_XML as u64 + 1).read_to_end(&mut xml);
+    let problem = match read {
+        Ok(_) if xml.len() <= MAX_XML => return Ok(String::from_utf8_lossy(&xml).into_owned()),
+        Ok(_) => {
+            if !op.may_fail() {
+                let _ = std::io::copy(&mut input, &mut std::io::sink());
+            }
+            format!("the domain XML on stdin is larger than {MAX_XML} bytes")
+        }
+        Err(e) => format!("cannot read the domain XML on stdin: {e}"),
+    };
+    if op.may_fail() {
+        return Err(Outcome {
+            exit_code: 1,
+            stdout: String::new(),
+            stderr: format!("vfiod: {problem}"),
+        });
+    }
+    if op == Operation::Reconnect {
+        return Ok(String::new());
+    }
+    Err(Outcome {
+        exit_code: 0,
+        stdout: String::new(),
+        stderr: format!(
+            "vfiod: {} {} of {} not recorded: {problem}; the reconcile will catch up",
+            args.operation, args.sub_operation, args.domain
+        ),
+    })
 }
 
 /// Where the hook finds the daemon's settings (for the deadlines and the state directory):
@@ -60,6 +104,10 @@ pub async fn run(
     } else {
         hooks.notify_deadline_ms
     }));
+    let started = Instant::now();
+    // What the fallback needs, read at once beside the call: a slow parse is then bounded by
+    // the same deadline, and none runs after it.
+    let parsed = op.may_fail().then(|| parse_on_a_thread(xml.clone()));
     let asked = tokio::time::timeout(deadline, ask(bus, args, &xml)).await;
     let why = match asked {
         Ok(Ok((exit_code, stdout, message))) => {
@@ -72,7 +120,47 @@ pub async fn run(
         Ok(Err(e)) => e,
         Err(_) => format!("vfiod did not answer within {} ms", deadline.as_millis()),
     };
-    alone(op, args, &xml, state_dir, &why)
+    let functions = match parsed {
+        None => Ok(Vec::new()),
+        Some(rx) => {
+            let left = deadline.saturating_sub(started.elapsed());
+            match tokio::time::timeout(left, rx).await {
+                Ok(Ok(functions)) => functions,
+                Ok(Err(_)) => Err("its reader stopped".to_string()),
+                Err(_) => Err(format!(
+                    "not read within the hook's deadline of {} ms",
+                    deadline.as_millis()
+                )),
+            }
+        }
+    };
+    alone(
+        op,
+        args,
+        functions,
+        state_dir,
+        hooks.guard_host_devices,
+        &why,
+    )
+}
+
+/// The PCI functions `xml` assigns, parsed on a thread of its own (not the runtime's blocking
+/// pool, whose shutdown would wait for it: a parse still running at the deadline is abandoned
+/// with the process).
+fn parse_on_a_thread(
+    xml: String,
+) -> tokio::sync::oneshot::Receiver<Result<Vec<PciAddress>, String>> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let spawned = std::thread::Builder::new()
+        .name("hook-xml".into())
+        .spawn(move || {
+            let _ = tx.send(crate::host::libvirt::assigned_functions(&xml));
+        });
+    if let Err(e) = spawned {
+        // The sender went with the closure: the receiver reports the reader stopped.
+        tracing::warn!("cannot start the hook's XML reader: {e}");
+    }
+    rx
 }
 
 async fn ask(bus: &BusTarget, a: &HookArgs, xml: &str) -> Result<(i32, String, String), String> {
@@ -84,14 +172,31 @@ async fn ask(bus: &BusTarget, a: &HookArgs, xml: &str) -> Result<(i32, String, S
         .map_err(|e| crate::error_chain(&e))?;
     m.hook(&a.domain, &a.operation, &a.sub_operation, &a.extra, xml)
         .await
-        .map_err(|e| match e {
-            zbus::Error::MethodError(name, Some(msg), _) => format!("{msg} ({name})"),
-            other => crate::error_chain(&other),
-        })
+        .map_err(bus_error)
 }
 
-/// vfiod did not answer (`why`): pass, or fail closed for a domain with managed devices.
-fn alone(op: Operation, args: &HookArgs, xml: &str, state_dir: &Path, why: &str) -> Outcome {
+/// A D-Bus error on one line, once: its message and its name (a method error's chain repeats
+/// both).
+fn bus_error(e: zbus::Error) -> String {
+    match e {
+        zbus::Error::MethodError(name, Some(msg), _) => format!("{msg} ({name})"),
+        // Its Display already says the name and the message; its source says them again.
+        zbus::Error::FDO(e) => e.to_string(),
+        other => crate::error_chain(&other),
+    }
+}
+
+/// vfiod did not answer (`why`): pass, or refuse a domain with a function the records say the
+/// host uses (unless `guard` is off), or fail closed for one with managed devices.
+/// `functions` is what the hook's own parse of the XML found in time.
+fn alone(
+    op: Operation,
+    args: &HookArgs,
+    functions: Result<Vec<PciAddress>, String>,
+    state_dir: &Path,
+    guard: bool,
+    why: &str,
+) -> Outcome {
     let what = format!(
         "{} {} of {}",
         args.operation, args.sub_operation, args.domain
@@ -103,7 +208,7 @@ fn alone(op: Operation, args: &HookArgs, xml: &str, state_dir: &Path, why: &str)
             stderr: format!("vfiod: {what} not recorded: {why}; the reconcile will catch up"),
         };
     }
-    let functions = match crate::host::libvirt::assigned_functions(xml) {
+    let functions = match functions {
         Ok(f) => f,
         Err(e) => {
             return Outcome {
@@ -119,27 +224,87 @@ fn alone(op: Operation, args: &HookArgs, xml: &str, state_dir: &Path, why: &str)
     if functions.is_empty() {
         return pass_unchanged();
     }
-    match crate::store::managed_functions_read_only(state_dir) {
-        Ok(managed) => {
+    match records_read_only(state_dir) {
+        Ok(records) => {
+            if guard {
+                let verb = if op == Operation::Migrate {
+                    "come here"
+                } else {
+                    "start"
+                };
+                if let Err(line) =
+                    crate::hooks::refuse_host_devices(&args.domain, verb, &functions, &records.host)
+                {
+                    return Outcome {
+                        exit_code: 1,
+                        stdout: String::new(),
+                        stderr: format!("{line} (by vfiod's records: {why})"),
+                    };
+                }
+            }
             let ours: Vec<PciAddress> = functions
                 .into_iter()
-                .filter(|f| managed.contains(f))
+                .filter(|f| records.managed.contains(f))
                 .collect();
             if ours.is_empty() {
                 return pass_unchanged();
             }
             fail_closed(&what, &ours, why)
         }
-        // Not even the records: any PCI hostdev may be one vfiod manages.
+        // Not even the records: any PCI hostdev may be one vfiod manages, or the host's.
         Err(e) => fail_closed(
             &what,
             &functions,
-            &format!(
-                "{why}, and its records cannot be read: {}",
-                crate::error_chain(&e)
-            ),
+            &format!("{why}, and its records cannot be read: {e}"),
         ),
     }
+}
+
+/// What the fallback reads of vfiod's records.
+struct Records {
+    /// The functions the configuration selected (and the host does not use).
+    managed: Vec<PciAddress>,
+    /// The functions the host uses, with the use the inventory recorded.
+    host: HostUses,
+}
+
+/// The device records as the daemon last wrote them, read without a running daemon and without
+/// changing anything (the database opened read-only, its file never created).
+fn records_read_only(state_dir: &Path) -> Result<Records, String> {
+    use rusqlite::{Connection, OpenFlags};
+    let path = state_dir.join(crate::store::DB_FILE_NAME);
+    let failed = |e: rusqlite::Error| format!("{}: {e}", path.display());
+    let conn = Connection::open_with_flags(
+        &path,
+        OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )
+    .map_err(failed)?;
+    let _ = conn.execute_batch("PRAGMA busy_timeout = 1000");
+    let rows: Vec<(String, bool, String, String)> = conn
+        .prepare("SELECT address, managed, state, state_reason FROM devices")
+        .and_then(|mut stmt| {
+            stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))?
+                .collect::<rusqlite::Result<_>>()
+        })
+        .map_err(failed)?;
+    let protected = crate::model::device::State::Protected.as_str();
+    let mut out = Records {
+        managed: Vec::new(),
+        host: HostUses::new(),
+    };
+    for (address, managed, state, reason) in rows {
+        let Ok(a) = address.parse::<PciAddress>() else {
+            continue;
+        };
+        if managed {
+            out.managed.push(a);
+        }
+        if state == protected {
+            out.host
+                .insert(a, crate::hooks::recorded_use(&reason).to_string());
+        }
+    }
+    Ok(out)
 }
 
 fn pass_unchanged() -> Outcome {

@@ -95,27 +95,33 @@ impl ImageEntry {
 
 /// `vfioctl image list`.
 pub fn render_table(images: &[ImageEntry]) -> String {
-    let mut out = format!(
-        "{:<4} {:<24} {:<7} {:<9} {:>10} {:<32} {}\n",
-        "ID", "NAME", "FORMAT", "STATE", "SIZE", "INTERFACE", "SHA256"
-    );
-    for i in images {
-        out.push_str(&format!(
-            "{:<4} {:<24} {:<7} {:<9} {:>10} {:<32} {}\n",
-            i.id,
-            i.name,
-            i.format,
-            i.state,
-            i.size,
+    let rows = images.iter().map(|i| {
+        vec![
+            i.id.to_string(),
+            i.name.clone(),
+            i.format.clone(),
+            i.state.clone(),
+            i.size.to_string(),
             if i.interface_id.is_empty() {
-                "-"
+                "-".into()
             } else {
-                &i.interface_id
+                i.interface_id.clone()
             },
-            &i.sha256[..i.sha256.len().min(16)]
-        ));
-    }
-    out
+            i.sha256[..i.sha256.len().min(16)].to_string(),
+        ]
+    });
+    super::table::render(
+        &[
+            "ID",
+            "NAME",
+            "FORMAT",
+            "STATE",
+            "SIZE",
+            "INTERFACE",
+            "SHA256",
+        ],
+        rows,
+    )
 }
 
 /// `vfioctl image show`.
@@ -144,19 +150,4 @@ pub fn render_details(i: &ImageEntry) -> String {
     line("added by:", &i.added_by);
     line("metadata:", &i.metadata.to_string());
     out
-}
-
-/// One line of a download's progress (`vfioctl image add --url`): "12.0 of 48.0 MiB (25%)".
-pub fn render_download(received: u64, total: u64) -> String {
-    let mib = |n: u64| n as f64 / (1024.0 * 1024.0);
-    if total == 0 {
-        format!("{:.1} MiB", mib(received))
-    } else {
-        format!(
-            "{:.1} of {:.1} MiB ({}%)",
-            mib(received),
-            mib(total),
-            received.saturating_mul(100) / total
-        )
-    }
 }

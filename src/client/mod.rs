@@ -2,9 +2,15 @@
 //! device, and the table `vfioctl list` prints.
 
 pub mod claims;
+pub mod events;
 pub mod images;
 pub mod hook;
+pub mod metrics;
+pub mod exit;
+pub mod man;
 pub mod pool;
+pub mod progress;
+pub mod table;
 
 use crate::dbus::wire::{Dict, Entry};
 use crate::dbus::{BusTarget, BUS_NAME, ROOT_PATH};
@@ -34,8 +40,15 @@ pub trait Manager {
     fn broken_count(&self) -> zbus::Result<u32>;
     #[zbus(property)]
     fn config_sources(&self) -> zbus::Result<Vec<String>>;
+    /// Not cached: the daemon does not signal it (see `dbus::manager`).
+    #[zbus(property(emits_changed_signal = "false"))]
+    fn libvirt(&self) -> zbus::Result<std::collections::HashMap<String, zbus::OwnedVariant>>;
+    fn get_metrics(&self) -> zbus::Result<String>;
     fn get_device(&self, address: &str) -> zbus::Result<zbus::OwnedObjectPath>;
     fn get_events(&self, query: Dict) -> zbus::Result<Vec<Dict>>;
+    /// One per event the daemon records (`vfioctl events --follow`).
+    #[zbus(signal)]
+    fn event(&self, entry: Dict) -> zbus::Result<()>;
     fn get_plan(&self, address: &str) -> zbus::Result<Dict>;
     fn get_plans(&self) -> zbus::Result<Vec<Dict>>;
     fn get_tasks(&self, query: Dict) -> zbus::Result<Vec<Dict>>;
@@ -100,10 +113,21 @@ pub trait Task {
     fn result(&self) -> zbus::Result<String>;
 }
 
+/// An address as a user may type it: `0000:3b:00.0`, or libvirt's and the device object's
+/// spelling `pci_0000_3b_00_0` (virsh nodedev-list, the object path's last element), given in
+/// the first. Anything else is passed on unchanged, for the daemon to name what is wrong.
+pub fn address_spelling(text: &str) -> String {
+    crate::model::pci::PciAddress::from_nodedev_name(text)
+        .map_or_else(|_| text.to_string(), |a| a.to_string())
+}
+
 /// A device object's proxy by address (no property cache: one-shot calls). The daemon resolves
 /// the address, so an unknown one is its NoSuchDevice naming it, not the bus's UnknownObject.
 pub async fn device(conn: &Connection, address: &str) -> Result<DeviceProxy<'static>, ClientError> {
-    let path = manager(conn).await?.get_device(address).await?;
+    let path = manager(conn)
+        .await?
+        .get_device(&address_spelling(address))
+        .await?;
     Ok(DeviceProxy::builder(conn)
         .path(path)
         .cache_properties(zbus::proxy::CacheProperties::No)
@@ -137,6 +161,35 @@ pub async fn wait_task(
         }
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
+}
+
+/// A task object as `vfioctl mode|task start|task show|migrate|fpga ... --json` prints it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TaskView {
+    pub id: i64,
+    pub kind: String,
+    /// The device's address.
+    pub address: String,
+    pub state: String,
+    pub step: String,
+    pub percent: u8,
+    pub result: String,
+    /// Its object path.
+    pub path: String,
+}
+
+/// A task object's current state.
+pub async fn task_view(task: &TaskProxy<'_>) -> Result<TaskView, ClientError> {
+    Ok(TaskView {
+        id: task.id().await?,
+        kind: task.kind().await?,
+        address: task.device().await?,
+        state: task.state().await?,
+        step: task.step().await?,
+        percent: task.percent().await?,
+        result: task.result().await?,
+        path: task.inner().path().to_string(),
+    })
 }
 
 /// A query dictionary for `GetEvents`/`GetTasks` from the keys that are set.
@@ -180,7 +233,8 @@ pub struct TaskEntry {
     pub step: String,
     pub percent: u8,
     pub result: String,
-    pub parameters: String,
+    /// The task's parameters as the daemon recorded them (an object; null when none).
+    pub parameters: serde_json::Value,
     pub requested_by: String,
     pub created_ms: i64,
     pub started_ms: i64,
@@ -199,7 +253,9 @@ impl TaskEntry {
             step: e.str("step"),
             percent: e.u8("percent"),
             result: e.str("result"),
-            parameters: e.str("parameters"),
+            // Recorded as JSON text; a script wants the object, not a string to parse again.
+            parameters: serde_json::from_str(&e.str("parameters"))
+                .unwrap_or(serde_json::Value::Null),
             requested_by: e.str("requested_by"),
             created_ms: e.i64("created"),
             started_ms: e.i64("started"),
@@ -435,7 +491,7 @@ pub async fn list_devices(conn: &Connection) -> Result<Vec<DeviceView>, ClientEr
 /// One device by address (NoSuchDevice comes back as the daemon's named error).
 pub async fn show_device(conn: &Connection, address: &str) -> Result<DeviceView, ClientError> {
     let manager = manager(conn).await?;
-    let path = manager.get_device(address).await?;
+    let path = manager.get_device(&address_spelling(address)).await?;
     let props = zbus::fdo::PropertiesProxy::builder(conn)
         .destination(BUS_NAME)
         .path(path.clone())
@@ -452,81 +508,49 @@ pub async fn show_device(conn: &Connection, address: &str) -> Result<DeviceView,
     Ok(d)
 }
 
-fn truncate(s: &str, max: usize) -> String {
-    if s.chars().count() <= max {
-        s.to_string()
-    } else {
-        let t: String = s.chars().take(max.saturating_sub(1)).collect();
-        format!("{t}…")
-    }
-}
-
-/// The `vfioctl list` table.
+/// The `vfioctl list` table. Names are whole: a reader of a pipe gets them uncut.
 pub fn render_table(devices: &[DeviceView]) -> String {
-    let header = [
-        "ADDRESS", "KIND", "NAME", "DRIVER", "MODE", "VFS", "GROUP", "NUMA", "STATE",
-    ];
-    let rows: Vec<[String; 9]> = devices
-        .iter()
-        .map(|d| {
-            let name = if d.device_name.is_empty() {
-                format!("[{}:{}]", d.vendor_id, d.device_id)
-            } else {
-                let vendor = d.vendor_name.split_whitespace().next().unwrap_or("");
-                truncate(&format!("{vendor} {}", d.device_name), 44)
-            };
-            let vfs = match d.role.as_str() {
-                "pf" => format!("{}/{}", d.num_vfs, d.total_vfs),
-                "vf" => format!("vf of {}", d.parent_pf.as_deref().unwrap_or("?")),
-                _ => "-".into(),
-            };
-            let mode = match d.mode.as_str() {
-                "none" => "-".to_string(),
-                m => m.to_string(),
-            };
-            let mut state = d.state.clone();
-            if d.managed {
-                state.push_str(" (managed)");
-            }
-            if let Some(vm) = &d.vm {
-                state.push_str(&format!(", claimed by {vm}"));
-            }
-            [
-                d.address.clone(),
-                d.kind.clone(),
-                name,
-                d.driver.clone().unwrap_or_else(|| "-".into()),
-                mode,
-                vfs,
-                d.iommu_group.map_or("-".into(), |g| g.to_string()),
-                d.numa_node.map_or("-".into(), |n| n.to_string()),
-                state,
-            ]
-        })
-        .collect();
-    let mut widths = header.map(|h| h.chars().count());
-    for r in &rows {
-        for (i, c) in r.iter().enumerate() {
-            widths[i] = widths[i].max(c.chars().count());
+    let rows = devices.iter().map(|d| {
+        let name = if d.device_name.is_empty() {
+            format!("[{}:{}]", d.vendor_id, d.device_id)
+        } else {
+            let vendor = d.vendor_name.split_whitespace().next().unwrap_or("");
+            format!("{vendor} {}", d.device_name)
+        };
+        let vfs = match d.role.as_str() {
+            "pf" => format!("{}/{}", d.num_vfs, d.total_vfs),
+            "vf" => format!("vf of {}", d.parent_pf.as_deref().unwrap_or("?")),
+            _ => "-".into(),
+        };
+        let mode = match d.mode.as_str() {
+            "none" => "-".to_string(),
+            m => m.to_string(),
+        };
+        let mut state = d.state.clone();
+        if d.managed {
+            state.push_str(" (managed)");
         }
-    }
-    let line = |cells: &[String]| -> String {
-        let mut s = String::new();
-        for (i, c) in cells.iter().enumerate() {
-            if i + 1 == cells.len() {
-                s.push_str(c);
-            } else {
-                s.push_str(c);
-                s.push_str(&" ".repeat(widths[i] - c.chars().count() + 2));
-            }
+        if let Some(vm) = &d.vm {
+            state.push_str(&format!(", claimed by {vm}"));
         }
-        s.trim_end().to_string() + "\n"
-    };
-    let mut out = line(&header.map(String::from));
-    for r in &rows {
-        out.push_str(&line(r));
-    }
-    out
+        vec![
+            d.address.clone(),
+            d.kind.clone(),
+            name,
+            d.driver.clone().unwrap_or_else(|| "-".into()),
+            mode,
+            vfs,
+            d.iommu_group.map_or("-".into(), |g| g.to_string()),
+            d.numa_node.map_or("-".into(), |n| n.to_string()),
+            state,
+        ]
+    });
+    table::render(
+        &[
+            "ADDRESS", "KIND", "NAME", "DRIVER", "MODE", "VFS", "GROUP", "NUMA", "STATE",
+        ],
+        rows,
+    )
 }
 
 /// `vfioctl show` as text: one `key: value` per line.

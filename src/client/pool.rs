@@ -135,28 +135,25 @@ impl PoolDeviceEntry {
 
 /// `vfioctl pool list`.
 pub fn render_table(claims: &[PooledEntry]) -> String {
-    let mut out = format!(
-        "{:>4}  {:<12} {:<10} {:<12} {:>5}  {:<9} {}\n",
-        "ID", "POOL", "SESSION", "DEVICE", "EPOCH", "STATE", "VM"
-    );
-    for c in claims {
-        out.push_str(&format!(
-            "{:>4}  {:<12} {:<10} {:<12} {:>5}  {:<9} {}{}\n",
-            c.id,
-            c.pool,
-            c.session,
-            c.device,
-            c.epoch,
-            c.state,
-            c.vm(),
+    let rows = claims.iter().map(|c| {
+        vec![
+            c.id.to_string(),
+            c.pool.clone(),
+            c.session.clone(),
+            c.device.clone(),
+            c.epoch.to_string(),
+            c.state.clone(),
             if c.reason.is_empty() {
-                String::new()
+                c.vm().to_string()
             } else {
-                format!("  ({})", c.reason)
-            }
-        ));
-    }
-    out
+                format!("{}  ({})", c.vm(), c.reason)
+            },
+        ]
+    });
+    super::table::render(
+        &["ID", "POOL", "SESSION", "DEVICE", "EPOCH", "STATE", "VM"],
+        rows,
+    )
 }
 
 /// `vfioctl pool show ID`.

@@ -104,6 +104,15 @@ pub(crate) fn validate<'a>(
     let ca_file = last_valid(cas, |v| {
         v.check(Key::top("fleet.ca_file"), absolute(v.value.as_str()))
     })?;
+    // A vfiod built without the fleet cannot report: saying so beats a host that is silently
+    // missing from the fleet's database.
+    if !cfg!(feature = "fleet") {
+        return Err(first.error(
+            "`[fleet]` is configured, but this vfiod was built without the fleet (cargo \
+             feature `fleet`, on by default)"
+                .to_string(),
+        ));
+    }
     Ok(Some(FleetSettings {
         credentials_file,
         host,
@@ -152,9 +161,18 @@ mod tests {
     }
 
     #[test]
-    fn off_without_the_table_and_checked_with_it() {
+    fn off_without_the_table_and_read_with_it() {
         assert_eq!(parse("").unwrap().fleet, None);
-        let s = parse("[fleet]\ncredentials_file = \"/etc/vfiod/fleet.conn\"\n").unwrap();
+        let minimal = "[fleet]\ncredentials_file = \"/etc/vfiod/fleet.conn\"\n";
+        if !cfg!(feature = "fleet") {
+            let e = parse(minimal).unwrap_err();
+            assert!(
+                e.contains("t.toml:1:1: `[fleet]` is configured, but this vfiod was built without"),
+                "{e}"
+            );
+            return;
+        }
+        let s = parse(minimal).unwrap();
         assert_eq!(
             s.fleet,
             Some(FleetSettings {
@@ -176,6 +194,11 @@ mod tests {
         assert_eq!(s.report_interval, Some(Duration::from_secs(5)));
         assert_eq!(s.down_after, 4);
         assert_eq!(s.ca_file, Some("/etc/ssl/fleet-ca.pem".into()));
+    }
+
+    /// Refused with the reason, with or without the fleet built in.
+    #[test]
+    fn a_bad_table_is_refused_with_the_reason() {
         for (text, wanted) in [
             (
                 "[fleet]\nhost = \"a\"\n",

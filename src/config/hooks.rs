@@ -5,6 +5,7 @@
 //! auto_claim = true        # a managed hostdev written in a domain's XML is claimed at prepare
 //! deadline_ms = 10000      # how long prepare and migrate may take before the hook fails closed
 //! notify_deadline_ms = 2000  # how long a notification (started, stopped, ...) waits for vfiod
+//! guard_host_devices = true  # refuse a domain that assigns a function the host uses (false: dangerous)
 //! ```
 
 use super::bounded::Int;
@@ -22,6 +23,7 @@ pub(crate) struct RawHooks {
     pub auto_claim: Option<Spanned<bool>>,
     pub deadline_ms: Option<Spanned<Int>>,
     pub notify_deadline_ms: Option<Spanned<Int>>,
+    pub guard_host_devices: Option<Spanned<bool>>,
 }
 
 /// Validated `[hooks]`.
@@ -34,6 +36,10 @@ pub struct HookSettings {
     pub deadline_ms: u32,
     /// The bound of the notifications, which never fail.
     pub notify_deadline_ms: u32,
+    /// A domain whose XML assigns a PCI function the host uses (selected or not) does not
+    /// start, nor arrive by migration. Off, libvirt may take the host's own NIC or boot disk
+    /// controller from it: dangerous, for a host whose operator checks every domain by hand.
+    pub guard_host_devices: bool,
 }
 
 impl Default for HookSettings {
@@ -42,6 +48,7 @@ impl Default for HookSettings {
             auto_claim: true,
             deadline_ms: 10_000,
             notify_deadline_ms: 2_000,
+            guard_host_devices: true,
         }
     }
 }
@@ -58,6 +65,14 @@ pub(crate) fn validate<'a>(
         |v| Ok(*v.value),
     )? {
         out.auto_claim = b;
+    }
+    if let Some(b) = last_valid(
+        tables
+            .clone()
+            .filter_map(|t| t.field(|h| h.guard_host_devices.as_ref())),
+        |v| Ok(*v.value),
+    )? {
+        out.guard_host_devices = b;
     }
     if let Some(ms) = deadline(
         tables

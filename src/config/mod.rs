@@ -45,7 +45,7 @@
 //!  stage 2    raw                     the sections' raw structs, bounded, position, error
 //!  sections   select, protect, claims selector and the leaves
 //!             hooks, fpga, images,    the leaves (fpga: selector too)
-//!             pool
+//!             pool, fleet, metrics
 //!             selector                the leaves
 //!  stage 1    files                   error
 //!  leaves     located                 position, error  (Located, Entry, last_valid)
@@ -88,6 +88,7 @@ mod error;
 mod files;
 mod located;
 mod merge;
+mod metrics;
 mod pool;
 mod position;
 mod protect;
@@ -105,6 +106,7 @@ pub use fleet::{check_host_name, FleetSettings, DEFAULT_DOWN_AFTER};
 pub use fpga::{FpgaBackend, FpgaRule};
 pub use hooks::HookSettings;
 pub use images::{ImageSettings, MAX_DOWNLOAD_SECONDS};
+pub use metrics::MetricsSettings;
 pub use pool::{PoolSettings, QuiesceAt, MAX_POOL_TIMEOUT_MS};
 pub use position::Origin;
 pub use select::{DeviceRule, RuleOrigin};
@@ -155,6 +157,8 @@ pub struct Settings {
     pub host_name: String,
     /// `[fleet]`: reports to the fleet's database; `None` = off.
     pub fleet: Option<FleetSettings>,
+    /// `[metrics]`: the Prometheus textfile; off by default.
+    pub metrics: MetricsSettings,
     /// files that were read, in order (for logs and `vfioctl` status)
     pub sources: Vec<PathBuf>,
 }
@@ -179,6 +183,7 @@ impl Default for Settings {
             pools: Vec::new(),
             host_name: daemon.host_name,
             fleet: None,
+            metrics: MetricsSettings::default(),
             sources: Vec::new(),
         }
     }
@@ -274,6 +279,7 @@ fn settle(inputs: &Inputs) -> Result<Settings, ConfigError> {
         pools: pool::validate(inputs.entries(|f| &f.pool))?,
         host_name: daemon.host_name,
         fleet: fleet::validate(inputs.values(|f| f.fleet.as_ref()))?,
+        metrics: metrics::validate(inputs.values(|f| f.metrics.as_ref()))?,
         sources: inputs.sources(),
     })
 }
@@ -419,8 +425,14 @@ mod tests {
             HookSettings {
                 auto_claim: false,
                 deadline_ms: 5000,
-                notify_deadline_ms: 2000
+                notify_deadline_ms: 2000,
+                guard_host_devices: true,
             }
+        );
+        assert!(
+            !parse("[hooks]\nguard_host_devices = false\n")
+                .hooks
+                .guard_host_devices
         );
         for (text, wanted) in [
             (

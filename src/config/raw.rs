@@ -17,6 +17,7 @@ use super::fleet::RawFleet;
 use super::fpga::RawFpga;
 use super::hooks::RawHooks;
 use super::images::RawImages;
+use super::metrics::RawMetrics;
 use super::pool::RawPool;
 use super::position::{key_path_at, line_column, Segment, Source};
 use super::select::RawRule;
@@ -50,6 +51,7 @@ pub(crate) struct RawFile {
     #[serde(default)]
     pub pool: Vec<Spanned<RawPool>>,
     pub fleet: Option<Spanned<RawFleet>>,
+    pub metrics: Option<Spanned<RawMetrics>>,
 }
 
 /// One file: where it came from and its text (for positions in errors), and what it says.

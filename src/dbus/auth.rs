@@ -1,5 +1,5 @@
-//! Authorization of mutating calls: polkit, with the message sender as the subject. Reads never
-//! ask.
+//! Authorization of mutating calls: a caller with CAP_SYS_ADMIN is allowed, as systemd's daemons
+//! allow it; any other asks polkit, with the message sender as the subject. Reads never ask.
 //!
 //! One action per verb family (as systemd-machined has one per verb), each asked with details
 //! that rules files can read (`action.lookup("device")`): a [`Check`] is the action and its
@@ -201,13 +201,20 @@ impl Authorizer {
         if *self == Authorizer::AllowAll {
             return Ok(());
         }
+        // As systemd's own daemons decide (sd_bus_query_sender_privilege): a caller holding
+        // CAP_SYS_ADMIN may, without asking polkit, so that root can manage the host on one
+        // where polkitd is not installed. Everyone else asks polkit.
+        if privileged(conn, header).await {
+            tracing::debug!(%check, "allowed: the caller holds CAP_SYS_ADMIN");
+            return Ok(());
+        }
         let subject = Subject::new_for_message_header(header)
             .map_err(|e| Error::NotAuthorized(format!("cannot identify the caller: {e}")))?;
         // The subject is a unique name on vfiod's own bus, so polkitd must be asked on that bus
         // (the system bus in production, a private "system" bus in tests).
         let authority = AuthorityProxy::new(conn)
             .await
-            .map_err(|e| Error::NotAuthorized(format!("polkit unreachable: {e}")))?;
+            .map_err(|e| Error::NotAuthorized(format!("polkit cannot be asked: {e}")))?;
         let result = authority
             .check_authorization(
                 &subject,
@@ -219,7 +226,11 @@ impl Authorizer {
             .await
             .map_err(|e| {
                 if polkit_absent(&e) {
-                    Error::NotAuthorized(format!("polkit unreachable, {check} refused: {e}"))
+                    Error::NotAuthorized(format!(
+                        "polkitd is not running (is the polkitd package installed?), so {check} \
+                         is refused for this caller; a caller with CAP_SYS_ADMIN (root) is \
+                         allowed without it: {e}"
+                    ))
                 } else {
                     Error::NotAuthorized(format!("polkit check for {check} failed: {e}"))
                 }
@@ -262,6 +273,75 @@ impl Authorizer {
             ))),
         }
     }
+}
+
+/// CAP_SYS_ADMIN's bit in a capability set (`linux/capability.h`).
+const CAP_SYS_ADMIN: u32 = 21;
+
+/// Whether the sender of `header` holds CAP_SYS_ADMIN in its effective set, as systemd's
+/// daemons ask: the bus says which process it is (and its uid); `/proc/PID/status` says what it
+/// holds, trusted only when that process has the uid the bus reported (a pid reused by
+/// another user's process is not taken for the caller) and, where the bus hands a pidfd, while
+/// the pidfd still names that pid. A bus that names no process: uid 0 is privileged.
+async fn privileged(conn: &zbus::Connection, header: &Header<'_>) -> bool {
+    let Some(sender) = header.sender() else {
+        return false;
+    };
+    let Ok(bus) = zbus::fdo::DBusProxy::new(conn).await else {
+        return false;
+    };
+    let Ok(creds) = bus.get_connection_credentials(sender.clone().into()).await else {
+        return false;
+    };
+    let Some(uid) = creds.unix_user_id() else {
+        return false;
+    };
+    let Some(pid) = creds.process_id() else {
+        return uid == 0;
+    };
+    let pidfd = creds.into_process_fd();
+    // procfs reads can stall (a process whose memory map is locked): off the async threads.
+    tokio::task::spawn_blocking(move || {
+        let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+            return false;
+        };
+        let still_that_process = match &pidfd {
+            None => true,
+            Some(fd) => {
+                use std::os::fd::AsRawFd;
+                std::fs::read_to_string(format!("/proc/self/fdinfo/{}", fd.as_raw_fd()))
+                    .map(|info| pidfd_pid(&info) == Some(pid))
+                    .unwrap_or(false)
+            }
+        };
+        still_that_process && holds_cap_sys_admin(&status, uid)
+    })
+    .await
+    .unwrap_or(false)
+}
+
+/// From a `/proc/PID/status`: the process's effective uid is `uid` and its effective
+/// capabilities include CAP_SYS_ADMIN.
+fn holds_cap_sys_admin(status: &str, uid: u32) -> bool {
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+            .map(str::trim)
+    };
+    let euid = field("Uid")
+        .and_then(|v| v.split_whitespace().nth(1))
+        .and_then(|v| v.parse::<u32>().ok());
+    let cap_eff = field("CapEff").and_then(|v| u64::from_str_radix(v, 16).ok());
+    euid == Some(uid) && cap_eff.is_some_and(|c| c & (1 << CAP_SYS_ADMIN) != 0)
+}
+
+/// The pid a pidfd's `/proc/self/fdinfo` names (`Pid: -1` once the process has exited).
+fn pidfd_pid(fdinfo: &str) -> Option<u32> {
+    fdinfo
+        .lines()
+        .find_map(|l| l.strip_prefix("Pid:"))
+        .and_then(|v| v.trim().parse().ok())
 }
 
 /// True when the error says no polkitd answered (not running, or gone while asked), as opposed
@@ -343,6 +423,48 @@ mod tests {
             .collect();
         d.sort();
         d
+    }
+
+    #[test]
+    fn cap_sys_admin_is_read_from_the_effective_set_of_the_callers_uid() {
+        let status = |uid: &str, eff: &str| {
+            format!(
+                "Name:\tvfioctl\nUid:\t{uid}\nGid:\t0\t0\t0\t0\nCapInh:\t0000000000000000\n\
+                 CapPrm:\t000001ffffffffff\nCapEff:\t{eff}\n"
+            )
+        };
+        let table = [
+            // (Uid line, CapEff, uid the bus reported, privileged)
+            ("0\t0\t0\t0", "000001ffffffffff", 0, true),
+            // root that dropped CAP_SYS_ADMIN (a container's root, say): asks polkit
+            ("0\t0\t0\t0", "000001ffffdfffff", 0, false),
+            // a user given CAP_SYS_ADMIN (ambient, file capability): privileged, as in systemd
+            ("1000\t1000\t1000\t1000", "0000000000200000", 1000, true),
+            // an ordinary user
+            ("1000\t1000\t1000\t1000", "0000000000000000", 1000, false),
+            // the pid now belongs to another uid than the bus's caller: not trusted
+            ("0\t0\t0\t0", "000001ffffffffff", 1000, false),
+            // the effective uid decides, not the real one
+            ("1000\t0\t0\t0", "000001ffffffffff", 0, true),
+            ("0\t1000\t0\t0", "000001ffffffffff", 0, false),
+            // unreadable fields
+            ("0\t0\t0\t0", "zz", 0, false),
+            ("", "000001ffffffffff", 0, false),
+        ];
+        for (uid_line, eff, uid, want) in table {
+            assert_eq!(
+                holds_cap_sys_admin(&status(uid_line, eff), uid),
+                want,
+                "Uid {uid_line:?} CapEff {eff} bus uid {uid}"
+            );
+        }
+        assert!(!holds_cap_sys_admin("", 0));
+        assert_eq!(
+            pidfd_pid("pos:\t0\nflags:\t02000002\nPid:\t4242\n"),
+            Some(4242)
+        );
+        assert_eq!(pidfd_pid("Pid:\t-1\n"), None);
+        assert_eq!(pidfd_pid("flags:\t0\n"), None);
     }
 
     #[test]

@@ -2,8 +2,10 @@
 //! that is the daemon's fault (a store that failed, a worker that died) is `Failed` with its
 //! cause, never `InvalidArgument`: that name tells a caller to change its request.
 
+use crate::claims::choice::Policy;
 use crate::config::ConfigError;
 use crate::engine::{EngineError, JobError};
+use crate::model::image_source::SourceError;
 use crate::store::StoreError;
 
 /// Errors as clients see them. Messages carry the whole cause chain on one line.
@@ -32,24 +34,19 @@ pub enum Error {
     /// A download did not give the image: the server's HTTP status, a deadline, a broken
     /// connection or TLS. Nothing was kept.
     DownloadFailed(String),
-    /// The work was stopped at a caller's request (`Images.CancelDownload`); nothing was kept.
+    /// The work was stopped at a caller's request (`Images.CancelDownload`), or because its
+    /// caller went away; nothing was kept.
     Cancelled(String),
+    /// A source the caller gave did not deliver in time: a passed descriptor that sent nothing
+    /// within `[images] read_timeout_seconds`, or not all of it within `timeout_seconds`.
+    /// Nothing was kept.
+    TimedOut(String),
     InvalidConfig(String),
     Failed(String),
 }
 
-/// A caller's text as an error quotes it: at most 64 characters, and how long it was when
-/// longer, so that a 1 MB argument is never sent back whole.
-pub fn quote(text: &str) -> String {
-    const MAX: usize = 64;
-    let n = text.chars().count();
-    if n <= MAX {
-        format!("{text:?}")
-    } else {
-        let head: String = text.chars().take(MAX).collect();
-        format!("{head:?}... ({n} characters)")
-    }
-}
+/// A caller's text as an error quotes it (at most 64 characters): one rule for every layer.
+pub use crate::model::text::quote;
 
 impl From<zbus::fdo::Error> for Error {
     fn from(e: zbus::fdo::Error) -> Self {
@@ -65,7 +62,13 @@ impl From<StoreError> for Error {
             not @ StoreError::NotInError { .. } => Error::InvalidArgument(not.to_string()),
             // A claim for a named device that only a task holds: Busy, naming the task.
             StoreError::Unclaimable(u) if u.busy_task().is_some() => Error::Busy(u.to_string()),
-            StoreError::Unclaimable(u) => Error::NoDeviceAvailable(u.to_string()),
+            // A named device that policy refuses: the policy's own error, as Apply and SetMode
+            // give it (the message still says how to change it).
+            StoreError::Unclaimable(u) => match u.policy() {
+                Some(Policy::Protected) => Error::Protected(u.to_string()),
+                Some(Policy::NotManaged) => Error::NotManaged(u.to_string()),
+                None => Error::NoDeviceAvailable(u.to_string()),
+            },
             // The database's own refusal of a double booking: another claim got there first.
             c @ StoreError::ClaimConflict(_) => Error::NoDeviceAvailable(c.to_string()),
             e @ (StoreError::NoSuchClaim(_) | StoreError::ClaimReleased(_)) => {
@@ -137,6 +140,8 @@ impl From<crate::store::ImageError> for Error {
             I::NoSuchImage(_) => Error::NoSuchImage(chain),
             I::Store(s) => s.into(),
             I::Io { .. } => Error::Failed(chain),
+            I::Source(SourceError::Abandoned) => Error::Cancelled(chain),
+            I::Source(SourceError::Stalled(_) | SourceError::TimedOut(_)) => Error::TimedOut(chain),
             I::InvalidName(_)
             | I::Exists(_)
             | I::BadDigest(_)

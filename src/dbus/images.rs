@@ -7,6 +7,12 @@
 //! image (`host::download`: https, plain http only to loopback unless configured, deadlines, a
 //! size cap) into its state directory and records the URL with it; `Downloads` tells how far
 //! the downloads under way are, for a client showing progress; `CancelDownload` stops one.
+//!
+//! Adds from a descriptor or a path read on a blocking thread, at most [`MAX_LOCAL_ADDS`] at
+//! once (one more is refused as Busy, "try again"), each within the `[images]` deadlines
+//! (`read_timeout_seconds` between reads, `timeout_seconds` in total), and stopped when its
+//! caller leaves the bus: a caller cannot hold the daemon's threads or descriptors with pipes
+//! that never close (issue 24).
 
 use super::auth::{Check, Detail, ACTION_PROGRAM};
 use super::error::Error;
@@ -15,19 +21,79 @@ use super::wire::{Dict, Query};
 use super::Objects;
 use crate::fpga::image::Format;
 use crate::host::download::{check_url, Downloader};
+use crate::host::image_source::{open_regular, Deadlines, Source};
 use crate::store::{ImageRecord, ImageState, NewImage};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use zbus::message::Header;
 use zbus::{interface, Connection};
 
 pub const INTERFACE: &str = "org.vfiod.Vfiod1.Images";
 
+/// How many adds from a descriptor or a path may read at once. Each holds a blocking thread and
+/// a descriptor until its source ends or a deadline passes; a handful is far more than an
+/// operator adds at once, and far below the blocking pool (512) and the descriptor limit.
+pub const MAX_LOCAL_ADDS: usize = 4;
+
 pub struct Images {
     pub objects: Objects,
     /// The downloads under way, by image name: a second add of that name waits for none of
     /// them, it is refused as Busy.
     pub downloads: Arc<Mutex<HashMap<String, Download>>>,
+    /// One permit per add from a descriptor or a path under way ([`MAX_LOCAL_ADDS`]).
+    pub local_adds: Arc<tokio::sync::Semaphore>,
+}
+
+impl Images {
+    pub fn new(objects: Objects) -> Images {
+        Images {
+            objects,
+            downloads: Arc::default(),
+            local_adds: Arc::new(tokio::sync::Semaphore::new(MAX_LOCAL_ADDS)),
+        }
+    }
+}
+
+/// Sets the stop flag of a read however the call ends (an error, a dropped future): the
+/// blocking thread gives up within 100 ms instead of reading for a caller nobody answers.
+struct StopOnDrop(Arc<AtomicBool>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Release);
+    }
+}
+
+/// Returns when `sender` has left the bus (at once when it already has); never when it cannot
+/// tell (no sender: a peer-to-peer connection; the bus refused the match).
+async fn gone(conn: &Connection, sender: Option<zbus::names::UniqueName<'static>>) {
+    use futures_util::StreamExt;
+    let watch = async {
+        let sender = sender?;
+        let dbus = zbus::fdo::DBusProxy::new(conn).await.ok()?;
+        let mut changes = dbus
+            .receive_name_owner_changed_with_args(&[(0, sender.as_str())])
+            .await
+            .ok()?;
+        // Subscribed first, then asked: a caller that left in between is not missed.
+        if !dbus
+            .name_has_owner(sender.clone().into())
+            .await
+            .unwrap_or(true)
+        {
+            return Some(());
+        }
+        while let Some(signal) = changes.next().await {
+            if signal.args().ok()?.new_owner().is_none() {
+                return Some(());
+            }
+        }
+        None
+    };
+    if watch.await.is_none() {
+        std::future::pending::<()>().await;
+    }
 }
 
 /// One download under way, as `Downloads` shows it.
@@ -104,12 +170,60 @@ fn request(name: String, sha256: String, options: Dict, who: String) -> Result<N
 }
 
 impl Images {
-    async fn add_from(&self, new: NewImage, mut file: std::fs::File) -> Result<Dict, Error> {
-        let r = self
-            .objects
-            .engine
-            .read(move |core| core.store().add_image(&new, &mut file))
-            .await??;
+    /// A place among the [`MAX_LOCAL_ADDS`] adds that may read at once, or Busy. Taken before
+    /// anything that waits (authorization asks the bus): a flood of adds is refused while each
+    /// refused message still holds its descriptor for microseconds, not for a round trip.
+    fn admit(&self) -> Result<tokio::sync::OwnedSemaphorePermit, Error> {
+        Arc::clone(&self.local_adds)
+            .try_acquire_owned()
+            .map_err(|_| {
+                Error::Busy(format!(
+                    "{MAX_LOCAL_ADDS} image adds from descriptors or paths are under way: busy, \
+                     try again later"
+                ))
+            })
+    }
+
+    /// Reads the image from what `open` gives (on a blocking thread) while `permit` is held,
+    /// keeps it when it is `new`, and stops reading when the caller leaves the bus.
+    async fn add_from<F>(
+        &self,
+        permit: tokio::sync::OwnedSemaphorePermit,
+        new: NewImage,
+        open: F,
+        header: &Header<'_>,
+        conn: &Connection,
+    ) -> Result<Dict, Error>
+    where
+        F: FnOnce() -> Result<std::fs::File, Error> + Send + 'static,
+    {
+        let settings = self.objects.engine.settings().images.clone();
+        let deadlines = Deadlines {
+            idle: settings.read_timeout,
+            total: settings.timeout,
+        };
+        let stop = Arc::new(AtomicBool::new(false));
+        let _stop_on_drop = StopOnDrop(Arc::clone(&stop));
+        let flag = Arc::clone(&stop);
+        let work = self.objects.engine.read(move |core| {
+            // Held until the thread is done reading, even when the call's future is gone.
+            let _permit = permit;
+            let file = open()?;
+            let mut source = Source::new(file, deadlines, flag)
+                .map_err(|e| Error::Failed(format!("cannot read the image: {e}")))?;
+            Ok::<_, Error>(core.store().add_image(&new, &mut source)?)
+        });
+        tokio::pin!(work);
+        let sender = header.sender().map(|s| s.to_owned());
+        let r = tokio::select! {
+            r = &mut work => r,
+            () = gone(conn, sender) => {
+                tracing::info!("the caller of an image add left the bus: stopping its read");
+                stop.store(true, Ordering::Release);
+                work.await
+            }
+        };
+        let r = r??;
         self.objects.engine.flush().await;
         Ok(image(&r))
     }
@@ -148,7 +262,10 @@ impl Images {
 impl Images {
     /// Adds an image read from `image`, a file descriptor the caller opened (a file or a pipe,
     /// read to its end), kept as `name` when its SHA-256 is `sha256` and its header parses.
-    /// Returns the entry as `Get` gives it.
+    /// Returns the entry as `Get` gives it. Errors besides those of `AddFromUrl`: Busy (as many
+    /// adds from descriptors or paths as vfiod reads at once are under way: try again),
+    /// TimedOut (the descriptor sent nothing for `[images] read_timeout_seconds`, or not all
+    /// of it within `timeout_seconds`), Cancelled (the caller left the bus).
     async fn add(
         &self,
         name: String,
@@ -158,13 +275,17 @@ impl Images {
         #[zbus(header)] header: Header<'_>,
         #[zbus(connection)] conn: &Connection,
     ) -> Result<Dict, Error> {
+        let permit = self.admit()?;
         let who = self.authorize("AddImage", &name, &header, conn).await?;
         let new = request(name, sha256, options, who)?;
         let fd: std::os::fd::OwnedFd = image.into();
-        self.add_from(new, std::fs::File::from(fd)).await
+        let file = std::fs::File::from(fd);
+        self.add_from(permit, new, move || Ok(file), &header, conn)
+            .await
     }
 
-    /// As `Add`, from a file on this host that the daemon opens: root only.
+    /// As `Add`, from a file on this host that the daemon opens: root only. Anything but a
+    /// regular file (a FIFO, a device) is refused before a byte is read.
     async fn add_from_path(
         &self,
         name: String,
@@ -174,6 +295,7 @@ impl Images {
         #[zbus(header)] header: Header<'_>,
         #[zbus(connection)] conn: &Connection,
     ) -> Result<Dict, Error> {
+        let permit = self.admit()?;
         let o = &self.objects;
         o.authorizer
             .require_root(&o.requesters, conn, &header, "Images.AddFromPath")
@@ -186,9 +308,13 @@ impl Images {
                 super::error::quote(&path)
             )));
         }
-        let file = std::fs::File::open(&path)
-            .map_err(|e| Error::InvalidArgument(format!("cannot open {path}: {e}")))?;
-        self.add_from(new, file).await
+        // Opened on the blocking thread: even a stat can wait (a hung NFS mount), and a FIFO
+        // is refused before it is read.
+        let open = move || {
+            open_regular(std::path::Path::new(&path), &super::error::quote(&path))
+                .map_err(|e| Error::InvalidArgument(crate::error_chain(&e)))
+        };
+        self.add_from(permit, new, open, &header, conn).await
     }
 
     /// As `Add`, from `url`, which the daemon downloads into its state directory: https (plain

@@ -8,8 +8,11 @@ use super::auth::{Check, Detail, ACTION_CLAIM, ACTION_CONFIGURE, ACTION_MIGRATE}
 use super::error::Error;
 use super::wire::{self, Dict, Query};
 use super::{device_path, Objects};
+use crate::model::event::EventKind;
 use crate::model::pci::PciAddress;
+use crate::store::{EventFilter, Page};
 use zbus::message::Header;
+use zbus::object_server::SignalEmitter;
 use zbus::{interface, Connection, OwnedObjectPath};
 
 pub const INTERFACE: &str = "org.vfiod.Vfiod1.Manager";
@@ -98,6 +101,14 @@ impl Manager {
         self.objects.view.counts().broken
     }
 
+    /// The libvirt connection: `uri`, `state` ("connected": and the claims reconciled with
+    /// libvirt's domains since; "connecting"; "disconnected", with `reason`), `since_ms`.
+    /// Empty when no `libvirt_uri` is configured. Not signalled: read it when needed.
+    #[zbus(property(emits_changed_signal = "false"))]
+    fn libvirt(&self) -> Dict {
+        wire::libvirt_link(self.objects.engine.libvirt_link().as_ref())
+    }
+
     /// Config files in effect, in the order they were read.
     #[zbus(property)]
     fn config_sources(&self) -> Vec<String> {
@@ -108,6 +119,12 @@ impl Manager {
             .iter()
             .map(|p| p.display().to_string())
             .collect()
+    }
+
+    /// Every metric in the Prometheus text exposition format (version 0.0.4): the same text
+    /// as `[metrics] textfile`, rendered now. A read: no authorization.
+    async fn get_metrics(&self) -> Result<String, Error> {
+        Ok(self.objects.engine.metrics_text().await?)
     }
 
     /// The object path of the device at `address` (`DDDD:BB:SS.F`).
@@ -127,26 +144,38 @@ impl Manager {
     /// `before` x (the newest entries before this id: page back), `limit` u (1..=10000, default
     /// 100). Without `since`, the newest entries.
     async fn get_events(&self, query: Dict) -> Result<Vec<Dict>, Error> {
-        let q = Query::new(query, &["address", "since", "before", "limit"])?;
+        let q = Query::new(query, &["address", "kind", "since", "before", "limit"])?;
+        let kind = match q.str("kind")? {
+            Some(k) => Some(k.parse::<EventKind>().map_err(Error::InvalidArgument)?),
+            None => None,
+        };
         let address = self.known_address(&q).await?;
         let limit = limit(&q, 100)? as usize;
         let since = q.i64("since")?;
         let before = q.i64("before")?;
-        if since.is_some() && before.is_some() {
-            return Err(Error::InvalidArgument(
-                "give since or before, not both".into(),
-            ));
-        }
+        let page = match (since, before) {
+            (Some(_), Some(_)) => {
+                return Err(Error::InvalidArgument(
+                    "give since or before, not both".into(),
+                ))
+            }
+            (Some(after), None) => Page::After(after),
+            (None, before) => Page::Before(before.unwrap_or(i64::MAX)),
+        };
+        let filter = EventFilter { address, kind };
         let events = self
             .objects
             .engine
-            .read(move |core| match since {
-                Some(after) => core.store().events(address, after, limit),
-                None => core.store().recent_events(address, before, limit),
-            })
+            .read(move |core| core.store().select_events(&filter, page, limit))
             .await??;
         Ok(events.iter().map(wire::event).collect())
     }
+
+    /// An event was recorded (committed): the entry as `GetEvents` gives it, in id order, one
+    /// signal each. What `vfioctl events --follow` prints; a watcher that may have missed some
+    /// (it subscribed late, the bus dropped some) reads `GetEvents` with `since`.
+    #[zbus(signal)]
+    pub async fn event(emitter: &SignalEmitter<'_>, entry: Dict) -> zbus::Result<()>;
 
     /// The policy's plan for one device, as a dry run: `{address, decision, reason, program: s,
     /// steps: as (shell-like lines), plan: s (JSON)}`. Nothing is written.

@@ -1,8 +1,8 @@
 //! The D-Bus face of the daemon: thin adapters over the engine, one module per object kind
-//! (manager, device, task, claim, pooled claim; a new kind of object is a new file). Objects read what they show from
-//! the [`view`], which the [`publisher`] keeps in step with the engine's events; errors are
-//! mapped in [`error`]; mutating calls are authorized in [`auth`]; [`strict`] checks arguments
-//! and read-only properties for every object.
+//! (manager, image catalog, device, task, claim, pooled claim; a new kind of object is a new
+//! file). Objects read what they show from the [`view`], which the [`publisher`] keeps in step
+//! with the engine's events; errors are mapped in [`error`]; mutating calls are authorized in
+//! [`auth`]; [`strict`] checks arguments and read-only properties for every object.
 
 pub mod auth;
 pub mod claim;
@@ -12,6 +12,7 @@ pub mod images;
 pub mod manager;
 pub mod pooled;
 mod publisher;
+mod event_signal;
 pub mod strict;
 pub mod task;
 pub mod view;
@@ -143,13 +144,7 @@ pub async fn serve(
         .await
         .map_err(ServeError::Export)?;
     server
-        .at(
-            ROOT_PATH,
-            Strict::new(images::Images {
-                objects: objects.clone(),
-                downloads: Default::default(),
-            }),
-        )
+        .at(ROOT_PATH, Strict::new(images::Images::new(objects.clone())))
         .await
         .map_err(ServeError::Export)?;
     // Events sent from here on are applied on top of this picture by the publisher.
@@ -201,6 +196,7 @@ pub async fn serve(
             .await
             .map_err(ServeError::Export)?;
     }
+    tokio::spawn(event_signal::run(objects.clone()));
     tokio::spawn(publisher::run(objects, events));
     Ok(conn)
 }

@@ -28,6 +28,23 @@ pub fn event(e: &Event) -> Dict {
     ])
 }
 
+/// `Manager.Libvirt`: the connection to the configured URI; empty when none is configured.
+pub fn libvirt_link(link: Option<&crate::engine::libvirt_link::Link>) -> Dict {
+    use crate::engine::libvirt_link::LinkState;
+    let Some(l) = link else {
+        return Dict::new();
+    };
+    let mut d = Dict::from([
+        ("uri".into(), v(l.uri.as_str())),
+        ("state".into(), v(l.word())),
+        ("since_ms".into(), v(l.since_ms)),
+    ]);
+    if let LinkState::Disconnected { reason } = &l.state {
+        d.insert("reason".into(), v(reason.as_str()));
+    }
+    d
+}
+
 /// `Manager.GetTasks` entry.
 pub fn task(t: &TaskRecord) -> Dict {
     Dict::from([

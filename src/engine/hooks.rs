@@ -8,8 +8,9 @@ use super::jobs::attach::bind_to_vfio;
 use super::Engine;
 use crate::claims::lifecycle::Step;
 use crate::claims::{Owner, Requirements};
-use crate::hooks::{self, AfterStop, DomainId, Operation, Verdict};
+use crate::hooks::{self, AfterStop, DomainId, HostUses, Operation, Verdict};
 use crate::host::libvirt;
+use crate::host::sysfs::hostuse;
 use crate::model::claim::ClaimState;
 use crate::model::pci::PciAddress;
 use crate::store::{ClaimDetails, ClaimRecord, StoreError};
@@ -48,6 +49,53 @@ fn parse(xml: &str) -> Result<Parsed, String> {
     })
 }
 
+/// Runs `f` (a parse of the domain XML, which may take long on a big document) on the blocking
+/// pool, so that the hook's deadline, a timer on the async threads, can still fire while it
+/// runs.
+pub(super) async fn off_the_executor<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, String> + Send + 'static,
+) -> Result<T, String> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| format!("the parse did not finish: {e}"))?
+}
+
+/// What the host uses among everything vfiod knows (the records and the host's uses read now),
+/// for the host guard; nothing when `[hooks] guard_host_devices` is off, with a warning naming
+/// what the guard would have refused in `functions`.
+fn host_uses_now(
+    core: &super::core::Core,
+    devices: &[crate::model::device::Device],
+    domain: &str,
+    functions: &[PciAddress],
+    guard: bool,
+) -> HostUses {
+    let uses = hooks::host_uses(devices, &hostuse::detect(core.sysfs()));
+    if guard {
+        return uses;
+    }
+    let problems = hooks::host_problems(functions, &uses);
+    if !problems.is_empty() {
+        tracing::warn!(
+            domain,
+            "[hooks] guard_host_devices = false: left to libvirt although {}",
+            problems.join("; ")
+        );
+    }
+    HostUses::new()
+}
+
+/// The owner of the claims a hook makes for domain `name`, through the checks of a D-Bus
+/// `Claim`; `Err` is the one line refusing what the domain would do (`verb`).
+pub(super) fn hook_owner(name: &str, uuid: Option<&str>, verb: &str) -> Result<Owner, String> {
+    let quoted = crate::config::Quoted(name);
+    if name.is_empty() {
+        return Err(format!("vfiod: a domain cannot {verb} without a name"));
+    }
+    Owner::new(Some(name), uuid, 0, false)
+        .map_err(|e| format!("vfiod: domain {quoted} cannot {verb}: {e}"))
+}
+
 /// A notification's verdict: it passes whatever happened, and says what it recorded.
 fn notified(
     done: Result<Result<Vec<String>, StoreError>, super::EngineError>,
@@ -76,6 +124,7 @@ impl Engine {
             "{} {} {} of {}",
             call.operation, call.sub_operation, call.extra, call.domain
         );
+        let asked = std::time::Instant::now();
         let verdict = match tokio::time::timeout(deadline, self.decide_hook(op, &call)).await {
             Ok(v) => v,
             Err(_) if op.may_fail() => Verdict::fail(format!(
@@ -87,6 +136,8 @@ impl Engine {
                 deadline.as_millis()
             )),
         };
+        self.metrics
+            .hook_answered(&call.operation, verdict.exit_code == 0, asked.elapsed());
         if verdict.exit_code != 0 {
             tracing::warn!(domain = %call.domain, "hook {what}: {}", verdict.message);
         } else if !verdict.message.is_empty() {
@@ -111,7 +162,8 @@ impl Engine {
             });
             return Verdict::pass("reconcile scheduled");
         }
-        let parsed = match parse(&call.xml) {
+        let xml = call.xml.clone();
+        let parsed = match off_the_executor(move || parse(&xml)).await {
             Ok(p) => p,
             Err(e) if op.may_fail() => {
                 return Verdict::fail(format!(
@@ -123,6 +175,13 @@ impl Engine {
         };
         match op {
             Operation::Prepare => self.hook_prepare(call, parsed).await,
+            Operation::Restore => {
+                let functions: Vec<PciAddress> = parsed.assigned.iter().map(|(f, _)| *f).collect();
+                match self.host_guard(&call.domain, "start", &functions).await {
+                    Ok(()) => Verdict::pass(""),
+                    Err(refusal) => Verdict::fail(refusal),
+                }
+            }
             Operation::Started => self.hook_started(call, parsed).await,
             Operation::Stopped | Operation::Release => self.hook_stopped(call, parsed).await,
             // Filters: the XML stays as it is (empty output).
@@ -132,9 +191,16 @@ impl Engine {
 
     async fn hook_prepare(self: &Arc<Self>, call: &HookCall, parsed: Parsed) -> Verdict {
         let name = call.domain.clone();
-        let uuid = parsed.uuid.clone();
+        // The claims this run makes name the domain as a D-Bus `Claim` would: the same checks
+        // first, so that no claim for "" or for a name no domain has is recorded (nor echoed).
+        let owner = match hook_owner(&name, parsed.uuid.as_deref(), "start") {
+            Ok(o) => o,
+            Err(line) => return Verdict::fail(line),
+        };
+        let uuid = owner.vm_uuid.clone();
         let functions: Vec<PciAddress> = parsed.assigned.iter().map(|(f, _)| *f).collect();
         let auto_claim = self.settings().hooks.auto_claim;
+        let guard = self.settings().hooks.guard_host_devices;
         let (n, u, fs) = (name.clone(), uuid.clone(), functions.clone());
         let decided = self
             .read(move |core| {
@@ -144,6 +210,7 @@ impl Engine {
                     name: &n,
                     uuid: u.as_deref(),
                 };
+                let uses = host_uses_now(core, &snapshot.devices, &n, &fs, guard);
                 Ok::<_, StoreError>(hooks::prepare(
                     domain,
                     &fs,
@@ -151,6 +218,7 @@ impl Engine {
                     &claims,
                     &snapshot.busy,
                     auto_claim,
+                    &uses,
                 ))
             })
             .await;
@@ -161,6 +229,8 @@ impl Engine {
             Err(e) => return Verdict::fail(format!("vfiod: {}", crate::error_chain(&e))),
         };
         let mut claimed = Vec::new();
+        // What this run claimed: given back if the start is refused after all.
+        let mut made = Vec::new();
         for f in &plan.to_claim {
             // A claim takes a function's whole IOMMU group: an earlier one may hold it now.
             let f = *f;
@@ -186,19 +256,18 @@ impl Engine {
                 address: Some(f),
                 ..Requirements::default()
             };
-            let owner = Owner {
-                vm_name: Some(name.clone()),
-                vm_uuid: uuid.clone(),
-                lease_seconds: None,
-                persistent: false,
-            };
-            match self.claim(req, owner, BY).await {
-                Ok(c) => claimed.push(format!("claim {} on {}", c.id, c.address)),
+            match self.claim(req, owner.clone(), BY).await {
+                Ok(c) => {
+                    made.push(c.id);
+                    claimed.push(format!("claim {} on {}", c.id, c.address));
+                }
                 Err(e) => {
+                    self.release_all(&made, "the start of its domain was refused")
+                        .await;
                     return Verdict::fail(format!(
                         "vfiod: domain {name} cannot start: {f} cannot be claimed for it: {}",
                         crate::error_chain(&e)
-                    ))
+                    ));
                 }
             }
         }
@@ -211,10 +280,15 @@ impl Engine {
                     bind_to_vfio(&cx, to_bind[0], &to_bind, &mut |_, _, _| {})
                 })
                 .await;
-            match bound {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => return Verdict::fail(format!("vfiod: domain {name}: {e}")),
-                Err(e) => return Verdict::fail(format!("vfiod: domain {name}: {e}")),
+            let failed = match bound {
+                Ok(Ok(())) => None,
+                Ok(Err(e)) => Some(e.to_string()),
+                Err(e) => Some(e.to_string()),
+            };
+            if let Some(e) = failed {
+                self.release_all(&made, "the start of its domain was refused")
+                    .await;
+                return Verdict::fail(format!("vfiod: domain {name}: {e}"));
             }
         }
         self.flush().await;
@@ -222,6 +296,80 @@ impl Engine {
             Verdict::pass("")
         } else {
             Verdict::pass(format!("claimed {} for {name}", claimed.join(", ")))
+        }
+    }
+
+    /// The host guard for an operation that lets domain `name` start or arrive with
+    /// `functions` (`verb`: what it cannot do). `Err` is the one line for libvirt; a failure to
+    /// read the records refuses too (fail closed).
+    pub(super) async fn host_guard(
+        self: &Arc<Self>,
+        name: &str,
+        verb: &'static str,
+        functions: &[PciAddress],
+    ) -> Result<(), String> {
+        if functions.is_empty() {
+            return Ok(());
+        }
+        let guard = self.settings().hooks.guard_host_devices;
+        let (n, fs) = (name.to_string(), functions.to_vec());
+        let uses = self
+            .read(move |core| {
+                let devices = core.store().devices()?;
+                Ok::<_, StoreError>(host_uses_now(core, &devices, &n, &fs, guard))
+            })
+            .await;
+        match uses {
+            Ok(Ok(uses)) => hooks::refuse_host_devices(name, verb, functions, &uses),
+            Ok(Err(e)) => Err(format!("vfiod: {}", crate::error_chain(&e))),
+            Err(e) => Err(format!("vfiod: {}", crate::error_chain(&e))),
+        }
+    }
+
+    /// libvirt's device-added event: a function the host uses, hot-plugged into a running
+    /// domain by someone else than vfiod, is an error event naming the domain (libvirt runs no
+    /// hook for a live attach: vfiod cannot refuse it, only say so).
+    pub(super) async fn device_added(self: &Arc<Self>, d: &crate::host::libvirt::DomainEvent) {
+        let crate::host::libvirt::DomainEventKind::DeviceAdded { alias } = &d.kind else {
+            return;
+        };
+        if super::jobs::detach::claim_of_alias(alias).is_some() {
+            return;
+        }
+        let (name, alias) = (d.name.clone(), alias.clone());
+        let done = self
+            .read(move |core| {
+                let xml = core
+                    .libvirt()
+                    .domain_xml(&name, libvirt::Definition::Live)
+                    .map_err(|e| crate::error_chain(&e))?;
+                let hostdevs = libvirt::xml::hostdevs(&xml)?;
+                let devices = core.store().devices().map_err(|e| crate::error_chain(&e))?;
+                let uses = hooks::host_uses(&devices, &hostuse::detect(core.sysfs()));
+                let Some((f, line)) =
+                    hooks::hot_plugged_host_device(&name, &alias, &hostdevs, &uses, |a| {
+                        super::jobs::detach::claim_of_alias(a).is_some()
+                    })
+                else {
+                    return Ok(());
+                };
+                tracing::error!(domain = %name, device = %f, "{line}");
+                core.store()
+                    .record_event(crate::store::NewEvent::new(
+                        Some(f),
+                        crate::model::event::EventKind::Protected,
+                        line,
+                    ))
+                    .map(|_| ())
+                    .map_err(|e| crate::error_chain(&e))
+            })
+            .await;
+        match done {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                tracing::warn!(domain = %d.name, "cannot check a hot-plugged device: {e}")
+            }
+            Err(e) => tracing::warn!(domain = %d.name, "cannot check a hot-plugged device: {e}"),
         }
     }
 

@@ -1,5 +1,6 @@
-//! Jobs: the work a task runs. Every kind of device job (a mode conversion today; FPGA
-//! programming, verification and migration steps next) implements one trait, and the task runner
+//! Jobs: the work a task runs. Every kind of device job (the ones in [`super::jobs`]: a mode
+//! conversion, FPGA program and verify, a claim's attach and detach, a live migration)
+//! implements one trait, and the task runner
 //! ([`super::tasks`]) gives each the same life: one task at a time per device and scope, a
 //! durable visible state (prepare, running, success, error), refusal before any change, progress
 //! in weighted phases, rollback after a failure, error until an operator resets it.

@@ -9,7 +9,6 @@
 
 use super::jobs::{migrate::claims_of, MigrateJob};
 use super::{Engine, JobError};
-use crate::claims::Owner;
 use crate::hooks::{DomainId, Verdict};
 use crate::host::libvirt::{self, DomainEvent, DomainEventKind, Migration};
 use crate::store::{StoreError, TaskRecord};
@@ -73,22 +72,42 @@ impl Engine {
     /// The destination's `migrate begin` hook: claims what the domain's metadata lists and the
     /// incoming XML does not carry as a hostdev (the source detached it), or refuses.
     pub(super) async fn hook_migrate(self: &Arc<Self>, name: &str, xml: &str) -> Verdict {
-        let parsed = match libvirt::xml::parse_domain(xml) {
+        // Both parses off the async threads: the deadline must be able to fire while they run.
+        let text = xml.to_string();
+        let both = super::hooks::off_the_executor(move || {
+            Ok((
+                libvirt::xml::parse_domain(&text)?,
+                libvirt::xml::parse_pooled(&text)?,
+            ))
+        })
+        .await;
+        let (parsed, pooled) = match both {
             Ok(p) => p,
             Err(e) => {
                 return Verdict::fail(format!("vfiod: cannot read the XML of domain {name}: {e}"))
             }
         };
-        let pooled = match libvirt::xml::parse_pooled(xml) {
-            Ok(p) => p,
-            Err(e) => {
-                return Verdict::fail(format!("vfiod: cannot read the XML of domain {name}: {e}"))
-            }
-        };
+        // The host guard, before anything is claimed or any memory copied: a hostdev the
+        // incoming XML keeps as it is (not one vfiod retargets to an equivalent here, which is
+        // then its claim) must not be a function this host uses.
+        let kept: Vec<_> = parsed
+            .hostdevs
+            .iter()
+            .map(|h| h.source)
+            .filter(|f| !parsed.metadata.iter().any(|m| m.source == *f))
+            .collect();
+        if let Err(refusal) = self.host_guard(name, "come here", &kept).await {
+            return Verdict::fail(refusal);
+        }
         if parsed.metadata.is_empty() && pooled.is_empty() {
             return Verdict::pass("");
         }
-        let uuid = parsed.uuid.clone();
+        // The claims name the domain as a D-Bus `Claim` would, through the same checks.
+        let owner = match super::hooks::hook_owner(name, parsed.uuid.as_deref(), "come here") {
+            Ok(o) => o,
+            Err(line) => return Verdict::fail(line),
+        };
+        let uuid = owner.vm_uuid.clone();
         // What the source detached (no hostdev in the XML) and what moves with the VM (its
         // driver migrates its state: the hostdev stays, and must land on a function of ours).
         let moving = |m: &crate::host::libvirt::xml::MetadataDevice| {
@@ -129,13 +148,10 @@ impl Engine {
                     ));
                 }
             };
-            let owner = Owner {
-                vm_name: Some(name.to_string()),
-                vm_uuid: uuid.clone(),
-                lease_seconds: None,
-                persistent: false,
-            };
-            match self.claim(req, owner, crate::hooks::BY_INCOMING).await {
+            match self
+                .claim(req, owner.clone(), crate::hooks::BY_INCOMING)
+                .await
+            {
                 Ok(c) => {
                     made.push(c.id);
                     if moving(m) {
@@ -223,7 +239,7 @@ impl Engine {
         }
     }
 
-    async fn release_all(&self, ids: &[i64], why: &str) {
+    pub(super) async fn release_all(&self, ids: &[i64], why: &str) {
         for id in ids {
             let _ = self.release_claim(*id, "libvirt hook", why).await;
         }

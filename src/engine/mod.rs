@@ -18,6 +18,7 @@ mod core;
 pub mod events;
 pub mod removals;
 pub mod job;
+pub mod libvirt_link;
 pub mod jobs;
 mod run_loop;
 pub mod tasks;
@@ -61,6 +62,11 @@ pub struct Engine {
     /// Counts committed changes of devices, claims and tasks: a watcher (the fleet reporter)
     /// learns that something changed without the engine waiting for it or queueing anything.
     changes: Arc<watch::Sender<u64>>,
+    /// The libvirt connection as the worker's events told it (see [`libvirt_link`]).
+    libvirt_link: libvirt_link::LinkRecord,
+    /// The Prometheus counters and histograms, updated where tasks end, hooks answer, pool
+    /// calls fail and the fleet reports (see [`crate::metrics`]).
+    metrics: Arc<crate::metrics::Metrics>,
 }
 
 impl Engine {
@@ -77,6 +83,8 @@ impl Engine {
             incoming: migration::Incoming::default(),
             pools: pooled::Pools::default(),
             changes: Arc::new(watch::channel(0).0),
+            libvirt_link: libvirt_link::LinkRecord::default(),
+            metrics: Arc::default(),
         };
         (Arc::new(engine), stream)
     }
@@ -110,6 +118,32 @@ impl Engine {
                 let _ = events.send(EngineEvent::Claim(c.clone()));
             }),
         )
+    }
+
+    /// The connection to the configured libvirt URI (None: no URI configured).
+    pub fn libvirt_link(&self) -> Option<libvirt_link::Link> {
+        self.libvirt_link.get(self.core.libvirt().uri().as_deref())
+    }
+
+    pub fn metrics(&self) -> &Arc<crate::metrics::Metrics> {
+        &self.metrics
+    }
+
+    /// Every metric as Prometheus text, the gauges counted from the store now.
+    pub async fn metrics_text(&self) -> Result<String, EngineError> {
+        let settings = self.settings();
+        let fleet = settings.fleet.is_some();
+        let pools = settings.pools.iter().map(|p| p.name.clone()).collect();
+        let (devices, claims) = self
+            .read(|core| {
+                let store = core.store();
+                Ok::<_, StoreError>((store.devices()?, store.active_claim_records()?))
+            })
+            .await??;
+        let state = crate::metrics::State::count(&devices, &claims, fleet, pools);
+        self.metrics
+            .render(&state)
+            .map_err(|e| EngineError::Internal(crate::error_chain(&e)))
     }
 
     /// A receiver that sees the count of committed changes move (the newest value only: a
@@ -203,6 +237,10 @@ impl Engine {
         drop(publishing);
         if change == tasks::Change::State {
             self.changed();
+        }
+        // A reset keeps the row in error: it is not a second end of the task.
+        if change == tasks::Change::State && task.state.is_final() && task.reset_ms.is_none() {
+            self.metrics.task_finished(task);
         }
         let mut watches = self.watches.lock().unwrap_or_else(|p| p.into_inner());
         if task.state.is_final() {
@@ -376,6 +414,25 @@ impl Engine {
                 let _ = rx.wait_for(|r| r.state.is_final()).await;
             }
         }
+    }
+}
+
+/// The textfile writer's view of the engine.
+impl crate::metrics::textfile::Source for Engine {
+    fn textfile(&self) -> Option<std::path::PathBuf> {
+        self.settings().metrics.textfile.clone()
+    }
+
+    fn render(&self) -> futures_util::future::BoxFuture<'_, Result<String, String>> {
+        Box::pin(async move {
+            self.metrics_text()
+                .await
+                .map_err(|e| crate::error_chain(&e))
+        })
+    }
+
+    fn write_failed(&self) {
+        self.metrics.textfile_failed();
     }
 }
 

@@ -135,12 +135,19 @@ impl Engine {
             Arc<PoolClient>,
         ) -> futures_util::future::BoxFuture<'static, Result<T, PoolError>>,
     ) -> Result<T, PooledError> {
-        let (settings, client) = self.pool_client(pool)?;
+        let (settings, client) = self.pool_client(pool).inspect_err(|e| {
+            if let PooledError::Pool { source, .. } = e {
+                self.metrics.pool_call_failed(pool, source);
+            }
+        })?;
         let bound = settings.connect_timeout + settings.request_timeout;
-        let wrap = |source| PooledError::Pool {
-            pool: pool.to_string(),
-            call: call.to_string(),
-            source,
+        let wrap = |source| {
+            self.metrics.pool_call_failed(pool, &source);
+            PooledError::Pool {
+                pool: pool.to_string(),
+                call: call.to_string(),
+                source,
+            }
         };
         match tokio::time::timeout(bound, f(client)).await {
             Ok(r) => r.map_err(wrap),

@@ -183,6 +183,7 @@ impl Engine {
                 match d.kind {
                     DomainEventKind::DeviceRemoved { .. }
                     | DomainEventKind::DeviceRemovalFailed { .. } => self.device_event(&d).await,
+                    DomainEventKind::DeviceAdded { .. } => self.device_added(&d).await,
                     // Its live devices are gone with it.
                     DomainEventKind::Stopped => {
                         self.incoming_event(&d).await;
@@ -213,8 +214,17 @@ impl Engine {
                 // Events missed while vfiod or libvirt was down: pooled sessions of domains
                 // that no longer run here.
                 self.reconcile_pooled().await;
+                // Only now: "connected" tells a client that the claims agree with libvirt.
+                self.libvirt_link
+                    .set(&uri, super::libvirt_link::LinkState::Connected);
             }
             LibvirtEvent::Disconnected { uri, reason } => {
+                self.libvirt_link.set(
+                    &uri,
+                    super::libvirt_link::LinkState::Disconnected {
+                        reason: reason.to_string(),
+                    },
+                );
                 tracing::warn!(
                     uri,
                     "lost the connection to libvirt ({reason:?}); reconnecting"

@@ -167,7 +167,7 @@ pub(crate) mod tests {
         assert_eq!(r.records[0].local_reason, None);
         assert_eq!(
             r.records[1].local_reason.as_deref(),
-            Some("held by claim 7")
+            Some("is held by claim 7")
         );
         assert_eq!(r.records[2].vendor_id, None);
         assert_eq!(r.records[2].device_id, None);

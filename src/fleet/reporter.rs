@@ -273,6 +273,7 @@ impl Worker {
         if !outcome.heartbeat_only {
             tracing::debug!(host = %self.meta.host, ?outcome, "fleet report");
         }
+        self.engine.metrics().fleet_reported();
         self.status.send_modify(|s| {
             s.reports += 1;
             s.failures = 0;

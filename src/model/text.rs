@@ -1,6 +1,7 @@
 //! Enums stored and sent as text (`"gpu"`, `"split"`, `"error"`): one macro gives each its
 //! `as_str`, `Display` and `FromStr`, so the database, the D-Bus API and the CLI spell every
-//! value the same way and an unknown word is an error that lists the known ones.
+//! value the same way and an unknown word is an error that lists the known ones. [`quote`] is
+//! how any error quotes a caller's text back.
 
 /// `text_enum!(Type, Variant => "text", ...)`: `as_str`, `Display` and `FromStr` for a field-less
 /// enum; `text_enum!(Type as "name", ...)` names the type in errors. The parse error names the
@@ -39,9 +40,11 @@ macro_rules! text_enum {
             fn from_str(s: &str) -> Result<Self, String> {
                 match s {
                     $($s => Ok(<$t>::$v),)+
+                    // Quoted as every error quotes a caller's text: at most 64 characters.
                     other => Err(format!(
-                        "unknown {} {other:?} (expected one of: {})",
+                        "unknown {} {} (expected one of: {})",
                         $name.to_lowercase(),
+                        $crate::model::text::quote(other),
                         [$($s),+].join(", ")
                     )),
                 }
@@ -50,3 +53,35 @@ macro_rules! text_enum {
     };
 }
 pub(crate) use text_enum;
+
+/// How many characters of a caller's text an error quotes back (docs/dbus.md promises it).
+pub const QUOTE_MAX: usize = 64;
+
+/// A caller's text as an error quotes it: Rust-escaped in double quotes, at most
+/// [`QUOTE_MAX`] characters, and how long it was when longer, so that a 1 MB argument is never
+/// sent back whole.
+pub fn quote(text: &str) -> String {
+    let n = text.chars().count();
+    if n <= QUOTE_MAX {
+        format!("{text:?}")
+    } else {
+        let head: String = text.chars().take(QUOTE_MAX).collect();
+        format!("{head:?}... ({n} characters)")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::quote;
+
+    #[test]
+    fn quotes_at_most_64_characters() {
+        assert_eq!(quote("nlb"), "\"nlb\"");
+        assert_eq!(quote(&"x".repeat(64)), format!("\"{}\"", "x".repeat(64)));
+        assert_eq!(
+            quote(&"é".repeat(1000)),
+            format!("\"{}\"... (1000 characters)", "é".repeat(64))
+        );
+        assert_eq!(quote("a\nb"), "\"a\\nb\"");
+    }
+}

@@ -3,6 +3,10 @@
 //! between hosts; plain `http://` only to a loopback address, so a control call that fences a
 //! migration never crosses a network in clear text. Every pool refusal comes back as a typed
 //! [`PoolError`] (the fencing one carries the pool's current epoch).
+//!
+//! Every reply body is read in chunks against a cap ([`MAX_REPLY_SIZE`], [`MAX_ERROR_REPLY_SIZE`]
+//! for refusals) and refused with [`PoolError::TooLarge`] past it: a broken or hostile pool
+//! must not make the host daemon buffer a body of its choosing (issue 24).
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -16,6 +20,16 @@ use super::protocol::{self as p, ErrorBody, ErrorCode};
 pub use super::protocol::{
     PoolDevice, Quiesced, Results, Session, SessionState, Submitted, WorkItem, WorkResult,
 };
+
+/// The largest success reply read from a pool. The biggest protocol reply is
+/// `GET /v1/sessions` (about 200 bytes per session): 16 MiB is some 80,000 sessions.
+pub const MAX_REPLY_SIZE: usize = 16 << 20;
+/// The largest error reply read from a pool: an [`ErrorBody`] is a code and one message, and
+/// only its first 200 characters are quoted back.
+pub const MAX_ERROR_REPLY_SIZE: usize = 64 << 10;
+
+/// How long an idle connection to a pool is kept for the next call.
+const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Where a pool is and how to reach it (from a `[[pool]]` section, or a test).
 #[derive(Clone, Debug)]
@@ -74,6 +88,14 @@ pub enum PoolError {
     /// The endpoint cannot be used as given (URL, TLS files).
     #[error("pool endpoint: {0}")]
     Config(String),
+    /// A reply body over the cap (announced in `Content-Length` or grown past it while read):
+    /// refused, and the connection dropped without reading the rest.
+    #[error("pool reply too large: {what} is over {limit} bytes{}", .announced.map(|n| format!(" (the pool announced {n})")).unwrap_or_default())]
+    TooLarge {
+        what: String,
+        limit: usize,
+        announced: Option<u64>,
+    },
 }
 
 impl PoolError {
@@ -96,6 +118,8 @@ pub struct PoolClient {
     http: reqwest::Client,
     /// The URL without a trailing slash; paths (`/v1/...`) are appended.
     base: String,
+    /// The cap on a success reply's body ([`MAX_REPLY_SIZE`] unless a test says otherwise).
+    max_reply: usize,
 }
 
 /// Whether `url`'s host is a loopback address (`127.0.0.0/8`, `::1`, `localhost`).
@@ -151,6 +175,9 @@ impl PoolClient {
         let mut b = reqwest::Client::builder()
             .connect_timeout(ep.connect_timeout)
             .timeout(ep.request_timeout)
+            // vfiod-pool closes a connection idle for its header timeout (10 s by default):
+            // drop ours first, so a call never races the pool's close on a reused connection.
+            .pool_idle_timeout(POOL_IDLE_TIMEOUT)
             // A pool is addressed directly: an HTTP(S)_PROXY meant for the internet must not
             // carry fencing calls.
             .no_proxy()
@@ -200,7 +227,18 @@ impl PoolClient {
             .build()
             .map_err(|e| PoolError::Config(format!("TLS set-up: {}", crate::error_chain(&e))))?;
         let base = ep.url.as_str().trim_end_matches('/').to_owned();
-        Ok(PoolClient { http, base })
+        Ok(PoolClient {
+            http,
+            base,
+            max_reply: MAX_REPLY_SIZE,
+        })
+    }
+
+    /// The same client with another cap on success replies (the cap on error replies stays
+    /// [`MAX_ERROR_REPLY_SIZE`]).
+    pub fn with_max_reply(mut self, limit: usize) -> PoolClient {
+        self.max_reply = limit;
+        self
     }
 
     /// The pool's URL (without a trailing slash).
@@ -351,9 +389,8 @@ impl PoolClient {
     ) -> Result<T, PoolError> {
         let resp = self.send(method, path, body).await?;
         let resp = check_status(resp).await?;
-        let bytes = resp.bytes().await.map_err(|e| {
-            PoolError::Unreachable(format!("reading the reply: {}", crate::error_chain(&e)))
-        })?;
+        let what = format!("the reply to {path}");
+        let bytes = read_capped(resp, self.max_reply, &what).await?;
         serde_json::from_slice(&bytes)
             .map_err(|e| PoolError::Protocol(format!("{path}: unexpected reply body: {e}")))
     }
@@ -376,8 +413,47 @@ async fn check_status(resp: reqwest::Response) -> Result<reqwest::Response, Pool
     if status.is_success() {
         return Ok(resp);
     }
-    let text = resp.text().await.unwrap_or_default();
-    Err(error_from_reply(status, &text))
+    let what = format!("the HTTP {status} reply");
+    let bytes = match read_capped(resp, MAX_ERROR_REPLY_SIZE, &what).await {
+        Ok(b) => b,
+        Err(e @ PoolError::TooLarge { .. }) => return Err(e),
+        // The status says enough when its body cannot be read to the end.
+        Err(_) => Vec::new(),
+    };
+    Err(error_from_reply(status, &String::from_utf8_lossy(&bytes)))
+}
+
+/// The body of `resp`, read chunk by chunk and refused once it passes `limit` bytes (or when
+/// `Content-Length` announces more): never more than `limit` plus one chunk in memory.
+/// Dropping the response on refusal closes the connection, so the rest is never read.
+async fn read_capped(
+    mut resp: reqwest::Response,
+    limit: usize,
+    what: &str,
+) -> Result<Vec<u8>, PoolError> {
+    let announced = resp.content_length();
+    let too_large = || PoolError::TooLarge {
+        what: what.to_owned(),
+        limit,
+        announced,
+    };
+    if announced.is_some_and(|n| n > limit as u64) {
+        return Err(too_large());
+    }
+    // An announced length is only a hint for the first allocation; the cap decides.
+    let mut body = Vec::with_capacity(announced.map_or(0, |n| n as usize).min(limit));
+    loop {
+        let chunk = resp.chunk().await.map_err(|e| {
+            PoolError::Unreachable(format!("reading {what}: {}", crate::error_chain(&e)))
+        })?;
+        let Some(chunk) = chunk else {
+            return Ok(body);
+        };
+        if body.len() + chunk.len() > limit {
+            return Err(too_large());
+        }
+        body.extend_from_slice(&chunk);
+    }
 }
 
 /// The [`PoolError`] of an error reply with `status` and body `text`.

@@ -364,6 +364,11 @@ pub enum ErrorCode {
     Quiesced,
     /// 500: the pool failed (its store); the body says how.
     Internal,
+    /// 405: the path exists, the method is not one of its routes.
+    MethodNotAllowed,
+    /// 503: the pool is at a bound (connections in total or from one address, a request's
+    /// deadline); retry later.
+    Unavailable,
 }
 
 impl ErrorCode {
@@ -381,6 +386,8 @@ impl ErrorCode {
             ErrorCode::Invalid => 400,
             ErrorCode::Unauthorized => 401,
             ErrorCode::Internal => 500,
+            ErrorCode::MethodNotAllowed => 405,
+            ErrorCode::Unavailable => 503,
         }
     }
 
@@ -398,6 +405,8 @@ impl ErrorCode {
             ErrorCode::NotOwner => "not_owner",
             ErrorCode::Quiesced => "quiesced",
             ErrorCode::Internal => "internal",
+            ErrorCode::MethodNotAllowed => "method_not_allowed",
+            ErrorCode::Unavailable => "unavailable",
         }
     }
 }
@@ -468,6 +477,8 @@ mod tests {
             ErrorCode::NotOwner,
             ErrorCode::Quiesced,
             ErrorCode::Internal,
+            ErrorCode::MethodNotAllowed,
+            ErrorCode::Unavailable,
         ] {
             assert_eq!(serde_json::to_value(c).unwrap(), c.as_str());
         }

@@ -10,6 +10,8 @@
 use super::{insert_event, now_ms, NewEvent, Store, StoreError};
 use crate::fpga::image::{self, Format, HeaderError};
 use crate::model::event::EventKind;
+use crate::model::image_source::SourceError;
+use crate::model::text::quote;
 use rusqlite::{params, OptionalExtension, Row};
 use serde::Serialize;
 use sha2::{Digest, Sha256};
@@ -94,15 +96,17 @@ pub struct NewImage {
 /// Why an image was not added, found, or changed.
 #[derive(Debug, thiserror::Error)]
 pub enum ImageError {
+    /// Each `String` of these four is the caller's text as [`quote`] gives it (64 characters
+    /// at most).
     #[error(
-        "image name {0:?} is not allowed: 1 to 64 of A-Z a-z 0-9 . _ -, not starting with a dot"
+        "image name {0} is not allowed: 1 to 64 of A-Z a-z 0-9 . _ -, not starting with a dot"
     )]
     InvalidName(String),
-    #[error("an image named {0:?} already exists")]
+    #[error("an image named {0} already exists")]
     Exists(String),
-    #[error("no image {0:?}")]
+    #[error("no image {0}")]
     NoSuchImage(String),
-    #[error("sha256 {0:?} is not 64 hex digits")]
+    #[error("sha256 {0} is not 64 hex digits")]
     BadDigest(String),
     #[error("the image's SHA-256 is {actual}, not the {expected} given")]
     Checksum { expected: String, actual: String },
@@ -112,6 +116,10 @@ pub enum ImageError {
     Header(#[from] HeaderError),
     #[error("{0}")]
     Declared(String),
+    /// A read of a passed descriptor or a named file that was stopped: a deadline, or its
+    /// caller went away.
+    #[error("cannot read the image: {0}")]
+    Source(SourceError),
     #[error("cannot {action}")]
     Io {
         action: String,
@@ -143,7 +151,7 @@ pub fn normalize_digest(s: &str) -> Result<String, ImageError> {
     if t.len() == 64 && t.bytes().all(|b| b.is_ascii_hexdigit()) {
         Ok(t.to_ascii_lowercase())
     } else {
-        Err(ImageError::BadDigest(t.chars().take(80).collect()))
+        Err(ImageError::BadDigest(quote(t)))
     }
 }
 
@@ -162,7 +170,12 @@ pub fn sha256_of(
             Ok(0) => break,
             Ok(n) => n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(io("read the image")(e)),
+            Err(e) => {
+                return Err(match SourceError::of(&e) {
+                    Some(stopped) => ImageError::Source(stopped),
+                    None => io("read the image")(e),
+                })
+            }
         };
         size += n as u64;
         if size > limit {
@@ -259,12 +272,12 @@ impl Store {
     /// declared ids, a name in use), before any byte is read or downloaded.
     pub fn check_new_image(&self, new: &NewImage) -> Result<(), ImageError> {
         if !valid_name(&new.name) {
-            return Err(ImageError::InvalidName(new.name.chars().take(80).collect()));
+            return Err(ImageError::InvalidName(quote(&new.name)));
         }
         normalize_digest(&new.sha256)?;
         declared_ids(new)?;
         if self.image_by_name(&new.name)?.is_some() {
-            return Err(ImageError::Exists(new.name.clone()));
+            return Err(ImageError::Exists(quote(&new.name)));
         }
         Ok(())
     }
@@ -331,7 +344,7 @@ impl Store {
         };
         // The name may have been taken while the content was read or downloaded.
         if self.image_by_name(&new.name)?.is_some() {
-            return Err(ImageError::Exists(new.name.clone()));
+            return Err(ImageError::Exists(quote(&new.name)));
         }
         let path = self.images_dir().join(&new.name);
         tmp.persist_noclobber(&path).map_err(|e| ImageError::Io {
@@ -476,7 +489,7 @@ impl Store {
                 return Ok(r);
             }
         }
-        Err(ImageError::NoSuchImage(key.chars().take(80).collect()))
+        Err(ImageError::NoSuchImage(quote(key)))
     }
 
     /// Every image, oldest first.
@@ -582,6 +595,32 @@ mod tests {
         );
         assert!(normalize_digest(&"A".repeat(64)).is_ok());
         assert!(normalize_digest("abc").is_err());
+    }
+
+    /// Issue 24 (13): names and digests were quoted 80 characters back; the README promises 64.
+    #[test]
+    fn long_names_and_digests_are_quoted_64_characters_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        let long = "n".repeat(1000);
+        let quoted = format!("\"{}\"... (1000 characters)", "n".repeat(64));
+        let new = NewImage {
+            name: long.clone(),
+            sha256: "0".repeat(64),
+            ..NewImage::default()
+        };
+        let e = store.check_new_image(&new).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            format!(
+                "image name {quoted} is not allowed: 1 to 64 of A-Z a-z 0-9 . _ -, not \
+                 starting with a dot"
+            )
+        );
+        let e = normalize_digest(&long).unwrap_err().to_string();
+        assert_eq!(e, format!("sha256 {quoted} is not 64 hex digits"));
+        let e = store.image(&long).unwrap_err().to_string();
+        assert_eq!(e, format!("no image {quoted}"));
     }
 
     #[test]

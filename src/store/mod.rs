@@ -13,6 +13,7 @@
 
 mod claims;
 mod device_row;
+mod event_feed;
 pub mod images;
 pub mod lock;
 mod migrations;
@@ -36,7 +37,7 @@ use serde::Serialize;
 use std::fs::DirBuilder;
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// The schema version this build creates and understands: the number of migration steps.
@@ -76,6 +77,23 @@ pub enum StoreError {
     },
     #[error("{} is an SQLite database but not a vfiod state database: {reason}", .path.display())]
     Foreign { path: PathBuf, reason: String },
+    /// The file was there but held nothing (0 bytes, or an SQLite file without a table): a
+    /// database lost its content (truncated, overwritten), and starting on it would forget
+    /// every claim and task. Only an operator who means it starts afresh on it.
+    #[error(
+        "state database {} exists but is empty (truncated?); refusing to start on it as if it \
+         were new: restore it from a backup, or run `vfiod --init-state` once to start with an \
+         empty state",
+        .path.display()
+    )]
+    Empty { path: PathBuf },
+    /// SQLite's `quick_check` found the file damaged (a truncation at a page boundary reads as
+    /// a database until a query reaches the missing pages).
+    #[error(
+        "state database {} is damaged ({detail}); refusing to use it: restore it from a backup",
+        .path.display()
+    )]
+    Damaged { path: PathBuf, detail: String },
     #[error(
         "state database {} has schema version {found}, newer than the {supported} this vfiod \
          knows; refusing to use it (run the newer vfiod, or restore a backup)",
@@ -170,6 +188,13 @@ pub enum StoreError {
     ClaimStep(crate::claims::lifecycle::Refusal),
 }
 
+/// What [`Store::open_with`] does with a database file that is there but empty.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Existing {
+    Refuse,
+    Initialize,
+}
+
 /// One entry of the history, as stored.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Event {
@@ -232,11 +257,29 @@ pub struct Counts {
     pub broken: u32,
 }
 
+/// Which events a read keeps: all given conditions hold.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EventFilter {
+    pub address: Option<PciAddress>,
+    pub kind: Option<EventKind>,
+}
+
+/// Where a read of the history starts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Page {
+    /// The entries after this id, oldest first.
+    After(i64),
+    /// The newest entries before this id.
+    Before(i64),
+}
+
 /// The open state database. `Send + Sync`: share it as `Arc<Store>`.
 #[derive(Debug)]
 pub struct Store {
     conn: Mutex<Connection>,
     path: PathBuf,
+    /// Bumped after a use of the connection that inserted rows (`event_feed`).
+    events: tokio::sync::watch::Sender<u64>,
 }
 
 /// The functions the configuration selected, as the daemon last recorded them, read without a
@@ -272,6 +315,16 @@ impl Store {
     /// vfiod database newer than this build: an older vfiod must never "downgrade" state it does
     /// not understand.
     pub fn open(state_dir: &Path) -> Result<Store, StoreError> {
+        Self::open_with(state_dir, Existing::Refuse)
+    }
+
+    /// As [`Store::open`], and an empty database file is taken as a new store (`vfiod
+    /// --init-state`): the operator says it is not a database that lost its content.
+    pub fn init(state_dir: &Path) -> Result<Store, StoreError> {
+        Self::open_with(state_dir, Existing::Initialize)
+    }
+
+    fn open_with(state_dir: &Path, empty: Existing) -> Result<Store, StoreError> {
         // An existing directory keeps its mode: systemd's StateDirectory= or the packager chose it.
         DirBuilder::new()
             .recursive(true)
@@ -282,6 +335,12 @@ impl Store {
                 source,
             })?;
         let path = state_dir.join(DB_FILE_NAME);
+        // Whether a file was there before SQLite opens (and so creates) it: a new store only
+        // where there was none. Any other failure to look is SQLite's to report.
+        let existed = !matches!(
+            std::fs::symlink_metadata(&path),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound
+        );
         let mut conn = Connection::open(&path).map_err(|source| StoreError::Open {
             path: path.clone(),
             source,
@@ -296,6 +355,22 @@ impl Store {
         // Identify the file before changing anything in it, so that a refused file stays as is.
         let found = migrations::user_version(&conn).map_err(|source| open_error(&path, source))?;
         check_identity(&conn, &path, found)?;
+        if existed && found == 0 && empty == Existing::Refuse {
+            return Err(StoreError::Empty { path });
+        }
+        if found > 0 {
+            // Before anything writes: a damaged file stays as it was for whoever repairs it. It
+            // reads every page once (milliseconds for the few megabytes vfiod keeps).
+            let verdict: String = conn
+                .query_row("PRAGMA quick_check(1)", [], |row| row.get(0))
+                .map_err(|source| open_error(&path, source))?;
+            if verdict != "ok" {
+                return Err(StoreError::Damaged {
+                    path,
+                    detail: verdict,
+                });
+            }
+        }
 
         // WAL: readers (vfioctl, a backup) do not block the daemon's writes. It is a property
         // of the file, kept across opens; SQLite falls back silently where WAL is impossible
@@ -326,7 +401,14 @@ impl Store {
         Ok(Store {
             conn: Mutex::new(conn),
             path,
+            events: tokio::sync::watch::channel(0).0,
         })
+    }
+
+    /// A receiver that changes after a write that may have added events: read the events
+    /// after the last one seen (`events`). Its value is only a counter.
+    pub fn subscribe_events(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.events.subscribe()
     }
 
     /// The database file.
@@ -443,28 +525,14 @@ impl Store {
         after_id: i64,
         limit: usize,
     ) -> Result<Vec<Event>, StoreError> {
-        let action = "read events";
-        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        let conn = self.lock();
-        let columns = "SELECT id, time_ms, address, kind, message FROM events";
-        // Two statements rather than `?3 IS NULL OR address = ?3`, which defeats the index.
-        let sql = match address {
-            Some(_) => format!("{columns} WHERE address = ?3 AND id > ?1 ORDER BY id LIMIT ?2"),
-            None => format!("{columns} WHERE id > ?1 ORDER BY id LIMIT ?2"),
-        };
-        let mut stmt = conn
-            .prepare_cached(&sql)
-            .map_err(|e| self.sqlite(action, e))?;
-        let mut rows = match address {
-            Some(a) => stmt.query(params![after_id, limit, a.to_string()]),
-            None => stmt.query(params![after_id, limit]),
-        }
-        .map_err(|e| self.sqlite(action, e))?;
-        let mut events = Vec::new();
-        while let Some(row) = rows.next().map_err(|e| self.sqlite(action, e))? {
-            events.push(decode_event(row).map_err(|e| self.decode(e))?);
-        }
-        Ok(events)
+        self.select_events(
+            &EventFilter {
+                address,
+                kind: None,
+            },
+            Page::After(after_id),
+            limit,
+        )
     }
 
     /// The newest `limit` events (of `address`, or of every device), before event id `before`
@@ -475,30 +543,55 @@ impl Store {
         before: Option<i64>,
         limit: usize,
     ) -> Result<Vec<Event>, StoreError> {
-        let action = "read recent events";
-        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        let before = before.unwrap_or(i64::MAX);
-        let conn = self.lock();
-        let columns = "SELECT id, time_ms, address, kind, message FROM events";
-        let sql = match address {
-            Some(_) => {
-                format!("{columns} WHERE address = ?3 AND id < ?1 ORDER BY id DESC LIMIT ?2")
-            }
-            None => format!("{columns} WHERE id < ?1 ORDER BY id DESC LIMIT ?2"),
+        let filter = EventFilter {
+            address,
+            kind: None,
         };
+        self.select_events(&filter, Page::Before(before.unwrap_or(i64::MAX)), limit)
+    }
+
+    /// The events `filter` keeps: after an id (oldest first, the first `limit`) or before one
+    /// (the newest `limit`, returned oldest first).
+    pub fn select_events(
+        &self,
+        filter: &EventFilter,
+        page: Page,
+        limit: usize,
+    ) -> Result<Vec<Event>, StoreError> {
+        let action = "read events";
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        // One statement per combination, each with plain equalities: `?3 IS NULL OR address =
+        // ?3` would defeat the index.
+        let mut sql = String::from("SELECT id, time_ms, address, kind, message FROM events WHERE ");
+        let (id, order) = match page {
+            Page::After(after) => (after, "id > ?1 ORDER BY id"),
+            Page::Before(before) => (before, "id < ?1 ORDER BY id DESC"),
+        };
+        let mut args: Vec<Box<dyn rusqlite::ToSql>> = vec![Box::new(id), Box::new(limit)];
+        if let Some(a) = filter.address {
+            args.push(Box::new(a.to_string()));
+            sql.push_str(&format!("address = ?{} AND ", args.len()));
+        }
+        if let Some(k) = filter.kind {
+            args.push(Box::new(k.as_str()));
+            sql.push_str(&format!("kind = ?{} AND ", args.len()));
+        }
+        sql.push_str(order);
+        sql.push_str(" LIMIT ?2");
+        let conn = self.lock();
         let mut stmt = conn
             .prepare_cached(&sql)
             .map_err(|e| self.sqlite(action, e))?;
-        let mut rows = match address {
-            Some(a) => stmt.query(params![before, limit, a.to_string()]),
-            None => stmt.query(params![before, limit]),
-        }
-        .map_err(|e| self.sqlite(action, e))?;
+        let mut rows = stmt
+            .query(rusqlite::params_from_iter(args.iter()))
+            .map_err(|e| self.sqlite(action, e))?;
         let mut events = Vec::new();
         while let Some(row) = rows.next().map_err(|e| self.sqlite(action, e))? {
             events.push(decode_event(row).map_err(|e| self.decode(e))?);
         }
-        events.reverse();
+        if matches!(page, Page::Before(_)) {
+            events.reverse();
+        }
         Ok(events)
     }
 
@@ -634,10 +727,13 @@ impl Store {
             .collect()
     }
 
-    fn lock(&self) -> MutexGuard<'_, Connection> {
+    fn lock(&self) -> event_feed::Guard<'_> {
         // A panic while the lock was held unwound through the transaction's drop, which rolled
         // it back: the connection is consistent, and poisoning carries no information here.
-        self.conn.lock().unwrap_or_else(PoisonError::into_inner)
+        event_feed::Guard::new(
+            self.conn.lock().unwrap_or_else(PoisonError::into_inner),
+            &self.events,
+        )
     }
 
     fn sqlite(&self, action: &'static str, source: rusqlite::Error) -> StoreError {

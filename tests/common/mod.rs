@@ -17,6 +17,7 @@ use zbus::{MessageStream, OwnedVariant};
 
 pub mod libvirtd;
 pub mod polkit;
+#[cfg(feature = "fleet")]
 pub mod postgres;
 pub mod proxies;
 pub mod test_job;
@@ -113,6 +114,10 @@ impl Harness {
     pub async fn start_server(&mut self) {
         let source = self.source();
         let settings: Settings = source.load().expect("test config loads");
+        let test_driver = settings
+            .libvirt_uri
+            .clone()
+            .filter(|u| u.starts_with("test://"));
         let server = Server::start(Options {
             settings,
             source: Some(source),
@@ -124,6 +129,19 @@ impl Harness {
         })
         .await
         .expect("vfiod starts");
+        // A test libvirt (a file, connected at once) must have been reconciled with before
+        // the test acts: the start-up reconcile would otherwise race the test's hook calls and
+        // undo what they recorded when the test's domains and claims disagree on purpose.
+        if let Some(uri) = test_driver {
+            let deadline = std::time::Instant::now() + Duration::from_secs(20);
+            while server.engine.libvirt_link().map(|l| l.word()) != Some("connected") {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "vfiod did not connect to {uri} within 20 s"
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
         self.server = Some(server);
     }
 

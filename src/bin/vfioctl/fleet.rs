@@ -174,21 +174,23 @@ async fn command(client: &mut tokio_postgres::Client, command: FleetCommand) -> 
             if json {
                 return super::print_json(&hosts);
             }
-            println!(
-                "{:<24} {:<5} {:>9} {:>9} {:>8} {:>8}",
-                "HOST", "STATE", "SILENT", "INTERVAL", "DEVICES", "OFFERED"
+            let rows = hosts.iter().map(|h| {
+                vec![
+                    h.host.clone(),
+                    h.status.to_string(),
+                    format!("{:.1}s", h.silent_seconds),
+                    format!("{:.1}s", f64::from(h.interval_ms) / 1000.0),
+                    h.devices.to_string(),
+                    h.offered.to_string(),
+                ]
+            });
+            print!(
+                "{}",
+                vfiod::client::table::render(
+                    &["HOST", "STATE", "SILENT", "INTERVAL", "DEVICES", "OFFERED"],
+                    rows
+                )
             );
-            for h in hosts {
-                println!(
-                    "{:<24} {:<5} {:>8.1}s {:>8.1}s {:>8} {:>8}",
-                    h.host,
-                    h.status,
-                    h.silent_seconds,
-                    f64::from(h.interval_ms) / 1000.0,
-                    h.devices,
-                    h.offered
-                );
-            }
         }
         FleetCommand::List { filter: f, json } => {
             let rows = db::list(client, &filter(&f)?).await.map_err(db_error)?;
@@ -263,17 +265,23 @@ async fn command(client: &mut tokio_postgres::Client, command: FleetCommand) -> 
             if json {
                 return super::print_json(&rows);
             }
-            for e in rows {
-                println!(
-                    "{:>8} {} {:<20} {:<13} {:<22} {}",
-                    e.id,
-                    e.at,
-                    e.host,
-                    e.address.as_deref().unwrap_or("-"),
-                    e.kind,
-                    e.message
-                );
-            }
+            let rows = rows.iter().map(|e| {
+                vec![
+                    e.id.to_string(),
+                    e.at.to_string(),
+                    e.host.clone(),
+                    e.address.clone().unwrap_or_else(|| "-".into()),
+                    e.kind.to_string(),
+                    e.message.clone(),
+                ]
+            });
+            print!(
+                "{}",
+                vfiod::client::table::render(
+                    &["ID", "TIME", "HOST", "ADDRESS", "KIND", "MESSAGE"],
+                    rows
+                )
+            );
         }
         FleetCommand::Migrate => {
             let applied = db::migrate(client).await.map_err(db_error)?;
@@ -308,26 +316,28 @@ fn print_devices(rows: &[db::DeviceRow], json: bool) -> Result<(), String> {
     if json {
         return super::print_json(&rows);
     }
-    println!(
-        "{:<20} {:<13} {:<6} {:<8} {:<9} {:>4} {:<9} REASON",
-        "HOST", "ADDRESS", "KIND", "ROLE", "ID", "NUMA", "POOL"
-    );
-    for d in rows {
+    let rows = rows.iter().map(|d| {
         let id = match (d.vendor_id, d.device_id) {
             (Some(v), Some(dv)) => format!("{v:04x}:{dv:04x}"),
             _ => "?".into(),
         };
-        println!(
-            "{:<20} {:<13} {:<6} {:<8} {:<9} {:>4} {:<9} {}",
-            d.host,
-            d.address,
-            d.kind,
-            d.role,
+        vec![
+            d.host.clone(),
+            d.address.to_string(),
+            d.kind.to_string(),
+            d.role.to_string(),
             id,
             d.numa_node.map_or("-".into(), |n| n.to_string()),
-            d.pool,
-            d.reason
-        );
-    }
+            d.pool.to_string(),
+            d.reason.to_string(),
+        ]
+    });
+    print!(
+        "{}",
+        vfiod::client::table::render(
+            &["HOST", "ADDRESS", "KIND", "ROLE", "ID", "NUMA", "POOL", "REASON"],
+            rows
+        )
+    );
     Ok(())
 }

@@ -3,6 +3,7 @@
 //! address read back. A failure takes back what was attached and releases the claim (the rule:
 //! a failed attach gives the device back), with libvirt's message.
 
+use super::guard;
 use crate::claims::lifecycle::{self, Affect, Step};
 use crate::engine::context::JobContext;
 use crate::engine::job::{Admission, Job, JobError, JobFailure, Phase, Progress};
@@ -176,31 +177,20 @@ impl Job for AttachJob {
 
     fn guard(&self, cx: &JobContext) -> Result<(), JobError> {
         // A function another running domain has (assigned by hand) is that VM's, whatever the
-        // records say.
-        let domains = cx
-            .domains
-            .running_domains()
-            .map_err(|source| JobError::Libvirt {
-                address: self.claim.address,
-                source,
-            })?;
-        let users: Vec<String> = domains
-            .iter()
-            .filter(|d| d.domain != self.domain && self.claim.vm_name.as_deref() != Some(&d.domain))
-            .flat_map(|d| {
-                d.functions
-                    .iter()
-                    .filter(|f| self.claim.functions.contains(f))
-                    .map(move |f| format!("{f} is assigned to running domain {}", d.domain))
-            })
+        // records say; so is a group a QEMU outside libvirt holds open. The claim itself, and
+        // the domain it is for, are not in the way.
+        let names: Vec<&str> = std::iter::once(self.domain.as_str())
+            .chain(self.claim.vm_name.as_deref())
             .collect();
-        if !users.is_empty() {
-            return Err(JobError::InUse {
-                address: self.claim.address,
-                users,
-            });
-        }
-        Ok(())
+        guard::refuse_if_used(
+            cx,
+            self.claim.address,
+            &self.claim.functions,
+            guard::Allowed {
+                claims: &[self.claim.id],
+                domains: &names,
+            },
+        )
     }
 
     fn phases(&self) -> Vec<Phase> {

@@ -8,6 +8,7 @@
 
 use super::attach::{libvirt_message, LIBVIRT_OFF};
 use super::detach::Unplug;
+use super::guard;
 use crate::claims::lifecycle::Step;
 use crate::engine::context::JobContext;
 use crate::engine::job::{Admission, Job, JobError, JobFailure, Phase, Progress};
@@ -146,8 +147,29 @@ impl Job for MigrateJob {
         Ok(TaskKind::Migrate)
     }
 
-    fn guard(&self, _cx: &JobContext) -> Result<(), JobError> {
-        Ok(())
+    fn guard(&self, cx: &JobContext) -> Result<(), JobError> {
+        // The domain's own claims and its QEMU are what the migration carries; anyone else
+        // holding one of the functions (another claim, another running domain, a process with
+        // the group open) stops it before the devices are detached.
+        let ids: Vec<i64> = self.claims.iter().map(|c| c.id).collect();
+        let functions: Vec<PciAddress> = self
+            .claims
+            .iter()
+            .flat_map(|c| c.functions.iter().copied())
+            .collect();
+        let mut names = vec![self.domain.as_str()];
+        if let Some(info) = &self.info {
+            names.push(info.name.as_str());
+        }
+        guard::refuse_if_used(
+            cx,
+            self.device(),
+            &functions,
+            guard::Allowed {
+                claims: &ids,
+                domains: &names,
+            },
+        )
     }
 
     fn phases(&self) -> Vec<Phase> {

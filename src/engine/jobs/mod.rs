@@ -3,6 +3,7 @@
 
 pub mod attach;
 pub mod detach;
+pub mod guard;
 pub mod migrate;
 pub mod mode;
 pub mod program;

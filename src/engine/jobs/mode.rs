@@ -2,9 +2,9 @@
 //! its VFs, bind or unbind its IOMMU group) by running the plan of sysfs writes that gets it
 //! there, computed inside the task from the state it will change.
 
+use super::guard;
 use crate::engine::context::JobContext;
 use crate::engine::job::{Admission, Job, JobError, JobFailure, Phase, Progress};
-use crate::host::sysfs::hostuse;
 use crate::model::device::Role;
 use crate::model::pci::PciAddress;
 use crate::model::task::TaskKind;
@@ -181,15 +181,9 @@ impl Job for ModeJob {
         else {
             return Ok(());
         };
-        let users = in_use(cx, plan, before)?;
-        if users.is_empty() {
-            Ok(())
-        } else {
-            Err(JobError::InUse {
-                address: self.address,
-                users,
-            })
-        }
+        // Whatever the plan would unbind or destroy: never from under a VM.
+        let touched = touched(plan, before);
+        guard::refuse_if_used(cx, self.address, &touched, guard::Allowed::default())
     }
 
     fn phases(&self) -> Vec<Phase> {
@@ -281,50 +275,6 @@ fn touched(plan: &Plan, before: &Snapshot) -> Vec<PciAddress> {
         }
     }
     out
-}
-
-/// Who uses the functions `plan` would unbind or destroy: claims in the store (claimed or
-/// attached to a VM), running libvirt domains they are assigned to, and processes holding their
-/// VFIO group open (a running VM's QEMU, libvirt's or not). Never take a device away from a
-/// running VM.
-fn in_use(cx: &JobContext, plan: &Plan, before: &Snapshot) -> Result<Vec<String>, JobError> {
-    let sysfs = &cx.sysfs;
-    let touched = touched(plan, before);
-    let mut users: Vec<String> = cx
-        .store
-        .active_claims(&touched)?
-        .into_iter()
-        .map(|(a, vm)| format!("{a} is claimed by VM {vm}"))
-        .collect();
-    // Only functions on vfio-pci can have a VFIO group open; two link reads each, not a whole
-    // read_function (a restore touches 65 functions).
-    let mut groups = Vec::new();
-    for a in &touched {
-        let link = |attr| sysfs.read_optional_link_name(&sysfs.device_attr(*a, attr));
-        if let (Ok(Some(driver)), Ok(Some(group))) = (link("driver"), link("iommu_group")) {
-            if let (Ok(g), "vfio-pci") = (group.parse::<u32>(), driver.as_str()) {
-                if !groups.contains(&g) {
-                    groups.push(g);
-                }
-            }
-        }
-    }
-    for (g, procs) in hostuse::vfio_users(sysfs, &groups) {
-        users.push(format!("IOMMU group {g} is open by {}", procs.join(", ")));
-    }
-    let domains = cx
-        .domains
-        .running_domains()
-        .map_err(|source| JobError::Libvirt {
-            address: plan.device,
-            source,
-        })?;
-    for d in domains {
-        for f in d.functions.iter().filter(|f| touched.contains(f)) {
-            users.push(format!("{f} is assigned to running domain {}", d.domain));
-        }
-    }
-    Ok(users)
 }
 
 /// The functions whose driver a program may change: the IOMMU group's endpoints and the PF

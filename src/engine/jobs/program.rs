@@ -11,6 +11,7 @@
 //! - `exec`: the operator's command with `{address}` and `{image}` replaced, bounded by its
 //!   timeout; its exit status is the verdict and its output goes into the task's result.
 
+use super::guard;
 use super::kill_point;
 use crate::config::FpgaBackend;
 use crate::engine::context::JobContext;
@@ -243,33 +244,7 @@ impl Job for FpgaJob {
         // The restore takes the VFs away: nobody may hold one, nor the PF.
         let mut touched = vec![self.address];
         touched.extend(r.before.vfs.iter().map(|v| v.address));
-        let users: Vec<String> = cx
-            .store
-            .active_claims(&touched)?
-            .into_iter()
-            .map(|(a, vm)| format!("{a} is claimed by VM {vm}"))
-            .collect();
-        let mut users = users;
-        let domains = cx
-            .domains
-            .running_domains()
-            .map_err(|source| JobError::Libvirt {
-                address: self.address,
-                source,
-            })?;
-        for d in domains {
-            for f in d.functions.iter().filter(|f| touched.contains(f)) {
-                users.push(format!("{f} is assigned to running domain {}", d.domain));
-            }
-        }
-        if users.is_empty() {
-            Ok(())
-        } else {
-            Err(JobError::InUse {
-                address: self.address,
-                users,
-            })
-        }
+        guard::refuse_if_used(cx, self.address, &touched, guard::Allowed::default())
     }
 
     fn phases(&self) -> Vec<Phase> {

@@ -9,8 +9,8 @@
 //!   inside a libvirt hook ([`HookDomain`]: a hook must never call libvirt back), or by nothing
 //!   ([`NoLibvirt`], `libvirt_uri = ""`).
 //! - [`xml`]: the domain XML, parsed without I/O. `events.rs`: the typed events
-//!   ([`LibvirtEvent`]) and libvirt's event loop (the crate's only `unsafe`: the `virt` crate
-//!   does not wrap event callbacks).
+//!   ([`LibvirtEvent`]) and libvirt's event loop (through `virt`'s raw bindings, `unsafe`:
+//!   the `virt` crate does not wrap event callbacks).
 
 mod events;
 mod worker;

@@ -28,6 +28,9 @@ pub enum CoreError {
 pub const MAX_FETCH: u64 = 1000;
 /// The most items one submission carries.
 pub const MAX_SUBMIT: usize = 1000;
+/// The highest item number (and `ack`): SQLite keeps signed 64-bit integers, and item numbers
+/// are ordered there, so a number of 2^63 or more would be stored negative and sort first.
+pub const MAX_SEQ: u64 = i64::MAX as u64;
 
 /// The pool-wide settings the core applies.
 #[derive(Clone, Debug)]
@@ -87,15 +90,53 @@ impl Core {
         }
     }
 
-    /// The engine of session `id`, made on first use.
+    /// The engine of session `id`, made on first use (by [`super::Service::start_worker`]).
     pub fn engine(&self, id: &str) -> Arc<Engine> {
         let mut map = self.engines.lock().unwrap_or_else(PoisonError::into_inner);
         map.entry(id.to_owned()).or_default().clone()
     }
 
+    /// The engine of session `id` if its worker runs; never makes one, so a released
+    /// session's engine, once dropped, stays dropped.
+    fn live_engine(&self, id: &str) -> Option<Arc<Engine>> {
+        let map = self.engines.lock().unwrap_or_else(PoisonError::into_inner);
+        map.get(id).cloned()
+    }
+
+    /// Wakes session `id`'s worker, if it has one.
+    fn wake(&self, id: &str) {
+        if let Some(e) = self.live_engine(id) {
+            e.wake.notify_one();
+        }
+    }
+
+    /// Drops session `id`'s engine: its worker ended (the session was released).
+    pub fn drop_engine(&self, id: &str) {
+        let mut map = self.engines.lock().unwrap_or_else(PoisonError::into_inner);
+        map.remove(id);
+    }
+
+    /// How many engines exist (one per session whose worker runs).
+    pub fn engines(&self) -> usize {
+        self.engines
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+
+    /// The ids of the sessions not released, oldest first.
+    pub fn live_sessions(&self) -> Result<Vec<String>, CoreError> {
+        Ok(self.store().live_sessions()?)
+    }
+
     /// The protocol's view of a record.
     pub fn view(&self, store: &Store, rec: &SessionRecord) -> Result<Session, CoreError> {
-        let (in_flight, undelivered) = store.counts(&rec.id)?;
+        // A release dropped the session's items and results: nothing to count.
+        let (in_flight, undelivered) = if rec.state == SessionState::Released {
+            (0, 0)
+        } else {
+            store.counts(&rec.id)?
+        };
         Ok(Session {
             id: rec.id.clone(),
             device: rec.device.clone(),
@@ -191,7 +232,11 @@ impl Core {
         if changed {
             tracing::info!(session = id, epoch, host = rec.host, "quiesced");
         }
-        drop(self.engine(id).busy.lock().await);
+        // No engine: the worker has ended (a release raced this quiesce), so no item is in
+        // progress; the read below answers.
+        if let Some(engine) = self.live_engine(id) {
+            drop(engine.busy.lock().await);
+        }
         let store = self.store();
         // Read again: the lease may have expired meanwhile (a lease shorter than an item).
         let now = Self::record(&store, id)?;
@@ -223,18 +268,20 @@ impl Core {
         if changed {
             tracing::info!(session = id, epoch = rec.epoch, host = rec.host, state = %rec.state,
                 note = rec.last_note.as_deref().unwrap_or(""), "session changed");
-            self.engine(id).wake.notify_one();
+            self.wake(id);
         }
         let store = self.store();
         self.view(&store, &rec)
     }
 
     /// Resumes every quiesced session whose lease ran out on its last owner. Returns the ids.
+    /// Reads only those sessions (an indexed query), so its cost does not grow with the
+    /// history of released sessions.
     pub fn expire_leases(&self) -> Result<Vec<String>, CoreError> {
         let mut store = self.store();
         let rules = self.rules();
         let mut out = Vec::new();
-        for rec in store.sessions()? {
+        for rec in store.expired_leases(rules.now_ms)? {
             if let Transition::Changed(next) = state::apply(&rec, &Command::ExpireLease, &rules)? {
                 store.update_session(&next)?;
                 tracing::warn!(
@@ -249,7 +296,7 @@ impl Core {
         }
         drop(store);
         for id in &out {
-            self.engine(id).wake.notify_one();
+            self.wake(id);
         }
         Ok(out)
     }
@@ -275,13 +322,23 @@ impl Core {
             )
             .into());
         }
+        if let Some(last) = items.last().filter(|i| i.seq > MAX_SEQ) {
+            return Err(Refusal::new(
+                ErrorCode::Invalid,
+                format!(
+                    "item number {} is too large: items are numbered up to {MAX_SEQ} (2^63 - 1)",
+                    last.seq
+                ),
+            )
+            .into());
+        }
         let mut store = self.store();
         let rec = Self::record(&store, id)?;
         state::check_data_plane(&rec, host)?;
         let (accepted, repeated, last_seq) = store.submit(id, items)?;
         drop(store);
         if accepted > 0 {
-            self.engine(id).wake.notify_one();
+            self.wake(id);
         }
         Ok(Submitted {
             accepted,
@@ -299,6 +356,13 @@ impl Core {
         ack: u64,
         max: Option<u64>,
     ) -> Result<Results, CoreError> {
+        if ack > MAX_SEQ {
+            return Err(Refusal::new(
+                ErrorCode::Invalid,
+                format!("ack {ack} is too large: items are numbered up to {MAX_SEQ} (2^63 - 1)"),
+            )
+            .into());
+        }
         let mut store = self.store();
         let rec = Self::record(&store, id)?;
         state::check_data_plane(&rec, host)?;

@@ -1,11 +1,14 @@
 //! The HTTP face of the pool: the routes of [`crate::pool::protocol::ROUTES`] on axum, each a
-//! thin translation to [`Core`]; refusals become the protocol's error body with its status.
+//! thin translation to [`Core`]; refusals become the protocol's error body with its status,
+//! axum's own too (an unknown path, a method a path does not serve, a path that is not UTF-8,
+//! a body or query that does not parse, a request past its deadline).
 
 use std::sync::Arc;
 
-use axum::extract::rejection::{JsonRejection, QueryRejection};
-use axum::extract::{Path, Query, State};
+use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
+use axum::extract::{Path, Query, Request, State};
 use axum::http::StatusCode;
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post, MethodRouter};
 use axum::{Json, Router};
@@ -66,6 +69,43 @@ fn body<T>(b: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> {
     b.map(|Json(v)| v).map_err(|e| invalid(e.body_text()))
 }
 
+/// The session id of the path, or `invalid` (a percent-encoded path that is not UTF-8).
+fn path_id(p: Result<Path<String>, PathRejection>) -> Result<String, ApiError> {
+    p.map(|Path(id)| id)
+        .map_err(|e| invalid(format!("the path's session id: {}", e.body_text())))
+}
+
+/// The `405` of a path served with other methods, naming them.
+fn method_not_allowed(path: &'static str) -> ApiError {
+    let methods: Vec<&str> = p::ROUTES
+        .iter()
+        .filter(|r| r.path == path)
+        .map(|r| r.method)
+        .collect();
+    Refusal::new(
+        ErrorCode::MethodNotAllowed,
+        format!("{path} is served with {} only", methods.join(", ")),
+    )
+    .into()
+}
+
+/// Answers `unavailable` when the request is not answered within the service's request
+/// timeout (a body that trickles in, a store that hangs): the connection is freed.
+async fn deadline(State(s): State<Arc<Service>>, req: Request, next: Next) -> Response {
+    let limit = s.request_timeout;
+    match tokio::time::timeout(limit, next.run(req)).await {
+        Ok(reply) => reply,
+        Err(_) => ApiError::from(Refusal::new(
+            ErrorCode::Unavailable,
+            format!(
+                "the request was not answered within {} s",
+                limit.as_secs_f64()
+            ),
+        ))
+        .into_response(),
+    }
+}
+
 /// The router of protocol v1 on `service`: built from [`p::ROUTES`], so it serves exactly the
 /// routes the protocol (and the OpenAPI file, which a test compares) defines.
 pub fn router(service: Arc<Service>) -> Router {
@@ -79,7 +119,10 @@ pub fn router(service: Arc<Service>) -> Router {
     }
     let mut router = Router::new();
     for (path, m) in by_path {
-        router = router.route(path, m);
+        router = router.route(
+            path,
+            m.fallback(move || async move { method_not_allowed(path) }),
+        );
     }
     router
         .fallback(|| async {
@@ -88,6 +131,10 @@ pub fn router(service: Arc<Service>) -> Router {
                 "no such path in pool protocol v1",
             ))
         })
+        .layer(axum::middleware::from_fn_with_state(
+            service.clone(),
+            deadline,
+        ))
         .with_state(service)
 }
 
@@ -152,15 +199,20 @@ async fn create(
     Ok((StatusCode::CREATED, Json(session)))
 }
 
-async fn session(State(s): State<Arc<Service>>, Path(id): Path<String>) -> ApiResult<p::Session> {
+async fn session(
+    State(s): State<Arc<Service>>,
+    id: Result<Path<String>, PathRejection>,
+) -> ApiResult<p::Session> {
+    let id = path_id(id)?;
     Ok(Json(core(&s).session(&id)?))
 }
 
 async fn release(
     State(s): State<Arc<Service>>,
-    Path(id): Path<String>,
+    id: Result<Path<String>, PathRejection>,
     q: Result<Query<p::ReleaseQuery>, QueryRejection>,
 ) -> Result<StatusCode, ApiError> {
+    let id = path_id(id)?;
     let Query(q) = q.map_err(|e| invalid(format!("{} (DELETE needs ?epoch=N)", e.body_text())))?;
     core(&s).change(&id, &Command::Release { epoch: q.epoch })?;
     Ok(StatusCode::NO_CONTENT)
@@ -168,9 +220,10 @@ async fn release(
 
 async fn prepare_move(
     State(s): State<Arc<Service>>,
-    Path(id): Path<String>,
+    id: Result<Path<String>, PathRejection>,
     b: Result<Json<p::PrepareMove>, JsonRejection>,
 ) -> ApiResult<p::Session> {
+    let id = path_id(id)?;
     let req = body(b)?;
     Ok(Json(core(&s).change(
         &id,
@@ -183,18 +236,20 @@ async fn prepare_move(
 
 async fn quiesce(
     State(s): State<Arc<Service>>,
-    Path(id): Path<String>,
+    id: Result<Path<String>, PathRejection>,
     b: Result<Json<p::Quiesce>, JsonRejection>,
 ) -> ApiResult<p::Quiesced> {
+    let id = path_id(id)?;
     let req = body(b)?;
     Ok(Json(core(&s).quiesce(&id, req.epoch).await?))
 }
 
 async fn resume(
     State(s): State<Arc<Service>>,
-    Path(id): Path<String>,
+    id: Result<Path<String>, PathRejection>,
     b: Result<Json<p::Resume>, JsonRejection>,
 ) -> ApiResult<p::Session> {
+    let id = path_id(id)?;
     let req = body(b)?;
     Ok(Json(core(&s).change(
         &id,
@@ -207,18 +262,20 @@ async fn resume(
 
 async fn items(
     State(s): State<Arc<Service>>,
-    Path(id): Path<String>,
+    id: Result<Path<String>, PathRejection>,
     b: Result<Json<p::SubmitItems>, JsonRejection>,
 ) -> ApiResult<p::Submitted> {
+    let id = path_id(id)?;
     let req = body(b)?;
     Ok(Json(core(&s).submit(&id, &req.host, &req.items)?))
 }
 
 async fn results(
     State(s): State<Arc<Service>>,
-    Path(id): Path<String>,
+    id: Result<Path<String>, PathRejection>,
     b: Result<Json<p::FetchResults>, JsonRejection>,
 ) -> ApiResult<p::Results> {
+    let id = path_id(id)?;
     let req = body(b)?;
     Ok(Json(core(&s).fetch(&id, &req.host, req.ack, req.max)?))
 }

@@ -4,11 +4,13 @@
 //!
 //! [`state`] decides (pure), [`store`] persists, [`core`] applies commands and runs the data
 //! plane, [`worker`] is the stand-in accelerator and the lease clock, [`http`] translates, and
-//! [`tls`] builds the rustls configuration. [`start`] assembles them on a listening socket;
-//! tests call it in-process, the binary calls it from `main`.
+//! [`tls`] builds the rustls configuration, [`serve`] accepts connections under bounds.
+//! [`start`] assembles them on a listening socket; tests call it in-process, the binary calls
+//! it from `main`.
 
 pub mod core;
 pub mod http;
+pub mod serve;
 pub mod state;
 pub mod store;
 pub mod tls;
@@ -19,22 +21,19 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use hyper_util::rt::TokioIo;
-use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
 
 use self::core::{Core, CoreError, CoreSettings};
+pub use self::serve::{raise_nofile_limit, ConnectionLimits};
 use self::store::{Store, StoreError};
 pub use self::tls::{TlsError, TlsFiles};
-use crate::pool::protocol::{PoolDevice, SessionState};
+use crate::pool::protocol::PoolDevice;
 
 /// The default quiesce lease: a quiesced session with no resume for this long resumes on its
 /// last owner.
 pub const DEFAULT_QUIESCE_LEASE: Duration = Duration::from_secs(60);
-/// How long a TLS handshake may take before the connection is dropped.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How to run a pool.
 #[derive(Clone, Debug)]
@@ -54,6 +53,8 @@ pub struct PoolConfig {
     pub item_time: Duration,
     /// How often the lease clock looks for expired leases.
     pub lease_tick: Duration,
+    /// Timeouts and connection counts ([`ConnectionLimits::default`]).
+    pub limits: ConnectionLimits,
 }
 
 /// `n` stand-in devices `dev0`, `dev1`, ...
@@ -80,6 +81,7 @@ impl PoolConfig {
             hosts: None,
             item_time: Duration::from_millis(1),
             lease_tick: Duration::from_millis(100),
+            limits: ConnectionLimits::default(),
         }
     }
 
@@ -89,6 +91,7 @@ impl PoolConfig {
         if self.tls.is_none() && !self.listen.ip().is_loopback() {
             return Err(ServiceError::PlainOnNetwork { addr: self.listen });
         }
+        self.limits.check().map_err(ServiceError::Invalid)?;
         if self.quiesce_lease.is_zero() {
             return Err(ServiceError::Invalid(
                 "the quiesce lease must be longer than 0".into(),
@@ -137,21 +140,34 @@ pub enum ServiceError {
 pub struct Service {
     pub core: Core,
     stop: watch::Receiver<bool>,
-    workers: Mutex<Vec<JoinHandle<()>>>,
+    /// The workers of live sessions. A worker ends with its session's release; finished ones
+    /// are reaped here at each start and each lease tick, so the table holds live sessions
+    /// only, whatever the history.
+    workers: Mutex<JoinSet<()>>,
+    /// How long one request may take ([`ConnectionLimits::request_timeout`]).
+    pub request_timeout: Duration,
 }
 
 impl Service {
     /// Starts the stand-in accelerator's worker for session `id`.
     pub fn start_worker(self: &Arc<Self>, id: &str) {
-        let task = tokio::spawn(worker::run_worker(
+        // The engine exists before the worker runs: a quiesce right after the create waits
+        // for the same engine the worker takes.
+        let _ = self.core.engine(id);
+        let mut workers = self.workers.lock().unwrap_or_else(PoisonError::into_inner);
+        while workers.try_join_next().is_some() {}
+        workers.spawn(worker::run_worker(
             self.clone(),
             id.to_owned(),
             self.stop.clone(),
         ));
-        self.workers
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push(task);
+    }
+
+    /// Drops the finished workers from the table; returns how many are still running.
+    pub fn reap_workers(&self) -> usize {
+        let mut workers = self.workers.lock().unwrap_or_else(PoisonError::into_inner);
+        while workers.try_join_next().is_some() {}
+        workers.len()
     }
 }
 
@@ -176,22 +192,26 @@ impl RunningPool {
         url::Url::parse(&format!("{scheme}://{}", self.addr)).expect("an address makes a URL")
     }
 
+    /// The session workers running and the engines kept: both one per live session, however
+    /// many sessions were released before.
+    pub fn live_tasks(&self) -> (usize, usize) {
+        (self.service.reap_workers(), self.service.core.engines())
+    }
+
     /// Stops serving, stops the workers between two items, and closes the store (the state
     /// directory can be opened again when this returns).
     pub async fn stop(self) {
         let _ = self.stop.send(true);
         let _ = self.server.await;
         let _ = self.lease_clock.await;
-        let workers = std::mem::take(
+        let mut workers = std::mem::take(
             &mut *self
                 .service
                 .workers
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner),
         );
-        for w in workers {
-            let _ = w.await;
-        }
+        while workers.join_next().await.is_some() {}
         // Requests still being answered hold the service (and the store) for a moment.
         for _ in 0..500 {
             if Arc::strong_count(&self.service) == 1 {
@@ -230,14 +250,24 @@ pub async fn start(cfg: PoolConfig) -> Result<RunningPool, ServiceError> {
     let service = Arc::new(Service {
         core: Core::new(store, settings),
         stop: stop_rx.clone(),
-        workers: Mutex::new(Vec::new()),
+        workers: Mutex::new(JoinSet::new()),
+        request_timeout: cfg.limits.request_timeout,
     });
     // A restart picks up where the pool stopped: running sessions go on with their queues,
     // quiesced ones keep their lease deadline (the clock below resumes them when it passes).
-    for s in service.core.sessions()? {
-        if s.state != SessionState::Released {
-            service.start_worker(&s.id);
-        }
+    for id in service.core.live_sessions()? {
+        service.start_worker(&id);
+    }
+    // Every connection is a descriptor: never more of them than the limit leaves room for.
+    let nofile = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
+        .map_or(u64::MAX, |(soft, _)| soft);
+    let limits = serve::fit_to_descriptors(cfg.limits.clone(), nofile);
+    if limits.max_connections < cfg.limits.max_connections {
+        tracing::warn!(
+            nofile,
+            max_connections = limits.max_connections,
+            "the descriptor limit lowers the connection limit"
+        );
     }
     let lease_clock = tokio::spawn(worker::run_lease_clock(
         service.clone(),
@@ -245,28 +275,8 @@ pub async fn start(cfg: PoolConfig) -> Result<RunningPool, ServiceError> {
         stop_rx.clone(),
     ));
     let app = http::router(service.clone());
-    let server = match tls {
-        None => {
-            let mut stop = stop_rx;
-            tokio::spawn(async move {
-                let shutdown = async move {
-                    let _ = stop.wait_for(|s| *s).await;
-                };
-                if let Err(e) = axum::serve(listener, app)
-                    .with_graceful_shutdown(shutdown)
-                    .await
-                {
-                    tracing::error!("serving: {e}");
-                }
-            })
-        }
-        Some(config) => tokio::spawn(serve_tls(
-            listener,
-            tokio_rustls::TlsAcceptor::from(config),
-            app,
-            stop_rx,
-        )),
-    };
+    let acceptor = tls.map(tokio_rustls::TlsAcceptor::from);
+    let server = tokio::spawn(serve::serve(listener, acceptor, app, limits, stop_rx));
     tracing::info!(%addr, tls = cfg.tls.is_some(), "vfiod-pool listening");
     Ok(RunningPool {
         addr,
@@ -275,60 +285,6 @@ pub async fn start(cfg: PoolConfig) -> Result<RunningPool, ServiceError> {
         lease_clock,
         service,
     })
-}
-
-/// The accept loop with TLS: each connection's handshake (client certificate required), then
-/// HTTP/1.1 by hyper on the router.
-async fn serve_tls(
-    listener: TcpListener,
-    acceptor: tokio_rustls::TlsAcceptor,
-    app: axum::Router,
-    mut stop: watch::Receiver<bool>,
-) {
-    let mut conns = JoinSet::new();
-    loop {
-        tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok((tcp, peer)) => {
-                    let acceptor = acceptor.clone();
-                    let app = app.clone();
-                    conns.spawn(async move {
-                        let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-                            Ok(Ok(tls)) => tls,
-                            Ok(Err(e)) => {
-                                tracing::warn!(%peer, "TLS handshake refused: {e}");
-                                return;
-                            }
-                            Err(_) => {
-                                tracing::warn!(%peer, "TLS handshake timed out");
-                                return;
-                            }
-                        };
-                        let svc = TowerToHyperService::new(app);
-                        let conn = hyper::server::conn::http1::Builder::new()
-                            .serve_connection(TokioIo::new(tls), svc)
-                            .await;
-                        if let Err(e) = conn {
-                            tracing::debug!(%peer, "connection: {e}");
-                        }
-                    });
-                }
-                Err(e) => {
-                    tracing::warn!("accept: {e}");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-            },
-            Some(_) = conns.join_next(), if !conns.is_empty() => {}
-            // A dropped sender (the RunningPool dropped without stop) stops the pool too.
-            changed = stop.changed() => {
-                if changed.is_err() || *stop.borrow() {
-                    break;
-                }
-            }
-        }
-    }
-    conns.abort_all();
-    while conns.join_next().await.is_some() {}
 }
 
 #[cfg(test)]

@@ -25,7 +25,8 @@ pub const LOCK_FILE_NAME: &str = "pool.lock";
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The schema, one step per version (`PRAGMA user_version` counts the steps applied).
-const MIGRATIONS: &[&str] = &["
+const MIGRATIONS: &[&str] = &[
+    "
     CREATE TABLE sessions (
         id TEXT PRIMARY KEY,
         num INTEGER NOT NULL UNIQUE,
@@ -53,7 +54,13 @@ const MIGRATIONS: &[&str] = &["
         value INTEGER NOT NULL,
         PRIMARY KEY (session, seq)
     ) WITHOUT ROWID;
-"];
+",
+    "
+    -- The lease clock and the start read live sessions only, through this index: their cost
+    -- does not grow with the released sessions kept for history (issue 24).
+    CREATE INDEX sessions_state ON sessions(state, quiesce_deadline_ms);
+",
+];
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -101,8 +108,8 @@ pub struct Store {
 }
 
 /// SQLite keeps integers signed; epochs, numbers and payloads are u64 on the wire. The bit
-/// pattern is stored (payloads use all 64 bits), ordering only matters for `seq`, which stays
-/// far below 2^63.
+/// pattern is stored (payloads use all 64 bits); ordering only matters for `seq`, which the
+/// core keeps below 2^63 ([`super::core::MAX_SEQ`]), where the bit pattern is the number.
 fn to_db(v: u64) -> i64 {
     v as i64
 }
@@ -268,6 +275,38 @@ impl Store {
             .prepare(&format!("SELECT {COLUMNS} FROM sessions ORDER BY num"))
             .map_err(|e| self.sql(e))?;
         let rows = st.query_map([], raw_row).map_err(|e| self.sql(e))?;
+        let mut out = Vec::new();
+        for r in rows {
+            out.push(self.decode(r.map_err(|e| self.sql(e))?)?);
+        }
+        Ok(out)
+    }
+
+    /// The ids of the sessions not released, oldest first (through the state index).
+    pub fn live_sessions(&self) -> Result<Vec<String>, StoreError> {
+        let mut st = self
+            .conn
+            .prepare("SELECT id FROM sessions WHERE state IN ('running', 'quiesced') ORDER BY num")
+            .map_err(|e| self.sql(e))?;
+        let rows = st
+            .query_map([], |r| r.get::<_, String>(0))
+            .map_err(|e| self.sql(e))?;
+        rows.collect::<Result<_, _>>().map_err(|e| self.sql(e))
+    }
+
+    /// The quiesced sessions whose lease deadline is at or before `now_ms` (through the state
+    /// index: the cost is that of the sessions returned, not of the history).
+    pub fn expired_leases(&self, now_ms: u64) -> Result<Vec<SessionRecord>, StoreError> {
+        let mut st = self
+            .conn
+            .prepare(&format!(
+                "SELECT {COLUMNS} FROM sessions
+                 WHERE state = 'quiesced' AND quiesce_deadline_ms <= ?1 ORDER BY num"
+            ))
+            .map_err(|e| self.sql(e))?;
+        let rows = st
+            .query_map([to_db(now_ms.min(i64::MAX as u64))], raw_row)
+            .map_err(|e| self.sql(e))?;
         let mut out = Vec::new();
         for r in rows {
             out.push(self.decode(r.map_err(|e| self.sql(e))?)?);

@@ -7,7 +7,9 @@
 //! progress: at the reply, every item is either completed (its result kept for delivery) or
 //! still queued. After a resume the worker starts with the oldest queued item, where it stopped.
 //!
-//! The lease clock resumes quiesced sessions whose lease ran out, on their last owner.
+//! The lease clock resumes quiesced sessions whose lease ran out, on their last owner, and
+//! reaps the workers of released sessions; its cost per tick does not grow with the number
+//! of sessions ever made.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -35,7 +37,14 @@ pub async fn run_worker(service: Arc<Service>, id: String, mut stop: watch::Rece
             match store.session(&id) {
                 Ok(Some(rec)) if rec.state == SessionState::Running => store.next_item(&id),
                 Ok(Some(rec)) if rec.state == SessionState::Quiesced => Ok(None),
-                Ok(_) => return, // released or gone: the worker's work is over
+                // Released or gone: the worker's work is over, and its engine goes with it
+                // (the session stays in the store, for history only).
+                Ok(_) => {
+                    drop(store);
+                    drop(busy);
+                    core.drop_engine(&id);
+                    return;
+                }
                 Err(e) => Err(e),
             }
         };
@@ -82,7 +91,8 @@ pub async fn run_worker(service: Arc<Service>, id: String, mut stop: watch::Rece
     }
 }
 
-/// Every `tick`, resumes the quiesced sessions whose lease ran out, until `stop` turns true.
+/// Every `tick`, resumes the quiesced sessions whose lease ran out and reaps finished workers,
+/// until `stop` turns true.
 pub async fn run_lease_clock(
     service: Arc<Service>,
     tick: Duration,
@@ -93,6 +103,7 @@ pub async fn run_lease_clock(
         if let Err(e) = core.expire_leases() {
             tracing::error!("lease expiry: {}", crate::error_chain(&e));
         }
+        service.reap_workers();
         tokio::select! {
             _ = tokio::time::sleep(tick) => {}
             changed = stop.changed() => if changed.is_err() { return },

@@ -34,7 +34,7 @@ BLOCKER = "blocker"  # a VM that does not exist, holding hostb's VFs
 # ---- helpers --------------------------------------------------------------------------------------------
 
 def claims_of(g: Guest, vm: str) -> list[dict]:
-    return [c for c in active_claims(g).values() if c.get("vm_name") == vm or c.get("vm") == vm]
+    return [c for c in active_claims(g).values() if vm in (c.get("vm_name"), c.get("vm_uuid"))]
 
 
 def one_claim(g: Guest, vm: str) -> dict:

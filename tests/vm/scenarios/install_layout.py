@@ -30,18 +30,36 @@ def install_layout(tb: Testbed) -> None:
             (target / "release" / name).write_text("#!/bin/sh\n")
             (target / "release" / name).chmod(0o755)
 
+        interfaces = {p.name for p in (tb.repo / "dbus" / "interfaces").glob("org.vfiod.Vfiod1.*.xml")}
+        assert interfaces, "no dbus/interfaces/*.xml to install"
         for prefix, expected in {
             "/usr/local": {
                 "/usr/local/sbin/vfiod", "/usr/local/bin/vfioctl", "/usr/local/bin/vfiod-pool",
                 "/usr/local/lib/systemd/system/vfiod.service", "/usr/local/lib/tmpfiles.d/vfiod.conf",
                 "/etc/dbus-1/system.d/org.vfiod.Vfiod1.conf", "/usr/share/polkit-1/actions/org.vfiod.vfiod1.policy",
                 "/etc/vfiod/vfiod.toml",
+                "/usr/local/share/doc/vfiod/README.md", "/usr/local/share/doc/vfiod/polkit.md",
+                "/usr/local/share/doc/vfiod/dbus.md",
+                *(f"/usr/local/share/dbus-1/interfaces/{i}" for i in interfaces),
+                "/usr/local/share/man/man1/vfioctl.1", "/usr/local/share/man/man1/vfiod-pool.1",
+                "/usr/local/share/man/man5/vfiod.toml.5", "/usr/local/share/man/man8/vfiod.8",
+                "/usr/local/share/bash-completion/completions/vfioctl",
+                "/usr/local/share/zsh/vendor-completions/_vfioctl",
+                "/usr/local/share/fish/vendor_completions.d/vfioctl.fish",
             },
             "/usr": {
                 "/usr/sbin/vfiod", "/usr/bin/vfioctl", "/usr/bin/vfiod-pool",
                 "/usr/lib/systemd/system/vfiod.service", "/usr/lib/tmpfiles.d/vfiod.conf",
                 "/usr/share/dbus-1/system.d/org.vfiod.Vfiod1.conf",
                 "/usr/share/polkit-1/actions/org.vfiod.vfiod1.policy", "/etc/vfiod/vfiod.toml",
+                "/usr/share/doc/vfiod/README.md", "/usr/share/doc/vfiod/polkit.md",
+                "/usr/share/doc/vfiod/dbus.md",
+                *(f"/usr/share/dbus-1/interfaces/{i}" for i in interfaces),
+                "/usr/share/man/man1/vfioctl.1", "/usr/share/man/man1/vfiod-pool.1",
+                "/usr/share/man/man5/vfiod.toml.5", "/usr/share/man/man8/vfiod.8",
+                "/usr/share/bash-completion/completions/vfioctl",
+                "/usr/share/zsh/vendor-completions/_vfioctl",
+                "/usr/share/fish/vendor_completions.d/vfioctl.fish",
             },
         }.items():
             dest = Path(tmp) / ("stage" + prefix.replace("/", "-"))
@@ -54,6 +72,8 @@ def install_layout(tb: Testbed) -> None:
             assert (dest / "etc/vfiod/conf.d").is_dir(), "no empty /etc/vfiod/conf.d"
             unit = (dest / prefix.lstrip("/") / "lib/systemd/system/vfiod.service").read_text()
             assert f"ExecStart={prefix}/sbin/vfiod " in unit, f"ExecStart not rewritten for PREFIX={prefix}"
+            assert f"Documentation=file:{prefix}/share/doc/vfiod/README.md " in unit, \
+                f"Documentation= not rewritten for PREFIX={prefix}"
 
             # An administrator's configuration survives a reinstall.
             (dest / "etc/vfiod/vfiod.toml").write_text("# mine\n")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from testbed import vfiod
 from testbed.guest import Guest
 from testbed.runner import Testbed, scenario
@@ -95,6 +97,11 @@ def check_clean_journal(g: Guest) -> None:
 def check_files(g: Guest) -> None:
     verify = g.run("systemd-analyze verify vfiod.service 2>&1 | grep -i vfiod || true").out.strip()
     assert not verify, f"systemd-analyze verify complains about vfiod.service:\n{verify}"
+    # The hardened unit (issue 22): systemd's own score of the installed unit, at most 4.5 (6.5
+    # before the capability bounding set and the system call filter).
+    sec = g.run("systemd-analyze security vfiod.service --no-pager 2>&1 | tail -n 1").out
+    m = re.search(r"Overall exposure level for vfiod\.service: ([0-9.]+)", sec)
+    assert m and float(m.group(1)) <= 4.5, f"vfiod.service's exposure is above 4.5: {sec}"
     for action in ("configure", "mode", "claim", "program", "migrate"):
         text = g.run(f"pkaction --verbose --action-id org.vfiod.vfiod1.{action}").out
         assert "implicit active:   auth_admin_keep" in text and "implicit any:      no" in text, \

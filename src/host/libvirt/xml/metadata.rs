@@ -67,7 +67,7 @@ pub fn parse_pooled(xml: &str) -> Result<Vec<MetadataPooled>, String> {
 /// The pooled sessions of what `virDomainGetMetadata` returns for vfiod's namespace, or of
 /// vfiod's element as it appears in a domain.
 pub fn parse_metadata_pooled(xml: &str) -> Result<Vec<MetadataPooled>, String> {
-    let doc = roxmltree::Document::parse(xml).map_err(super::invalid_xml)?;
+    let doc = super::limits::parse(xml)?;
     let root = doc.root_element();
     if root.tag_name().name() != "devices" {
         return Err(format!(
@@ -173,7 +173,7 @@ pub(super) fn read(domain: Node<'_, '_>) -> Result<Vec<MetadataDevice>, String> 
 /// The devices of what `virDomainGetMetadata` returns for vfiod's namespace (`<devices>` with
 /// no namespace), or of vfiod's element as it appears in a domain (`<vfiod:devices>`).
 pub fn parse_metadata(xml: &str) -> Result<Vec<MetadataDevice>, String> {
-    let doc = roxmltree::Document::parse(xml).map_err(super::invalid_xml)?;
+    let doc = super::limits::parse(xml)?;
     let root = doc.root_element();
     let ns = root.tag_name().namespace();
     if root.tag_name().name() != "devices" || !(ns.is_none() || ns == Some(VFIOD_NS)) {

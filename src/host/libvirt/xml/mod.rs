@@ -13,12 +13,15 @@
 //! - `devices.rs`: `<hostdev>` and `<interface>`, the host and guest addresses.
 //! - `metadata.rs`: vfiod's `<metadata>` element, read and written.
 //! - `number.rs`: libvirt's reading of numbers.
+//! - `limits.rs`: the bounds that keep any input's parse linear ([`MAX_WORK`]).
 
 mod devices;
+mod limits;
 mod metadata;
 mod number;
 mod retarget;
 
+pub use limits::{MAX_ATTRIBUTES, MAX_ATTRIBUTES_PER_ELEMENT, MAX_NODES, MAX_WORK};
 pub use metadata::{
     metadata_element, metadata_element_with, metadata_xml, metadata_xml_with, parse_metadata,
     parse_metadata_pooled, parse_pooled, MetadataDevice, MetadataPooled, METADATA_KEY, VFIOD_NS,
@@ -141,12 +144,13 @@ pub fn hostdev_xml(source: PciAddress, alias: &str) -> String {
 }
 
 /// Parses `xml` and hands `f` the `<domain>` element: the root, or the `<domain>` child of a
-/// `<domstatus>` root. roxmltree refuses a DTD, so entity expansion bombs never expand.
+/// `<domstatus>` root. roxmltree refuses a DTD, so entity expansion bombs never expand; the
+/// bounds of [`limits`] keep the parse linear in the input.
 fn with_domain<T>(
     xml: &str,
     f: impl FnOnce(Node<'_, '_>) -> Result<T, String>,
 ) -> Result<T, String> {
-    let doc = roxmltree::Document::parse(xml).map_err(invalid_xml)?;
+    let doc = limits::parse(xml)?;
     let root = doc.root_element();
     if is(root, "domain") {
         f(root)

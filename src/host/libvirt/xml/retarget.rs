@@ -11,7 +11,7 @@ use roxmltree::Node;
 /// function is a `from` of `map` replaced by its `to`. Hostdevs not in the map are untouched;
 /// a `from` the XML does not have is an error (the caller expected to move it).
 pub fn retarget_hostdevs(xml: &str, map: &[(PciAddress, PciAddress)]) -> Result<String, String> {
-    let doc = roxmltree::Document::parse(xml).map_err(|e| format!("invalid XML: {e}"))?;
+    let doc = super::limits::parse(xml)?;
     let mut edits: Vec<(std::ops::Range<usize>, String)> = Vec::new();
     let mut found = Vec::new();
     for node in doc.descendants().filter(|n| is_pci_hostdev(n)) {
