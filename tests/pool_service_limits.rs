@@ -456,12 +456,34 @@ fn cpu_time(pid: u32) -> Duration {
     Duration::from_millis(ticks * 1000 / hz)
 }
 
+/// Idle CPU share of a core of a pool on `state` with one live session, over 5 s after a
+/// settling pause.
+async fn idle_share(state: &Path) -> (f64, PoolProcess, PoolClient) {
+    let pool = spawn_pool(state, &[]);
+    let c = PoolClient::new(&PoolEndpoint::new(pool.url.clone())).unwrap();
+    c.create_session("dev1", "host-a", "vm").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let pid = pool.child.id();
+    let (cpu0, t0) = (cpu_time(pid), Instant::now());
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let share = (cpu_time(pid) - cpu0).as_secs_f64() / t0.elapsed().as_secs_f64();
+    (share, pool, c)
+}
+
 /// 20,000 released sessions (the history of as many create/release cycles, written straight
-/// into the pool's store in one transaction) and a quiesced one: the pool idles under 1% of a
-/// core (the lease clock ticks every 100 ms), its lease clock still expires the quiesced one,
-/// and the history is still listed.
+/// into the pool's store in one transaction) cost an idle pool under 1% of a core more than an
+/// empty history does, measured in the same run (the reference takes the debug build's and
+/// the machine's own cost of the lease clock's 100 ms tick out of the figure; an absolute 1%
+/// failed on a busy 2-core machine at 1.2%, with no history in it to scan); and the history is
+/// still listed.
 #[tokio::test]
 async fn twenty_thousand_released_sessions_cost_no_idle_cpu() {
+    let reference_dir = tempfile::tempdir().unwrap();
+    let reference_state = reference_dir.path().join("state");
+    drop(vfiod::pool::service::store::Store::open(&reference_state).unwrap());
+    let (reference, reference_pool, _) = idle_share(&reference_state).await;
+    drop(reference_pool);
+
     let dir = tempfile::tempdir().unwrap();
     let state = dir.path().join("state");
     {
@@ -484,20 +506,12 @@ async fn twenty_thousand_released_sessions_cost_no_idle_cpu() {
         }
         tx.commit().unwrap();
     }
-    let pool = spawn_pool(&state, &[]);
-    let c = PoolClient::new(&PoolEndpoint::new(pool.url.clone())).unwrap();
-    let s = c.create_session("dev1", "host-a", "vm").await.unwrap();
-    assert_eq!(s.id, "s-20001");
-    // Settle after the start, then measure 5 s of idling.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let pid = pool.child.id();
-    let (cpu0, t0) = (cpu_time(pid), Instant::now());
-    tokio::time::sleep(Duration::from_secs(5)).await;
-    let share = (cpu_time(pid) - cpu0).as_secs_f64() / t0.elapsed().as_secs_f64();
+    let (share, _pool, c) = idle_share(&state).await;
     assert!(
-        share < 0.01,
-        "idle CPU {:.1}% of a core with 20,000 released sessions",
-        share * 100.0
+        share - reference < 0.01,
+        "idle CPU {:.1}% of a core with 20,000 released sessions, {:.1}% with none",
+        share * 100.0,
+        reference * 100.0
     );
     let all = c.sessions().await.unwrap();
     assert_eq!(all.len(), 20_001);

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{vfioctl, Harness, STEADY_CONFIG};
+use common::{addr, vfioctl, Harness, STEADY_CONFIG};
 use std::io::Read;
 use std::os::unix::process::ExitStatusExt;
 use std::process::{Command, Stdio};
@@ -851,4 +851,64 @@ async fn events_follow_prints_new_entries_as_they_come() {
     let (status, err) = status.expect("the follower ends when vfiod leaves the bus");
     assert_eq!(status.code(), Some(1), "{err}");
     assert!(err.contains("vfiod left the bus"), "{err}");
+}
+
+/// `vfioctl status` names what needs an operator: a device held by a failed task (until it is
+/// reset), the claims by state, the libvirt connection; as text and as JSON.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_names_tasks_in_error_and_claims_by_state() {
+    use vfiod::sim::kernel::{FaultAction, FaultTarget};
+    let h = Harness::start(STEADY_CONFIG).await;
+    let bus = h.bus.address().to_string();
+    let status = || -> vfiod::client::status::StatusView {
+        let (ok, out) = vfioctl(&bus, &["status", "--json"]);
+        assert!(ok, "{out}");
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"))
+    };
+    let calm = status();
+    assert!(calm.tasks_in_error.is_empty(), "{calm:?}");
+    assert!(calm.claims.is_empty(), "{calm:?}");
+    // The harness configures qemu:///system with no libvirtd to answer.
+    let link = calm.libvirt.as_ref().expect("a libvirt URI is configured");
+    assert_eq!(link.uri, "qemu:///system", "{calm:?}");
+    assert_ne!(link.state, "connected", "{calm:?}");
+
+    h.kernel.inject(
+        FaultTarget::DeviceAttr(addr("0000:af:00.0"), "sriov_numvfs".into()),
+        FaultAction::Errno(nix::libc::EIO),
+        Some(1),
+    );
+    let (ok, out) = vfioctl(
+        &bus,
+        &["mode", "0000:af:00.0", "vf", "--vfs", "2", "--wait"],
+    );
+    assert!(!ok, "the split fails: {out}");
+    let (ok, out) = vfioctl(&bus, &["claim", "--id", "10de:1aef", "--vm", "web1"]);
+    assert!(ok, "{out}");
+
+    let s = status();
+    assert_eq!(
+        s.tasks_in_error
+            .iter()
+            .map(|t| t.address.as_str())
+            .collect::<Vec<_>>(),
+        ["0000:af:00.0"],
+        "{s:?}"
+    );
+    assert!(
+        s.tasks_in_error[0].result.contains("Input/output error"),
+        "{s:?}"
+    );
+    assert_eq!(s.claims.get("claimed"), Some(&1), "{s:?}");
+    let (ok, text) = vfioctl(&bus, &["status"]);
+    assert!(ok, "{text}");
+    assert!(text.contains("tasks in error: 1"), "{text}");
+    assert!(text.contains("  0000:af:00.0  "), "{text}");
+    assert!(text.contains("claims: 1 claimed"), "{text}");
+    assert!(text.contains("\nlibvirt: qemu:///system "), "{text}");
+
+    // Reset: the device is no longer listed.
+    let (ok, out) = vfioctl(&bus, &["task", "reset", "0000:af:00.0"]);
+    assert!(ok, "{out}");
+    assert!(status().tasks_in_error.is_empty());
 }

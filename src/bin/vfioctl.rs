@@ -787,35 +787,11 @@ async fn run(args: Args) -> Result<(), Failure> {
             }
         }
         Command::Status { json } => {
-            let m = client::manager(&conn).await.map_err(describe)?;
-            let get = async {
-                Ok::<_, zbus::Error>(serde_json::json!({
-                    "version": m.version().await?,
-                    "scenario": m.scenario().await?,
-                    "simulated": m.simulated().await?,
-                    "devices": m.device_count().await?,
-                    "usable": m.usable_count().await?,
-                    "protected": m.protected_count().await?,
-                    "broken": m.broken_count().await?,
-                    "config_sources": m.config_sources().await?,
-                }))
-            };
-            let s = get.await.map_err(|e| describe(e.into()))?;
+            let s = client::status::read(&conn).await.map_err(describe)?;
             if json {
                 print_json(&s)?;
             } else {
-                if s["simulated"] == true {
-                    println!("SIMULATION: this vfiod runs on a simulated host");
-                }
-                println!(
-                    "vfiod {}  scenario {}",
-                    s["version"].as_str().unwrap_or(""),
-                    s["scenario"].as_str().unwrap_or("")
-                );
-                println!(
-                    "devices: {} ({} usable, {} protected, {} broken)",
-                    s["devices"], s["usable"], s["protected"], s["broken"]
-                );
+                print!("{}", client::status::render(&s, format_time));
             }
         }
         Command::Events {

@@ -10,6 +10,7 @@ pub mod exit;
 pub mod man;
 pub mod pool;
 pub mod progress;
+pub mod status;
 pub mod table;
 
 use crate::dbus::wire::{Dict, Entry};

@@ -172,7 +172,7 @@ impl Manager {
     }
 
     /// An event was recorded (committed): the entry as `GetEvents` gives it, in id order, one
-    /// signal each. What `vfioctl events --follow` prints; a watcher that may have missed some
+    /// signal each. What `vfioctl events` prints when it follows; a watcher that may have missed some
     /// (it subscribed late, the bus dropped some) reads `GetEvents` with `since`.
     #[zbus(signal)]
     pub async fn event(emitter: &SignalEmitter<'_>, entry: Dict) -> zbus::Result<()>;

@@ -1,0 +1,230 @@
+//! `vfioctl status`: what an operator checks first, and what a script alerts on: the daemon,
+//! its device counts, the libvirt connection, the tasks that hold a device in error, the claims
+//! by state and the configured pools. Read from the daemon's objects (no new D-Bus call), and
+//! rendered by a pure function, tested below.
+
+use super::{ClientError, DeviceView};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use zbus::Connection;
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StatusView {
+    pub version: String,
+    pub scenario: String,
+    pub simulated: bool,
+    pub devices: u32,
+    pub usable: u32,
+    pub protected: u32,
+    pub broken: u32,
+    pub config_sources: Vec<String>,
+    /// Null when vfiod is configured without libvirt (`libvirt_uri = ""`, `--simulate`).
+    pub libvirt: Option<LibvirtView>,
+    /// Devices held by a task in error (not usable until `vfioctl task reset`), by address.
+    pub tasks_in_error: Vec<TaskInError>,
+    /// Active claims per state (claimed, attaching, attached, detaching, ...).
+    pub claims: BTreeMap<String, u32>,
+    /// The configured pools' names.
+    pub pools: Vec<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LibvirtView {
+    pub uri: String,
+    /// connected, connecting or disconnected.
+    pub state: String,
+    /// Unix milliseconds: since when it has been in that state; 0 when not known.
+    pub since_ms: i64,
+    /// Why it is disconnected; "" otherwise.
+    pub reason: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TaskInError {
+    pub address: String,
+    /// The failed task's object path, if the daemon still shows it.
+    pub task: Option<String>,
+    /// What it said, as `vfioctl show` prints it.
+    pub result: String,
+}
+
+/// Everything `vfioctl status` shows, read now.
+pub async fn read(conn: &Connection) -> Result<StatusView, ClientError> {
+    let m = super::manager(conn).await?;
+    let link = m.libvirt().await?;
+    let text = |k: &str| {
+        link.get(k)
+            .and_then(|v| String::try_from(v.try_clone().ok()?).ok())
+            .unwrap_or_default()
+    };
+    let libvirt = (!link.is_empty()).then(|| LibvirtView {
+        uri: text("uri"),
+        state: text("state"),
+        since_ms: link
+            .get("since_ms")
+            .and_then(|v| i64::try_from(v.try_clone().ok()?).ok())
+            .unwrap_or(0),
+        reason: text("reason"),
+    });
+    let devices = super::list_devices(conn).await?;
+    let mut claims = BTreeMap::new();
+    for c in super::claims::list_claims(conn).await? {
+        *claims.entry(c.state).or_insert(0) += 1;
+    }
+    let pools = m
+        .get_pools()
+        .await?
+        .iter()
+        .map(|p| super::Entry(p).str("name"))
+        .collect();
+    Ok(StatusView {
+        version: m.version().await?,
+        scenario: m.scenario().await?,
+        simulated: m.simulated().await?,
+        devices: m.device_count().await?,
+        usable: m.usable_count().await?,
+        protected: m.protected_count().await?,
+        broken: m.broken_count().await?,
+        config_sources: m.config_sources().await?,
+        libvirt,
+        tasks_in_error: tasks_in_error(&devices),
+        claims,
+        pools,
+    })
+}
+
+/// The devices whose own task (or one that covers them) is in error.
+pub fn tasks_in_error(devices: &[DeviceView]) -> Vec<TaskInError> {
+    devices
+        .iter()
+        .filter(|d| d.task_state == "error")
+        .map(|d| TaskInError {
+            address: d.address.clone(),
+            task: d.current_task.clone(),
+            result: d.last_result.clone(),
+        })
+        .collect()
+}
+
+/// The text `vfioctl status` prints; `time` formats Unix milliseconds.
+pub fn render(s: &StatusView, time: impl Fn(i64) -> String) -> String {
+    let mut out = String::new();
+    if s.simulated {
+        out.push_str("SIMULATION: this vfiod runs on a simulated host\n");
+    }
+    out.push_str(&format!("vfiod {}  scenario {}\n", s.version, s.scenario));
+    out.push_str(&format!(
+        "devices: {} ({} usable, {} protected, {} broken)\n",
+        s.devices, s.usable, s.protected, s.broken
+    ));
+    match &s.libvirt {
+        None => out.push_str("libvirt: off in this configuration\n"),
+        Some(l) => {
+            out.push_str(&format!("libvirt: {} {}", l.uri, l.state));
+            // 0: not known (connecting to a URI since start-up or a reload).
+            if l.since_ms > 0 {
+                out.push_str(&format!(" since {}", time(l.since_ms)));
+            }
+            if !l.reason.is_empty() {
+                out.push_str(&format!(": {}", l.reason));
+            }
+            out.push('\n');
+        }
+    }
+    if s.claims.is_empty() {
+        out.push_str("claims: none\n");
+    } else {
+        let by_state: Vec<String> = s.claims.iter().map(|(k, n)| format!("{n} {k}")).collect();
+        out.push_str(&format!("claims: {}\n", by_state.join(", ")));
+    }
+    if s.tasks_in_error.is_empty() {
+        out.push_str("tasks in error: none\n");
+    } else {
+        out.push_str(&format!(
+            "tasks in error: {} (vfioctl task reset ADDRESS once handled)\n",
+            s.tasks_in_error.len()
+        ));
+        for t in &s.tasks_in_error {
+            let first = t.result.lines().next().unwrap_or("");
+            out.push_str(&format!("  {}  {}\n", t.address, first));
+        }
+    }
+    if !s.pools.is_empty() {
+        out.push_str(&format!("pools: {}\n", s.pools.join(", ")));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn base() -> StatusView {
+        StatusView {
+            version: "0.1.0".into(),
+            scenario: "private".into(),
+            simulated: false,
+            devices: 9,
+            usable: 6,
+            protected: 2,
+            broken: 1,
+            config_sources: vec![],
+            libvirt: None,
+            tasks_in_error: vec![],
+            claims: BTreeMap::new(),
+            pools: vec![],
+        }
+    }
+
+    #[test]
+    fn each_part_is_rendered_as_it_stands() {
+        let t = |ms: i64| format!("t{ms}");
+        let quiet = base();
+        assert_eq!(
+            render(&quiet, t),
+            "vfiod 0.1.0  scenario private\n\
+             devices: 9 (6 usable, 2 protected, 1 broken)\n\
+             libvirt: off in this configuration\n\
+             claims: none\n\
+             tasks in error: none\n"
+        );
+        let connecting = StatusView {
+            libvirt: Some(LibvirtView {
+                uri: "qemu:///system".into(),
+                state: "connecting".into(),
+                since_ms: 0,
+                reason: String::new(),
+            }),
+            ..base()
+        };
+        assert!(render(&connecting, t).contains("\nlibvirt: qemu:///system connecting\n"));
+        let busy = StatusView {
+            simulated: true,
+            libvirt: Some(LibvirtView {
+                uri: "qemu:///system".into(),
+                state: "disconnected".into(),
+                since_ms: 5,
+                reason: "libvirtd is not running".into(),
+            }),
+            tasks_in_error: vec![TaskInError {
+                address: "0000:af:00.0".into(),
+                task: Some("/org/vfiod/Vfiod1/task/3".into()),
+                result: "split failed: Input/output error\nrollback restored it".into(),
+            }],
+            claims: BTreeMap::from([("attached".into(), 2), ("claimed".into(), 1)]),
+            pools: vec!["rack1".into()],
+            ..base()
+        };
+        assert_eq!(
+            render(&busy, t),
+            "SIMULATION: this vfiod runs on a simulated host\n\
+             vfiod 0.1.0  scenario private\n\
+             devices: 9 (6 usable, 2 protected, 1 broken)\n\
+             libvirt: qemu:///system disconnected since t5: libvirtd is not running\n\
+             claims: 2 attached, 1 claimed\n\
+             tasks in error: 1 (vfioctl task reset ADDRESS once handled)\n\
+             \x20 0000:af:00.0  split failed: Input/output error\n\
+             pools: rack1\n"
+        );
+    }
+}
