@@ -468,3 +468,59 @@ fn check_config_warns_about_a_driver_no_module_provides_and_succeeds() {
         "{stderr}"
     );
 }
+
+/// `vfiod --check-config` lists each `[[select]]` rule with where it is and its settings, and
+/// warns about a rule that an earlier one leaves no device (the issue's `8086:*` before
+/// `8086:1572 num_vfs=8`); the configuration is still valid (exit 0), as the daemon would run it.
+#[test]
+fn check_config_lists_each_rule_and_warns_of_a_shadowed_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    fs::create_dir_all(root.join("sys/bus/pci/devices")).unwrap();
+    let config = tmp.path().join("vfiod.toml");
+    fs::write(
+        &config,
+        format!(
+            "sysfs_root = \"{}\"\n\n[[select]]\nid = \"8086:*\"\n\n[[select]]\nid = \"8086:1572\"\n\
+             mode = \"vf\"\nnum_vfs = 8\n\n[[select]]\nclass = \"0x03\"\n",
+            root.display()
+        ),
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_vfiod"))
+        .arg("--check-config")
+        .arg("--config")
+        .arg(&config)
+        .arg("--conf-dir")
+        .arg(tmp.path().join("conf.d"))
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{:?}\n{stdout}\n{stderr}", out.status);
+    let c = config.display();
+    for line in [
+        "select: 3 rule(s), the first match applies".to_string(),
+        format!("  #1 id=8086:* ({c}:3:1)"),
+        format!("  #2 id=8086:1572 ({c}:6:1): mode=vf num_vfs=8"),
+        format!("  #3 class=0x03 ({c}:11:1)"),
+    ] {
+        assert!(
+            stdout.lines().any(|l| l == line),
+            "no line {line:?} in\n{stdout}"
+        );
+    }
+    let warnings: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.starts_with("warning: "))
+        .collect();
+    assert_eq!(
+        warnings,
+        [format!(
+            "warning: select rule #2 (id=8086:1572, {c}:6:1) never applies: every device it \
+             selects matches rule #1 (id=8086:*, {c}:3:1) before it, whose settings apply; put \
+             the narrower rule first"
+        )],
+        "{stderr}"
+    );
+}

@@ -261,6 +261,32 @@ fn init_state(dir: &std::path::Path) -> Result<ExitCode, String> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// A `[[select]]` rule's settings besides its selector, as `key=value` words after a colon;
+/// nothing when it only selects (the scenario's mode and the kind from the class apply).
+fn rule_settings(r: &vfiod::config::DeviceRule) -> String {
+    let mut words = Vec::new();
+    if let Some(k) = r.kind {
+        words.push(format!("kind={}", k.as_str()));
+    }
+    if let Some(m) = r.mode {
+        words.push(format!("mode={}", m.as_str()));
+    }
+    if let Some(n) = r.num_vfs {
+        words.push(format!("num_vfs={n}"));
+    }
+    if let Some(d) = &r.vf_driver {
+        words.push(format!("vf_driver={d}"));
+    }
+    if let Some(d) = &r.pf_driver {
+        words.push(format!("pf_driver={d}"));
+    }
+    if words.is_empty() {
+        String::new()
+    } else {
+        format!(": {}", words.join(" "))
+    }
+}
+
 fn print_settings(s: &Settings) {
     println!(
         "configuration OK, read from: {}",
@@ -274,9 +300,20 @@ fn print_settings(s: &Settings) {
     println!("poll_interval = {}s", s.poll_interval.as_secs());
     println!("state_dir = {}", s.state_dir.display());
     println!("sysfs_root = {}", s.sysfs_root.display());
-    println!("select: {} rule(s)", s.select.len());
-    for r in &s.select {
-        println!("  {}", r.selector);
+    println!(
+        "select: {} rule(s), the first match applies",
+        s.select.len()
+    );
+    for (i, r) in s.select.iter().enumerate() {
+        let origin = s
+            .select_origins
+            .get(i)
+            .map(|o| format!(" ({})", o.entry))
+            .unwrap_or_default();
+        println!("  #{} {}{origin}{}", i + 1, r.selector, rule_settings(r));
+    }
+    for w in s.shadowed_rule_warnings() {
+        eprintln!("warning: {w}");
     }
     println!("protect: {} selector(s)", s.protect.len());
     for p in &s.protect {

@@ -111,7 +111,7 @@ pub use pool::{PoolSettings, QuiesceAt, MAX_POOL_TIMEOUT_MS};
 pub use position::Origin;
 pub use select::{DeviceRule, RuleOrigin};
 pub(crate) use selector::parse_id;
-pub use selector::{ClassPrefix, Selector};
+pub use selector::{shadowed, ClassPrefix, Selector};
 
 use crate::model::pci::{ClassCode, PciAddress};
 use merge::Inputs;
@@ -190,6 +190,34 @@ impl Default for Settings {
 }
 
 impl Settings {
+    /// One line per `[[select]]` rule that an earlier rule leaves no device ([`shadowed`]):
+    /// valid, but surely not what was meant. `--check-config` prints them, the daemon logs
+    /// them at start and on every reload.
+    pub fn shadowed_rule_warnings(&self) -> Vec<String> {
+        let selectors: Vec<Selector> = self.select.iter().map(|r| r.selector.clone()).collect();
+        let at = |i: usize| {
+            self.select_origins
+                .get(i)
+                .map(|o| format!(", {}", o.entry))
+                .unwrap_or_default()
+        };
+        shadowed(&selectors)
+            .into_iter()
+            .map(|(later, earlier)| {
+                format!(
+                    "select rule #{} ({}{}) never applies: every device it selects matches rule \
+                     #{} ({}{}) before it, whose settings apply; put the narrower rule first",
+                    later + 1,
+                    selectors[later],
+                    at(later),
+                    earlier + 1,
+                    selectors[earlier],
+                    at(earlier)
+                )
+            })
+            .collect()
+    }
+
     /// Load the main file and the drop-ins. `main_required`: when false and the main file does not exist,
     /// start from defaults (a host with no config manages nothing). A missing drop-in dir is fine.
     pub fn load(

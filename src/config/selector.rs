@@ -87,6 +87,42 @@ impl Selector {
     fn is_empty(&self) -> bool {
         self.address.is_none() && self.id.is_none() && self.class.is_none()
     }
+
+    /// Whether every function `other` matches is certainly matched by `self` too, from the
+    /// selectors alone: each key `self` sets is implied by one `other` sets (the same address;
+    /// the same vendor, and device if `self` names one; a class at least as long with `self`'s
+    /// as its prefix). An earlier `[[select]]` that covers a later one leaves it no device, since
+    /// the first match applies. Not knowing which ids sit at which address, it can miss a
+    /// cover (`address=` before `id=` of the device there), never claim a wrong one.
+    pub fn covers(&self, other: &Selector) -> bool {
+        if self.is_empty() || other.is_empty() {
+            return false;
+        }
+        let address = self.address.is_none_or(|a| other.address == Some(a));
+        let id = match self.id {
+            None => true,
+            Some((vendor, None)) => other.id.is_some_and(|(v, _)| v == vendor),
+            Some((vendor, Some(device))) => other.id == Some((vendor, Some(device))),
+        };
+        let class = self.class.is_none_or(|c| {
+            other.class.is_some_and(|o| {
+                o.digits >= c.digits && o.value >> (4 * u32::from(o.digits - c.digits)) == c.value
+            })
+        });
+        address && id && class
+    }
+}
+
+/// For each selector that an earlier one covers ([`Selector::covers`]), its index and the first
+/// earlier one's: the `[[select]]` rules that can never apply.
+pub fn shadowed(selectors: &[Selector]) -> Vec<(usize, usize)> {
+    (0..selectors.len())
+        .filter_map(|later| {
+            (0..later)
+                .find(|&earlier| selectors[earlier].covers(&selectors[later]))
+                .map(|earlier| (later, earlier))
+        })
+        .collect()
 }
 
 impl fmt::Display for Selector {
@@ -336,5 +372,88 @@ pub(crate) mod tests {
         ] {
             assert!(parse_id(bad).is_err(), "{bad:?} accepted");
         }
+    }
+}
+
+#[cfg(test)]
+mod covers_tests {
+    use super::*;
+
+    /// A selector from `--check-config`'s spelling of it (`id=8086:* class=0x02`).
+    fn sel(text: &str) -> Selector {
+        let mut s = Selector {
+            address: None,
+            id: None,
+            class: None,
+        };
+        for part in text.split_whitespace() {
+            let (k, v) = part.split_once('=').unwrap();
+            match k {
+                "address" => s.address = Some(v.parse().unwrap()),
+                "id" => {
+                    let (vendor, device) = v.split_once(':').unwrap();
+                    let vendor = u16::from_str_radix(vendor, 16).unwrap();
+                    let device = (device != "*").then(|| u16::from_str_radix(device, 16).unwrap());
+                    s.id = Some((vendor, device));
+                }
+                "class" => s.class = Some(v.parse().unwrap()),
+                _ => panic!("{k}"),
+            }
+        }
+        assert_eq!(s.to_string(), text, "the spelling round-trips");
+        s
+    }
+
+    #[test]
+    fn an_earlier_selector_covers_a_later_one_only_when_it_certainly_matches_all_it_does() {
+        let table: &[(&str, &str, bool)] = &[
+            // The case: a vendor wildcard before one of its devices.
+            ("id=8086:*", "id=8086:1572", true),
+            ("id=8086:1572", "id=8086:*", false),
+            ("id=8086:1572", "id=8086:1572", true),
+            ("id=8086:1572", "id=8086:1573", false),
+            ("id=8086:*", "id=10de:*", false),
+            ("class=0x03", "class=0x0302", true),
+            ("class=0x03", "class=0x030000", true),
+            ("class=0x0302", "class=0x03", false),
+            ("class=0x03", "class=0x12", false),
+            ("class=0x0300", "class=0x030200", false),
+            // One key covers a selector with more keys, not the reverse.
+            ("id=8086:*", "id=8086:1572 class=0x02", true),
+            ("id=8086:* class=0x02", "id=8086:1572", false),
+            (
+                "address=0000:3b:00.0",
+                "address=0000:3b:00.0 id=8086:1572",
+                true,
+            ),
+            ("address=0000:3b:00.0", "address=0000:3b:00.1", false),
+            // Not known from the selectors: which device sits at an address.
+            ("address=0000:3b:00.0", "id=8086:1572", false),
+            ("id=8086:1572", "address=0000:3b:00.0", false),
+            ("class=0x02", "id=8086:1572", false),
+        ];
+        for (earlier, later, covers) in table {
+            assert_eq!(
+                sel(earlier).covers(&sel(later)),
+                *covers,
+                "{earlier} before {later}"
+            );
+        }
+    }
+
+    #[test]
+    fn shadowed_names_each_dead_rule_and_the_first_earlier_one_that_takes_its_devices() {
+        let rules: Vec<Selector> = [
+            "id=8086:*",
+            "class=0x03",
+            "id=8086:1572",
+            "class=0x0302",
+            "id=10de:*",
+        ]
+        .iter()
+        .map(|t| sel(t))
+        .collect();
+        assert_eq!(shadowed(&rules), vec![(2, 0), (3, 1)]);
+        assert!(shadowed(&rules[..2]).is_empty());
     }
 }

@@ -66,10 +66,14 @@ pub struct Pass {
     pub events: Vec<Event>,
 }
 
-/// Logs the configured drivers that no loaded driver, module or built-in provides: a task that
-/// needs one will be refused, and the operator should hear it at load, not then.
+/// Logs the configured drivers that no loaded driver, module or built-in provides (a task that
+/// needs one will be refused, and the operator should hear it at load, not then) and the
+/// `[[select]]` rules an earlier one shadows.
 pub fn warn_about_drivers(settings: &Settings) {
     for w in crate::host::modules::driver_warnings(settings, &settings.sysfs_root) {
+        tracing::warn!("{w}");
+    }
+    for w in settings.shadowed_rule_warnings() {
         tracing::warn!("{w}");
     }
 }
