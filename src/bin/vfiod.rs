@@ -315,6 +315,23 @@ fn print_settings(s: &Settings) {
     for w in s.shadowed_rule_warnings() {
         eprintln!("warning: {w}");
     }
+    // The host's functions, read as the inventory reads them (read-only).
+    match vfiod::inventory::scan(&Sysfs::host(&s.sysfs_root), s, &Default::default()) {
+        Ok(devices) => {
+            let functions: Vec<_> = devices
+                .iter()
+                .map(|d| (d.address, d.vendor_id, d.device_id, d.class))
+                .collect();
+            for w in s.unmatched_rule_warnings(&functions) {
+                eprintln!("warning: {w}");
+            }
+        }
+        Err(e) => eprintln!(
+            "warning: cannot read the host's PCI functions under {}: {}",
+            s.sysfs_root.display(),
+            error_chain(&e)
+        ),
+    }
     println!("protect: {} selector(s)", s.protect.len());
     for p in &s.protect {
         println!("  {p}");

@@ -218,6 +218,37 @@ impl Settings {
             .collect()
     }
 
+    /// One line per `[[select]]` rule that matches none of `functions` (the host's PCI
+    /// functions now: address, vendor, device, class): a typo in an id, or a card that is not
+    /// in this host. VFs exist only after a split, so a rule for VF ids says so.
+    pub fn unmatched_rule_warnings(
+        &self,
+        functions: &[(PciAddress, u16, u16, ClassCode)],
+    ) -> Vec<String> {
+        self.select
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| {
+                !functions
+                    .iter()
+                    .any(|&(a, v, d, c)| r.selector.matches(a, v, d, c))
+            })
+            .map(|(i, r)| {
+                let at = self
+                    .select_origins
+                    .get(i)
+                    .map(|o| format!(", {}", o.entry))
+                    .unwrap_or_default();
+                format!(
+                    "select rule #{} ({}{at}) matches no PCI function on this host now (a VF \
+                     appears only once its PF is split)",
+                    i + 1,
+                    r.selector
+                )
+            })
+            .collect()
+    }
+
     /// Load the main file and the drop-ins. `main_required`: when false and the main file does not exist,
     /// start from defaults (a host with no config manages nothing). A missing drop-in dir is fine.
     pub fn load(
@@ -322,6 +353,25 @@ mod tests {
 
     fn parse(text: &str) -> Settings {
         Settings::from_toml_str(text, Path::new("test.toml")).unwrap()
+    }
+
+    #[test]
+    fn a_rule_that_matches_no_function_of_the_host_is_named() {
+        let s = parse(
+            "[[select]]\nid = \"8086:1572\"\n\n[[select]]\nclass = \"0x12\"\n\n\
+             [[select]]\nid = \"8086:1573\"\n",
+        );
+        let host = [
+            (QAT, 0x8086, 0x1572, ClassCode(0x020000)),
+            (OTHER, 0x1af4, 0x1000, ClassCode(0x120000)),
+        ];
+        assert_eq!(
+            s.unmatched_rule_warnings(&host),
+            ["select rule #3 (id=8086:1573, test.toml:7:1) matches no PCI function on this host \
+              now (a VF appears only once its PF is split)"]
+        );
+        assert_eq!(s.unmatched_rule_warnings(&host[..1]).len(), 2);
+        assert!(parse("").unmatched_rule_warnings(&[]).is_empty());
     }
 
     fn parse_err(text: &str) -> String {
