@@ -506,7 +506,7 @@ fn check_config_lists_each_rule_and_warns_of_a_shadowed_one() {
     assert!(out.status.success(), "{:?}\n{stdout}\n{stderr}", out.status);
     let c = config.display();
     for line in [
-        "select: 3 rule(s), the first match applies".to_string(),
+        "select: 3 rule(s)".to_string(),
         format!("  #1 id=8086:* ({c}:3:1)"),
         format!("  #2 id=8086:1572 ({c}:6:1): mode=vf num_vfs=8"),
         format!("  #3 class=0x0c ({c}:11:1)"),

@@ -300,10 +300,7 @@ fn print_settings(s: &Settings) {
     println!("poll_interval = {}s", s.poll_interval.as_secs());
     println!("state_dir = {}", s.state_dir.display());
     println!("sysfs_root = {}", s.sysfs_root.display());
-    println!(
-        "select: {} rule(s), the first match applies",
-        s.select.len()
-    );
+    println!("select: {} rule(s)", s.select.len());
     for (i, r) in s.select.iter().enumerate() {
         let origin = s
             .select_origins
