@@ -539,3 +539,88 @@ fn check_config_lists_each_rule_and_warns_of_a_shadowed_one() {
         "{stderr}"
     );
 }
+
+/// `vfiod --check-config` names every error, not the first only: each syntax error of a file
+/// (in reading order), a file's unknown key, and once the files parse, each wrong top-level key
+/// and each wrong entry, in the order the daemon validates them; then their count, exit 1.
+#[test]
+fn check_config_reports_every_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("conf.d");
+    fs::create_dir(&dir).unwrap();
+    let config = tmp.path().join("vfiod.toml");
+    let check = || {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_vfiod"))
+            .arg("--check-config")
+            .arg("--config")
+            .arg(&config)
+            .arg("--conf-dir")
+            .arg(&dir)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(1), "{out:?}");
+        assert!(out.stdout.is_empty(), "{out:?}");
+        String::from_utf8(out.stderr).unwrap()
+    };
+    // Values wrong in four sections; the files parse.
+    fs::write(
+        &config,
+        "scenario = \"cloudy\"\npoll_interval = 0\n[[select]]\nid = \"8086:zz\"\n[[select]]\n\
+         id = \"8086:1572\"\n[[select]]\nid = \"8086:1572\"\nnum_vfs = 0\n[[protect]]\n\
+         class = \"0xZZ\"\n",
+    )
+    .unwrap();
+    let c = config.display();
+    let errors = check();
+    let lines: Vec<&str> = errors.lines().collect();
+    assert_eq!(lines.len(), 6, "{errors}");
+    for (line, want) in lines.iter().zip([
+        format!("vfiod: {c}:1:12: `scenario`: invalid scenario"),
+        format!("vfiod: {c}:2:17: `poll_interval`: 0 is out of range"),
+        format!("vfiod: {c}:4:6: `id` in [[select]] #1: invalid id \"8086:zz\""),
+        format!("vfiod: {c}:9:11: `num_vfs` in [[select]] #3: 0 is out of range"),
+        format!("vfiod: {c}:11:9: `class` in [[protect]] #1: invalid class \"0xZZ\""),
+        "vfiod: 5 errors in the configuration".to_string(),
+    ]) {
+        assert!(
+            line.starts_with(&want),
+            "{line:?} is not {want:?}...\n{errors}"
+        );
+    }
+    // Syntax errors come first, all of a file's; a second file's unknown key after them. The
+    // value errors of the main file are not looked at until every file parses.
+    let bad = dir.join("10-bad.toml");
+    fs::write(&bad, "scenario = \"public\nfoo = = 1\n[[select]\n").unwrap();
+    let shape = dir.join("20-shape.toml");
+    fs::write(&shape, "[[pool]]\nname = \"a\"\nbogus = 1\n").unwrap();
+    let errors = check();
+    let lines: Vec<&str> = errors.lines().collect();
+    let (b, s) = (bad.display(), shape.display());
+    assert!(lines.len() >= 4, "{errors}");
+    let syntax: Vec<&str> = lines[..lines.len() - 2].to_vec();
+    assert!(
+        syntax
+            .iter()
+            .all(|l| l.starts_with(&format!("vfiod: {b}:")) && l.contains("invalid TOML")),
+        "{errors}"
+    );
+    // In reading order: line 1's unclosed string before line 3's unclosed header.
+    assert!(syntax[0].starts_with(&format!("vfiod: {b}:1:")), "{errors}");
+    assert!(
+        syntax
+            .last()
+            .unwrap()
+            .starts_with(&format!("vfiod: {b}:3:")),
+        "{errors}"
+    );
+    assert!(
+        lines[lines.len() - 2].starts_with(&format!(
+            "vfiod: {s}:3:1: [[pool]] #1: unknown field `bogus`"
+        )),
+        "{errors}"
+    );
+    assert_eq!(
+        lines[lines.len() - 1],
+        format!("vfiod: {} errors in the configuration", lines.len() - 1)
+    );
+}

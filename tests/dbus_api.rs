@@ -723,3 +723,143 @@ async fn vfioctl_says_when_vfiod_is_not_running() {
 
 #[allow(dead_code)]
 fn _types(_: OwnedVariant) {}
+
+fn error_of(e: zbus::Error) -> (String, String) {
+    match e {
+        zbus::Error::MethodError(name, message, _) => {
+            (name.to_string(), message.unwrap_or_default())
+        }
+        other => panic!("not a D-Bus error reply: {other}"),
+    }
+}
+
+/// `Manager.PreviewPlans` (what `vfioctl plan --config` shows): the plans of a configuration
+/// that is not installed, with its own selection, scenario and `[[protect]]`; every error of a
+/// wrong one; bounds; and nothing written, whatever it is asked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn preview_plans_show_a_configuration_before_it_is_installed() {
+    let h = Harness::start(STEADY_CONFIG).await;
+    let m = h.manager().await;
+    let nic = "0000:3b:00.0";
+    let plans =
+        |dicts: Vec<vfiod::dbus::wire::Dict>| -> BTreeMap<String, vfiod::client::PlanEntry> {
+            dicts
+                .iter()
+                .map(vfiod::client::PlanEntry::from_dict)
+                .map(|p| (p.address.clone(), p))
+                .collect()
+        };
+    let running = plans(m.get_plans().await.unwrap());
+    let tasks_before = h.store().tasks(None, 100).unwrap().len();
+    let files = |texts: &[&str]| -> Vec<(String, String)> {
+        texts
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (format!("candidate-{i}.toml"), t.to_string()))
+            .collect()
+    };
+
+    // The public scenario with the NIC split in 4: a split the running (private) one does not do.
+    let split = plans(
+        m.preview_plans(
+            &files(&["scenario = \"public\"\n[[select]]\nid = \"8086:1572\"\nnum_vfs = 4\n"]),
+            HashMap::new(),
+        )
+        .await
+        .unwrap(),
+    );
+    assert_eq!(
+        split.keys().collect::<Vec<_>>(),
+        [nic],
+        "only what it selects: {split:?}"
+    );
+    assert_eq!(split[nic].decision, "target", "{split:?}");
+    assert_eq!(split[nic].program, "split", "{split:?}");
+    assert!(
+        split[nic]
+            .steps
+            .iter()
+            .any(|s| s.contains("sriov_numvfs") && s.contains('4')),
+        "{split:?}"
+    );
+    assert_ne!(
+        running.get(nic).map(|p| p.program.as_str()),
+        Some("split"),
+        "{running:?}"
+    );
+
+    // A drop-in that protects it: its own [[protect]] applies, not the running one's.
+    let protected = plans(
+        m.preview_plans(
+            &files(&[
+                "scenario = \"public\"\n[[select]]\nid = \"8086:1572\"\n",
+                "[[protect]]\naddress = \"0000:3b:00.0\"\n",
+            ]),
+            HashMap::new(),
+        )
+        .await
+        .unwrap(),
+    );
+    assert_eq!(protected[nic].decision, "leave", "{protected:?}");
+    assert!(
+        protected[nic].reason.contains("protected by config"),
+        "{protected:?}"
+    );
+
+    // Wrong: every error, one per line, each naming its file.
+    let (name, message) = error_of(
+        m.preview_plans(
+            &files(&[
+                "scenario = \"cloudy\"\n[[select]]\nid = \"8086:zz\"\n",
+                "poll_interval = 0\n",
+            ]),
+            HashMap::new(),
+        )
+        .await
+        .unwrap_err(),
+    );
+    assert_eq!(name, "org.vfiod.Vfiod1.Error.InvalidConfig", "{message}");
+    let lines: Vec<&str> = message.lines().collect();
+    assert_eq!(lines.len(), 3, "{message}");
+    assert!(
+        lines[0].starts_with("candidate-0.toml:1:12: `scenario`"),
+        "{message}"
+    );
+    assert!(
+        lines[1].starts_with("candidate-1.toml:1:17: `poll_interval`"),
+        "{message}"
+    );
+    assert!(
+        lines[2].starts_with("candidate-0.toml:3:6: `id` in [[select]] #1"),
+        "{message}"
+    );
+
+    // Bounds and options.
+    let many = vec![("x.toml".to_string(), String::new()); 130];
+    let (name, message) = error_of(m.preview_plans(&many, HashMap::new()).await.unwrap_err());
+    assert_eq!(name, "org.vfiod.Vfiod1.Error.InvalidArgument", "{message}");
+    let big = vec![("x.toml".to_string(), "#".repeat((1 << 20) + 1))];
+    let (name, message) = error_of(m.preview_plans(&big, HashMap::new()).await.unwrap_err());
+    assert_eq!(name, "org.vfiod.Vfiod1.Error.InvalidArgument", "{message}");
+    let option = HashMap::from([(
+        "bogus".to_string(),
+        OwnedVariant::try_from(zbus::Variant::from(true)).unwrap(),
+    )]);
+    let (name, message) = error_of(m.preview_plans(&files(&[""]), option).await.unwrap_err());
+    assert_eq!(name, "org.vfiod.Vfiod1.Error.InvalidArgument", "{message}");
+    assert!(message.contains("bogus"), "{message}");
+
+    // Nothing changed: the running plans, no task, the NIC not split.
+    assert_eq!(
+        plans(m.get_plans().await.unwrap())
+            .keys()
+            .collect::<Vec<_>>(),
+        running.keys().collect::<Vec<_>>()
+    );
+    assert_eq!(h.store().tasks(None, 100).unwrap().len(), tasks_before);
+    assert_eq!(
+        h.store().device(addr(nic)).unwrap().unwrap().num_vfs,
+        0,
+        "the preview split nothing"
+    );
+}

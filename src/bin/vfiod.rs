@@ -213,11 +213,10 @@ async fn run(args: Args) -> Result<ExitCode, String> {
         pin_sysfs_root: None,
         pin_state_dir: None,
     };
-    let settings = source.load().map_err(|e| error_chain(&e))?;
     if args.check_config {
-        print_settings(&settings);
-        return Ok(ExitCode::SUCCESS);
+        return check_config(&source);
     }
+    let settings = source.load().map_err(|e| error_chain(&e))?;
     if args.init_state {
         return init_state(&settings.state_dir);
     }
@@ -259,6 +258,27 @@ fn init_state(dir: &std::path::Path) -> Result<ExitCode, String> {
         store.path().display()
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// `--check-config`: the settings, or every error found in the files, one per line.
+fn check_config(source: &ConfigSource) -> Result<ExitCode, String> {
+    match source.check() {
+        Ok(settings) => {
+            print_settings(&settings);
+            Ok(ExitCode::SUCCESS)
+        }
+        Err(errors) => Err(config_errors(&errors)),
+    }
+}
+
+/// Errors as lines of vfiod's message (`main` puts `vfiod: ` before the first): one error alone
+/// reads as the daemon's own start-up error does; several end with their count.
+fn config_errors(errors: &[vfiod::config::ConfigError]) -> String {
+    let mut lines: Vec<String> = errors.iter().map(|e| error_chain(e)).collect();
+    if lines.len() > 1 {
+        lines.push(format!("{} errors in the configuration", errors.len()));
+    }
+    lines.join("\nvfiod: ")
 }
 
 /// A `[[select]]` rule's settings besides its selector, as `key=value` words after a colon;
@@ -484,6 +504,9 @@ async fn simulate(args: Args) -> Result<ExitCode, String> {
                 pin_sysfs_root: Some(kernel.root().to_path_buf()),
                 pin_state_dir: Some(base.join("state")),
             };
+            if args.check_config {
+                return check_config(&source);
+            }
             (source.load().map_err(|e| error_chain(&e))?, Some(source))
         }
         None => {

@@ -52,6 +52,8 @@ pub trait Manager {
     fn event(&self, entry: Dict) -> zbus::Result<()>;
     fn get_plan(&self, address: &str) -> zbus::Result<Dict>;
     fn get_plans(&self) -> zbus::Result<Vec<Dict>>;
+    /// `vfioctl plan --config`: the plans of a configuration given as (name, content) files.
+    fn preview_plans(&self, files: &[(String, String)], options: Dict) -> zbus::Result<Vec<Dict>>;
     fn get_tasks(&self, query: Dict) -> zbus::Result<Vec<Dict>>;
     fn migrate(
         &self,

@@ -88,42 +88,74 @@ impl Default for Daemon {
     }
 }
 
-pub(crate) fn validate(inputs: &Inputs) -> Result<Daemon, ConfigError> {
+/// Every top-level key checked, even after one is wrong, so that `--check-config` names each.
+pub(crate) fn validate(inputs: &Inputs) -> Result<Daemon, Vec<ConfigError>> {
     let mut daemon = Daemon::default();
+    let mut errors = Vec::new();
     let scenario = inputs.values(|f| f.scenario.as_ref());
-    if let Some(value) = last_valid(scenario, |v| {
-        v.check(Key::top("scenario"), v.value.as_str().parse())
-    })? {
+    if let Some(value) = kept(
+        &mut errors,
+        last_valid(scenario, |v| {
+            v.check(Key::top("scenario"), v.value.as_str().parse())
+        }),
+    ) {
         daemon.scenario = value;
     }
     let poll = inputs.values(|f| f.poll_interval.as_ref());
-    if let Some(secs) = last_valid(poll, |v| {
-        let secs = v.value.in_range(1, MAX_POLL_SECS, " seconds");
-        v.check(Key::top("poll_interval"), secs)
-    })? {
+    if let Some(secs) = kept(
+        &mut errors,
+        last_valid(poll, |v| {
+            let secs = v.value.in_range(1, MAX_POLL_SECS, " seconds");
+            v.check(Key::top("poll_interval"), secs)
+        }),
+    ) {
         daemon.poll_interval = Duration::from_secs(secs as u64);
     }
     let state_dir = inputs.values(|f| f.state_dir.as_ref());
-    if let Some(path) = last_valid(state_dir, |v| absolute_path(v, "state_dir"))? {
+    if let Some(path) = kept(
+        &mut errors,
+        last_valid(state_dir, |v| absolute_path(v, "state_dir")),
+    ) {
         daemon.state_dir = path;
     }
     let sysfs_root = inputs.values(|f| f.sysfs_root.as_ref());
-    if let Some(path) = last_valid(sysfs_root, |v| absolute_path(v, "sysfs_root"))? {
+    if let Some(path) = kept(
+        &mut errors,
+        last_valid(sysfs_root, |v| absolute_path(v, "sysfs_root")),
+    ) {
         daemon.sysfs_root = path;
     }
     let uri = inputs.values(|f| f.libvirt_uri.as_ref());
-    if let Some(uri) = last_valid(uri, |v| {
-        v.check(Key::top("libvirt_uri"), libvirt_uri(v.value.as_str()))
-    })? {
+    if let Some(uri) = kept(
+        &mut errors,
+        last_valid(uri, |v| {
+            v.check(Key::top("libvirt_uri"), libvirt_uri(v.value.as_str()))
+        }),
+    ) {
         daemon.libvirt_uri = (!uri.is_empty()).then_some(uri);
     }
     let host = inputs.values(|f| f.host_name.as_ref());
-    if let Some(name) = last_valid(host, |v| {
-        v.check(Key::top("host_name"), host_name(v.value.as_str()))
-    })? {
+    if let Some(name) = kept(
+        &mut errors,
+        last_valid(host, |v| {
+            v.check(Key::top("host_name"), host_name(v.value.as_str()))
+        }),
+    ) {
         daemon.host_name = name;
     }
-    Ok(daemon)
+    if errors.is_empty() {
+        Ok(daemon)
+    } else {
+        Err(errors)
+    }
+}
+
+/// A key's value in force, or `None` with its error added to `errors`.
+fn kept<T>(errors: &mut Vec<ConfigError>, found: Result<Option<T>, ConfigError>) -> Option<T> {
+    found.unwrap_or_else(|e| {
+        errors.push(e);
+        None
+    })
 }
 
 /// The machine's host name, what a pool knows this host as unless `host_name` says otherwise.

@@ -32,7 +32,11 @@
 //! 5. `settle` (this module) assembles [`Settings`].
 //!
 //! Syntax and shape errors of every file come before value errors; value errors are reported
-//! section by section, in file order within a section.
+//! section by section, in file order within a section. [`Settings::load`] (the daemon) stops at
+//! the first; [`Settings::check`] (`vfiod --check-config`) and [`Settings::from_files`]
+//! (`vfioctl plan --config`) give them all: every syntax error of each file, the first unknown
+//! key or wrong type of each file (serde stops there), and once every file parses, the first
+//! error of each table section and of each array entry.
 //!
 //! # Module graph
 //!
@@ -256,18 +260,46 @@ impl Settings {
         dropin_dir: Option<&Path>,
         main_required: bool,
     ) -> Result<Settings, ConfigError> {
-        let fragments = files::read_all(main, dropin_dir, main_required)?
-            .into_iter()
-            .map(|file| Fragment::parse(file.bytes, file.path))
-            .collect::<Result<_, _>>()?;
+        Settings::check(main, dropin_dir, main_required).map_err(raw::first)
+    }
+
+    /// As [`Settings::load`], with every error found instead of the first (`--check-config`):
+    /// each file's syntax errors (or its first unknown key or wrong type), and once every file
+    /// parses, the first error of each top-level section and of each array entry. A file that
+    /// cannot be read at all ends the reading there.
+    pub fn check(
+        main: &Path,
+        dropin_dir: Option<&Path>,
+        main_required: bool,
+    ) -> Result<Settings, Vec<ConfigError>> {
+        let files = files::read_all(main, dropin_dir, main_required).map_err(|e| vec![e])?;
+        Settings::from_files(files.into_iter().map(|f| (f.path, f.bytes)))
+    }
+
+    /// Files already read (name, content), in the order they apply, validated as
+    /// [`Settings::check`] validates what it reads (`Manager.PreviewPlans`: a client sends the
+    /// configuration it wants previewed, the daemon never opens a path a client names).
+    pub fn from_files(
+        files: impl IntoIterator<Item = (PathBuf, Vec<u8>)>,
+    ) -> Result<Settings, Vec<ConfigError>> {
+        let mut errors = Vec::new();
+        let mut fragments = Vec::new();
+        for (path, bytes) in files {
+            match Fragment::parse_all(bytes, path) {
+                Ok(f) => fragments.push(f),
+                Err(e) => errors.extend(e),
+            }
+        }
+        if !errors.is_empty() {
+            return Err(errors);
+        }
         settle(&Inputs::new(fragments))
     }
 
     /// Parse one document as if it were the only file (used by tests and tools; `load` parses
     /// each of its files the same way).
     pub fn from_toml_str(text: &str, origin: &Path) -> Result<Settings, ConfigError> {
-        let fragment = Fragment::parse_text(text.to_string(), origin.to_path_buf())?;
-        settle(&Inputs::new(vec![fragment]))
+        Settings::from_files([(origin.to_path_buf(), text.as_bytes().to_vec())]).map_err(raw::first)
     }
 
     /// First rule whose selector matches, if any (the device is then "selected").
@@ -316,12 +348,49 @@ impl Settings {
     }
 }
 
-/// The last stage: every section validated, assembled into [`Settings`].
-fn settle(inputs: &Inputs) -> Result<Settings, ConfigError> {
-    let daemon = daemon::validate(inputs)?;
-    let (select, select_origins) = select::validate(inputs.entries(|f| &f.select))?
-        .into_iter()
-        .unzip();
+/// The last stage: every section validated, assembled into [`Settings`]. Every section is
+/// validated even after one failed, and an array's entries one by one, so that one run names
+/// every wrong entry; the errors come section by section in this order, entries in file order.
+fn settle(inputs: &Inputs) -> Result<Settings, Vec<ConfigError>> {
+    let mut found = Found::default();
+    let daemon = daemon::validate(inputs)
+        .map_err(|e| found.errors.extend(e))
+        .ok();
+    let select = found.array(inputs.entries(|f| &f.select), |e| {
+        select::validate(e.into_iter())
+    });
+    let protect = found.array(inputs.entries(|f| &f.protect), |e| {
+        protect::validate(e.into_iter())
+    });
+    let claims = found.section(claims::validate(inputs.values(|f| f.claims.as_ref())));
+    let hooks = found.section(hooks::validate(inputs.values(|f| f.hooks.as_ref())));
+    let images = found.section(images::validate(inputs.values(|f| f.images.as_ref())));
+    let fpga = found.array(inputs.entries(|f| &f.fpga), |e| {
+        fpga::validate(e.into_iter())
+    });
+    let pools = found.array(inputs.entries(|f| &f.pool), |e| {
+        pool::validate(e.into_iter())
+    });
+    let fleet = found.section(fleet::validate(inputs.values(|f| f.fleet.as_ref())));
+    let metrics = found.section(metrics::validate(inputs.values(|f| f.metrics.as_ref())));
+    let (
+        Some(daemon),
+        Some(select),
+        Some(protect),
+        Some(claims),
+        Some(hooks),
+        Some(images),
+        Some(fpga),
+        Some(pools),
+        Some(fleet),
+        Some(metrics),
+    ) = (
+        daemon, select, protect, claims, hooks, images, fpga, pools, fleet, metrics,
+    )
+    else {
+        return Err(found.errors);
+    };
+    let (select, select_origins) = select.into_iter().unzip();
     Ok(Settings {
         scenario: daemon.scenario,
         poll_interval: daemon.poll_interval,
@@ -330,17 +399,50 @@ fn settle(inputs: &Inputs) -> Result<Settings, ConfigError> {
         libvirt_uri: daemon.libvirt_uri,
         select,
         select_origins,
-        protect: protect::validate(inputs.entries(|f| &f.protect))?,
-        claims: claims::validate(inputs.values(|f| f.claims.as_ref()))?,
-        hooks: hooks::validate(inputs.values(|f| f.hooks.as_ref()))?,
-        images: images::validate(inputs.values(|f| f.images.as_ref()))?,
-        fpga: fpga::validate(inputs.entries(|f| &f.fpga))?,
-        pools: pool::validate(inputs.entries(|f| &f.pool))?,
+        protect,
+        claims,
+        hooks,
+        images,
+        fpga,
+        pools,
         host_name: daemon.host_name,
-        fleet: fleet::validate(inputs.values(|f| f.fleet.as_ref()))?,
-        metrics: metrics::validate(inputs.values(|f| f.metrics.as_ref()))?,
+        fleet,
+        metrics,
         sources: inputs.sources(),
     })
+}
+
+/// The errors `settle` has met so far.
+#[derive(Default)]
+struct Found {
+    errors: Vec<ConfigError>,
+}
+
+impl Found {
+    /// A section's value, or `None` with its error kept.
+    fn section<T>(&mut self, result: Result<T, ConfigError>) -> Option<T> {
+        result.map_err(|e| self.errors.push(e)).ok()
+    }
+
+    /// An array section: each entry validated alone first, so that every wrong entry is
+    /// named; when each is right, all of them together, for what spans entries (two pools
+    /// with one name).
+    fn array<'a, R: 'a, T>(
+        &mut self,
+        entries: impl Iterator<Item = located::Entry<'a, R>> + Clone,
+        validate: impl Fn(Vec<located::Entry<'a, R>>) -> Result<T, ConfigError>,
+    ) -> Option<T> {
+        let before = self.errors.len();
+        for entry in entries.clone() {
+            if let Err(e) = validate(vec![entry]) {
+                self.errors.push(e);
+            }
+        }
+        if self.errors.len() > before {
+            return None;
+        }
+        self.section(validate(entries.collect()))
+    }
 }
 
 #[cfg(test)]

@@ -62,27 +62,68 @@ pub(crate) struct Fragment {
 }
 
 impl Fragment {
-    pub fn parse(bytes: Vec<u8>, origin: PathBuf) -> Result<Fragment, ConfigError> {
+    /// The first error only (tests of one stage).
+    #[cfg(test)]
+    pub fn parse_text(text: String, origin: PathBuf) -> Result<Fragment, ConfigError> {
+        Fragment::parse_text_all(text, origin).map_err(first)
+    }
+
+    /// One file: every syntax error of it (the parser recovers and goes on, at most
+    /// [`MAX_ERRORS_PER_FILE`] of them). A shape error (unknown key, wrong type) is only the
+    /// first: serde stops there, and the file's syntax errors come first anyway.
+    pub fn parse_all(bytes: Vec<u8>, origin: PathBuf) -> Result<Fragment, Vec<ConfigError>> {
         let text = String::from_utf8(bytes).map_err(|e| {
             let (line, column) = line_column(e.as_bytes(), e.utf8_error().valid_up_to());
-            ConfigError::Invalid {
+            vec![ConfigError::Invalid {
                 file: origin.clone(),
                 line,
                 column,
                 message: "file is not valid UTF-8".to_string(),
-            }
+            }]
         })?;
-        Fragment::parse_text(text, origin)
+        Fragment::parse_text_all(text, origin)
     }
 
-    pub fn parse_text(text: String, origin: PathBuf) -> Result<Fragment, ConfigError> {
+    pub fn parse_text_all(text: String, origin: PathBuf) -> Result<Fragment, Vec<ConfigError>> {
         let source = Source::new(origin, text);
-        let table =
-            toml::de::DeTable::parse(&source.text).map_err(|e| syntax_error(&source, &e))?;
+        let (table, mut errors) = toml::de::DeTable::parse_recoverable(&source.text);
+        if !errors.is_empty() {
+            // The parser reports some errors when it closes what they broke: in reading order.
+            errors.sort_by_key(|e| e.span().map_or(0, |s| s.start));
+            let mut out: Vec<ConfigError> = errors
+                .iter()
+                .take(MAX_ERRORS_PER_FILE)
+                .map(|e| syntax_error(&source, e))
+                .collect();
+            if errors.len() > MAX_ERRORS_PER_FILE {
+                out.push(ConfigError::Invalid {
+                    file: source.file.clone(),
+                    line: 1,
+                    column: 1,
+                    message: format!(
+                        "{} more syntax errors in this file not shown",
+                        errors.len() - MAX_ERRORS_PER_FILE
+                    ),
+                });
+            }
+            return Err(out);
+        }
         let raw = RawFile::deserialize(toml::de::Deserializer::from(table))
-            .map_err(|e| shape_error(&source, &e))?;
+            .map_err(|e| vec![shape_error(&source, &e)])?;
         Ok(Fragment { source, raw })
     }
+}
+
+/// Syntax errors told per file: a parser that recovers from a broken line can meet many more
+/// after it, and past a screenful they only repeat the first.
+pub(crate) const MAX_ERRORS_PER_FILE: usize = 20;
+
+/// The first of a non-empty list of errors (a stage that collects them all, asked for one).
+pub(crate) fn first(errors: Vec<ConfigError>) -> ConfigError {
+    errors
+        .into_iter()
+        .next()
+        .expect("a failed stage reports at least one error")
 }
 
 fn syntax_error(source: &Source, e: &toml::de::Error) -> ConfigError {

@@ -203,7 +203,9 @@ impl From<crate::modes::planner::ModeError> for Error {
         match e {
             M::NoSuchDevice(a) => Error::NoSuchDevice(format!("no PCI function {a} on this host")),
             M::Store(s) => s.into(),
-            other @ M::Snapshot(_) => Error::HardwareFailed(crate::error_chain(&other)),
+            other @ (M::Snapshot(_) | M::Scan(_)) => {
+                Error::HardwareFailed(crate::error_chain(&other))
+            }
             other @ M::Plan { .. } => Error::Failed(crate::error_chain(&other)),
         }
     }

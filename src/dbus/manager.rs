@@ -40,6 +40,56 @@ fn limit(query: &Query, default: u32) -> Result<u32, Error> {
     Ok(limit)
 }
 
+/// `PreviewPlans` computed at once, daemon-wide.
+const MAX_PREVIEWS: usize = 2;
+static PREVIEWS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(MAX_PREVIEWS);
+
+/// `PreviewPlans`' files, bounded as [`crate::config`] bounds what it reads, and validated.
+fn preview_settings(files: Vec<(String, String)>) -> Result<crate::config::Settings, Error> {
+    use crate::config::{MAX_DROPINS, MAX_FILE_BYTES, MAX_PATH_BYTES, MAX_TOTAL_BYTES};
+    if files.len() > MAX_DROPINS + 1 {
+        return Err(Error::InvalidArgument(format!(
+            "{} files: a configuration has at most {} (the main file and {MAX_DROPINS} drop-ins)",
+            files.len(),
+            MAX_DROPINS + 1
+        )));
+    }
+    let mut total = 0u64;
+    for (name, text) in &files {
+        if name.len() > MAX_PATH_BYTES {
+            return Err(Error::InvalidArgument(format!(
+                "a file name is longer than {MAX_PATH_BYTES} bytes"
+            )));
+        }
+        if text.len() as u64 > MAX_FILE_BYTES {
+            return Err(Error::InvalidArgument(format!(
+                "{}: larger than {MAX_FILE_BYTES} bytes",
+                super::error::quote(name)
+            )));
+        }
+        total += text.len() as u64;
+    }
+    if total > MAX_TOTAL_BYTES {
+        return Err(Error::InvalidArgument(format!(
+            "the files together are larger than {MAX_TOTAL_BYTES} bytes"
+        )));
+    }
+    crate::config::Settings::from_files(
+        files
+            .into_iter()
+            .map(|(name, text)| (name.into(), text.into_bytes())),
+    )
+    .map_err(|errors| {
+        Error::InvalidConfig(
+            errors
+                .iter()
+                .map(|e| crate::error_chain(e))
+                .collect::<Vec<_>>()
+                .join("\n"),
+        )
+    })
+}
+
 impl Manager {
     /// The address a query names, checked to be one vfiod knows (present, or with history).
     async fn known_address(&self, query: &Query) -> Result<Option<PciAddress>, Error> {
@@ -198,6 +248,41 @@ impl Manager {
             .engine
             .read(|core| {
                 crate::modes::planner::plan_all(core.sysfs(), core.store(), &core.settings())
+            })
+            .await??;
+        Ok(plans.iter().map(wire::plan).collect())
+    }
+
+    /// The plans of a configuration that is not installed, on this host now, each as
+    /// `GetPlans` gives it (what `vfioctl plan --config` shows). `files`: its files as (name,
+    /// content), in the order they apply (the main file, then the drop-ins); the caller reads
+    /// them, the daemon opens no path a client names. Bounded as the daemon bounds its own
+    /// files. A configuration with errors is refused with every one of them, a line each
+    /// (`InvalidConfig`). What it protects and selects is its own: the host is read again
+    /// under it. Nothing is written. `options`: none yet (an unknown key is an error).
+    async fn preview_plans(
+        &self,
+        files: Vec<(String, String)>,
+        options: Dict,
+    ) -> Result<Vec<Dict>, Error> {
+        Query::new(options, &[])?;
+        // Each preview parses up to 4 MiB and reads the whole host: a few at a time, so that
+        // a client repeating it cannot keep the blocking threads from everyone else's calls.
+        let _permit = PREVIEWS.try_acquire().map_err(|_| {
+            Error::Busy(format!(
+                "{MAX_PREVIEWS} previews are being computed; try again when one is done"
+            ))
+        })?;
+        let plans = self
+            .objects
+            .engine
+            .read(move |core| -> Result<_, Error> {
+                let settings = preview_settings(files)?;
+                Ok(crate::modes::planner::plan_preview(
+                    core.sysfs(),
+                    core.store(),
+                    &settings,
+                )?)
             })
             .await??;
         Ok(plans.iter().map(wire::plan).collect())

@@ -49,13 +49,24 @@ pub struct ConfigSource {
 impl ConfigSource {
     pub fn load(&self) -> Result<Settings, ConfigError> {
         let mut s = Settings::load(&self.main, self.dropin_dir.as_deref(), self.main_required)?;
+        self.pin(&mut s);
+        Ok(s)
+    }
+
+    /// As [`ConfigSource::load`], with every error found ([`Settings::check`]).
+    pub fn check(&self) -> Result<Settings, Vec<ConfigError>> {
+        let mut s = Settings::check(&self.main, self.dropin_dir.as_deref(), self.main_required)?;
+        self.pin(&mut s);
+        Ok(s)
+    }
+
+    fn pin(&self, s: &mut Settings) {
         if let Some(r) = &self.pin_sysfs_root {
             s.sysfs_root = r.clone();
         }
         if let Some(d) = &self.pin_state_dir {
             s.state_dir = d.clone();
         }
-        Ok(s)
     }
 }
 

@@ -37,6 +37,9 @@ pub enum ModeError {
         #[source]
         source: PlanError,
     },
+    /// Only [`plan_preview`], which reads the host again: its PCI bus could not be listed.
+    #[error("cannot read the host's PCI functions")]
+    Scan(#[from] crate::host::sysfs::SysfsError),
 }
 
 fn current_of(
@@ -165,6 +168,52 @@ pub fn plan_all(
             }
             Err(e) => return Err(e),
         }
+    }
+    Ok(out)
+}
+
+/// What `settings`, a configuration that is not in force, would plan on this host now
+/// (`vfioctl plan --config`). The host is read again under it, read-only, as the inventory
+/// reads it, so that what it protects and selects is its own and not the running
+/// configuration's; then each PF it selects is planned as [`plan_all`] plans one, against the
+/// store's record of original drivers. Nothing is written.
+pub fn plan_preview(
+    sysfs: &Sysfs,
+    store: &Store,
+    settings: &Settings,
+) -> Result<Vec<DevicePlan>, ModeError> {
+    let previous: BTreeMap<PciAddress, Device> = store
+        .devices()?
+        .into_iter()
+        .map(|d| (d.address, d))
+        .collect();
+    let mut out = Vec::new();
+    for device in crate::inventory::scan(sysfs, settings, &previous)? {
+        let rule = settings.rule_for(
+            device.address,
+            device.vendor_id,
+            device.device_id,
+            device.class,
+        );
+        if device.role == Role::Vf || rule.is_none() {
+            continue;
+        }
+        let decision = policy::decide(&device, rule, settings.scenario);
+        let (program, plan) = match &decision {
+            Decision::Target { target, .. } => match plan_to(sysfs, store, &device, target) {
+                Ok((program, plan, _)) => (program, plan),
+                // Gone since the scan (a VF a restore beside it removed): as plan_all.
+                Err(ModeError::Snapshot(e)) if e.errno() == Some(libc::ENOENT) => continue,
+                Err(e) => return Err(e),
+            },
+            _ => (Program::Nothing, None),
+        };
+        out.push(DevicePlan {
+            address: device.address,
+            decision,
+            program,
+            plan,
+        });
     }
     Ok(out)
 }

@@ -64,6 +64,8 @@ fn mode_error(address: PciAddress, e: ModeError) -> JobError {
         ModeError::Store(s) => JobError::Store(s),
         ModeError::Snapshot(source) => JobError::Hardware { address, source },
         ModeError::Plan { address, source } => JobError::Plan { address, source },
+        // Only a preview scans; a job plans one device it already has.
+        e @ ModeError::Scan(_) => JobError::Internal(crate::error_chain(&e)),
     }
 }
 
