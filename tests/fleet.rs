@@ -876,6 +876,15 @@ async fn a_database_outage_leaves_the_hosts_alone_and_the_fleet_catches_up() {
         age_during >= outage.as_secs_f64() - 1.0,
         "report age {age_during} s after an outage of {outage:?}"
     );
+    // What an operator reads: vfioctl status says the report is late.
+    let bus = hosts[0].1.bus.address().to_string();
+    let (ok, text) = tokio::task::block_in_place(|| common::vfioctl(&bus, &["status"]));
+    assert!(ok, "{text}");
+    assert!(
+        text.lines().any(|l| l.starts_with("fleet: last report ")
+            && l.contains(", late (every 1 s): see journalctl -u vfiod")),
+        "{text}"
+    );
     db.pg.start_server();
     let back = Instant::now();
     until(
@@ -900,6 +909,13 @@ async fn a_database_outage_leaves_the_hosts_alone_and_the_fleet_catches_up() {
         age_after < 3.0,
         "report age {age_after} s once the database is back"
     );
+    let (ok, json) = tokio::task::block_in_place(|| common::vfioctl(&bus, &["status", "--json"]));
+    assert!(ok, "{json}");
+    let json: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(json["fleet"]["report_interval_s"], 1, "{json}");
+    let age_ms =
+        json["read_ms"].as_i64().unwrap() - json["fleet"]["last_report_ms"].as_i64().unwrap();
+    assert!((0..5_000).contains(&age_ms), "{json}");
 }
 
 /// `vfiod_fleet_report_age_seconds` as `Manager.GetMetrics` shows it now.

@@ -149,8 +149,23 @@ async fn lease_list_show_and_release() {
     let pool = Pool::start(&[]);
     let h = Harness::start(&config("hosta", &pool.url, "switchover")).await;
     let bus = h.bus.address().to_string();
+    let status = |bus: &str| {
+        let (ok, out) = vfioctl(bus, &["status"]);
+        assert!(ok, "{out}");
+        out
+    };
+    let before = status(&bus);
+    assert!(
+        before.contains("\npool gpus: no call since vfiod started\n"),
+        "{before}"
+    );
 
     let c = lease(&h, "dev0").await.unwrap();
+    let leased = status(&bus);
+    assert!(
+        leased.contains("\npool gpus: reachable (answered "),
+        "{leased}"
+    );
     assert_eq!(
         (c.state.as_str(), c.epoch, c.pool.as_str()),
         ("leased", 1, "gpus")
@@ -223,6 +238,33 @@ async fn lease_list_show_and_release() {
     assert!(devices.iter().all(|d| d.session.is_none()), "{devices:?}");
     let (ok, out) = vfioctl(&bus, &["pool", "release", &c.id.to_string()]);
     assert!(!ok && out.contains("already ended"), "{out}");
+    assert!(status(&bus).contains("\npool gpus: reachable ("));
+
+    // The pool goes away: its next call fails, and status says so, with why.
+    drop(pool);
+    let (ok, out) = vfioctl(&bus, &["pool", "devices", "gpus"]);
+    assert!(!ok, "{out}");
+    let down = status(&bus);
+    assert!(
+        down.contains("\npool gpus: unreachable (") && down.contains("pool unreachable"),
+        "{down}"
+    );
+    let (ok, out) = vfioctl(&bus, &["status", "--json"]);
+    assert!(ok, "{out}");
+    let json: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(json["pools"][0]["name"], "gpus", "{json}");
+    assert!(
+        json["pools"][0]["last_call_ms"].as_i64().unwrap() > 0,
+        "{json}"
+    );
+    assert!(
+        json["pools"][0]["last_call_error"]
+            .as_str()
+            .unwrap()
+            .contains("unreachable"),
+        "{json}"
+    );
+    assert!(json["fleet"].is_null(), "no [fleet]: {json}");
 }
 
 /// The whole flow between two vfiod hosts, as libvirt drives it: the destination's

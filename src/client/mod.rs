@@ -44,6 +44,9 @@ pub trait Manager {
     /// Not cached: the daemon does not signal it (see `dbus::manager`).
     #[zbus(property(emits_changed_signal = "false"))]
     fn libvirt(&self) -> zbus::Result<std::collections::HashMap<String, zbus::OwnedVariant>>;
+    /// Not cached either: the daemon does not signal it.
+    #[zbus(property(emits_changed_signal = "false"))]
+    fn fleet(&self) -> zbus::Result<Dict>;
     fn get_metrics(&self) -> zbus::Result<String>;
     fn get_device(&self, address: &str) -> zbus::Result<zbus::OwnedObjectPath>;
     fn get_events(&self, query: Dict) -> zbus::Result<Vec<Dict>>;

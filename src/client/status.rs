@@ -1,9 +1,10 @@
 //! `vfioctl status`: what an operator checks first, and what a script alerts on: the daemon,
 //! its device counts, the libvirt connection, the tasks that hold a device in error, the claims
-//! by state and the configured pools. Read from the daemon's objects (no new D-Bus call), and
-//! rendered by a pure function, tested below.
+//! by state, the fleet report's age and whether each pool answered its last call. Read from the
+//! daemon's properties and lists, and rendered by a pure function, tested below.
 
 use super::{ClientError, DeviceView};
+use crate::dbus::wire::Entry;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use zbus::Connection;
@@ -24,8 +25,29 @@ pub struct StatusView {
     pub tasks_in_error: Vec<TaskInError>,
     /// Active claims per state (claimed, attaching, attached, detaching, ...).
     pub claims: BTreeMap<String, u32>,
-    /// The configured pools' names.
-    pub pools: Vec<String>,
+    /// Null when `[fleet]` is off.
+    pub fleet: Option<FleetView>,
+    /// The configured pools, with how their last call went.
+    pub pools: Vec<PoolView>,
+    /// Unix milliseconds: when this was read (the ages shown count to it).
+    pub read_ms: i64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FleetView {
+    pub report_interval_s: u32,
+    /// Unix milliseconds of the last report the fleet database took; 0 when none since vfiod
+    /// started.
+    pub last_report_ms: i64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolView {
+    pub name: String,
+    /// Unix milliseconds of its last call since vfiod started; 0 when none.
+    pub last_call_ms: i64,
+    /// Why the last call could not reach it; "" when it answered (a refusal is an answer).
+    pub last_call_error: String,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -75,8 +97,23 @@ pub async fn read(conn: &Connection) -> Result<StatusView, ClientError> {
         .get_pools()
         .await?
         .iter()
-        .map(|p| super::Entry(p).str("name"))
+        .map(|p| {
+            let e = Entry(p);
+            PoolView {
+                name: e.str("name"),
+                last_call_ms: e.u64("last_call_ms") as i64,
+                last_call_error: e.str("last_call_error"),
+            }
+        })
         .collect();
+    let fleet = m.fleet().await?;
+    let fleet = (!fleet.is_empty()).then(|| {
+        let e = Entry(&fleet);
+        FleetView {
+            report_interval_s: e.u32("report_interval_s"),
+            last_report_ms: e.u64("last_report_ms") as i64,
+        }
+    });
     Ok(StatusView {
         version: m.version().await?,
         scenario: m.scenario().await?,
@@ -89,8 +126,22 @@ pub async fn read(conn: &Connection) -> Result<StatusView, ClientError> {
         libvirt,
         tasks_in_error: tasks_in_error(&devices),
         claims,
+        fleet,
         pools,
+        read_ms: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as i64),
     })
+}
+
+/// An age as `vfioctl status` says it: "12 s ago", "5 min ago", "3 h ago".
+fn ago(then_ms: i64, now_ms: i64) -> String {
+    let secs = (now_ms - then_ms).max(0) / 1000;
+    match secs {
+        0..=119 => format!("{secs} s ago"),
+        120..=7199 => format!("{} min ago", secs / 60),
+        _ => format!("{} h ago", secs / 3600),
+    }
 }
 
 /// The devices whose own task (or one that covers them) is in error.
@@ -149,8 +200,43 @@ pub fn render(s: &StatusView, time: impl Fn(i64) -> String) -> String {
             out.push_str(&format!("  {}  {}\n", t.address, first));
         }
     }
-    if !s.pools.is_empty() {
-        out.push_str(&format!("pools: {}\n", s.pools.join(", ")));
+    match &s.fleet {
+        None => {}
+        Some(f) if f.last_report_ms == 0 => out.push_str(&format!(
+            "fleet: no report since vfiod started (every {} s)\n",
+            f.report_interval_s
+        )),
+        Some(f) => {
+            out.push_str(&format!(
+                "fleet: last report {}",
+                ago(f.last_report_ms, s.read_ms)
+            ));
+            // Two intervals without one: the database or the network is failing it.
+            if s.read_ms - f.last_report_ms > 2_000 * i64::from(f.report_interval_s) {
+                out.push_str(&format!(
+                    ", late (every {} s): see journalctl -u vfiod",
+                    f.report_interval_s
+                ));
+            }
+            out.push('\n');
+        }
+    }
+    for p in &s.pools {
+        out.push_str(&format!("pool {}: ", p.name));
+        if p.last_call_ms == 0 {
+            out.push_str("no call since vfiod started\n");
+        } else if p.last_call_error.is_empty() {
+            out.push_str(&format!(
+                "reachable (answered {})\n",
+                ago(p.last_call_ms, s.read_ms)
+            ));
+        } else {
+            out.push_str(&format!(
+                "unreachable ({}): {}\n",
+                ago(p.last_call_ms, s.read_ms),
+                p.last_call_error
+            ));
+        }
     }
     out
 }
@@ -172,7 +258,9 @@ mod tests {
             libvirt: None,
             tasks_in_error: vec![],
             claims: BTreeMap::new(),
+            fleet: None,
             pools: vec![],
+            read_ms: 1_000_000,
         }
     }
 
@@ -212,7 +300,27 @@ mod tests {
                 result: "split failed: Input/output error\nrollback restored it".into(),
             }],
             claims: BTreeMap::from([("attached".into(), 2), ("claimed".into(), 1)]),
-            pools: vec!["rack1".into()],
+            fleet: Some(FleetView {
+                report_interval_s: 30,
+                last_report_ms: 988_000,
+            }),
+            pools: vec![
+                PoolView {
+                    name: "rack1".into(),
+                    last_call_ms: 997_000,
+                    last_call_error: String::new(),
+                },
+                PoolView {
+                    name: "rack2".into(),
+                    last_call_ms: 700_000,
+                    last_call_error: "pool unreachable: connection refused".into(),
+                },
+                PoolView {
+                    name: "rack3".into(),
+                    last_call_ms: 0,
+                    last_call_error: String::new(),
+                },
+            ],
             ..base()
         };
         assert_eq!(
@@ -224,7 +332,39 @@ mod tests {
              claims: 2 attached, 1 claimed\n\
              tasks in error: 1 (vfioctl task reset ADDRESS once handled)\n\
              \x20 0000:af:00.0  split failed: Input/output error\n\
-             pools: rack1\n"
+             fleet: last report 12 s ago\n\
+             pool rack1: reachable (answered 3 s ago)\n\
+             pool rack2: unreachable (5 min ago): pool unreachable: connection refused\n\
+             pool rack3: no call since vfiod started\n"
         );
+        let late = |last_report_ms| StatusView {
+            fleet: Some(FleetView {
+                report_interval_s: 30,
+                last_report_ms,
+            }),
+            ..base()
+        };
+        assert!(render(&late(940_000), t).ends_with("fleet: last report 60 s ago\n"));
+        assert!(render(&late(939_000), t).ends_with(
+            "fleet: last report 61 s ago, late (every 30 s): see journalctl -u vfiod\n"
+        ));
+        assert!(
+            render(&late(0), t).ends_with("fleet: no report since vfiod started (every 30 s)\n")
+        );
+        assert!(render(&late(0), t).contains("fleet: no report"));
+    }
+
+    #[test]
+    fn ages_read_in_the_unit_that_fits() {
+        for (secs, want) in [
+            (0, "0 s ago"),
+            (119, "119 s ago"),
+            (120, "2 min ago"),
+            (7199, "119 min ago"),
+            (7200, "2 h ago"),
+            (-5, "0 s ago"),
+        ] {
+            assert_eq!(ago(0, secs * 1000), want, "{secs} s");
+        }
     }
 }

@@ -159,6 +159,15 @@ impl Manager {
         wire::libvirt_link(self.objects.engine.libvirt_link().as_ref())
     }
 
+    /// The fleet reporter: empty when `[fleet]` is off; else `report_interval_s` u and
+    /// `last_report_ms` t (Unix ms of the last report the database took, 0 when none since
+    /// vfiod started). Not signalled: read it when needed.
+    #[zbus(property(emits_changed_signal = "false"))]
+    fn fleet(&self) -> Dict {
+        let last = self.objects.engine.metrics().fleet_last_report();
+        wire::fleet(&self.objects.engine.settings(), last)
+    }
+
     /// Config files in effect, in the order they were read.
     #[zbus(property)]
     fn config_sources(&self) -> Vec<String> {
@@ -353,14 +362,17 @@ impl Manager {
     }
 
     /// The configured pools, each `{name: s, url: s, quiesce_at: s ("switchover", "begin"),
-    /// connect_timeout_ms: u, request_timeout_ms: u}`.
+    /// connect_timeout_ms: u, request_timeout_ms: u, last_call_ms: t (Unix ms of its last call
+    /// since vfiod started, 0 when none), last_call_error: s ("" when it answered, a refusal
+    /// included; else why it could not be reached)}`.
     fn get_pools(&self) -> Vec<Dict> {
+        let calls = self.objects.engine.metrics().pool_calls();
         self.objects
             .engine
             .settings()
             .pools
             .iter()
-            .map(wire::pool)
+            .map(|p| wire::pool(p, calls.get(&p.name)))
             .collect()
     }
 

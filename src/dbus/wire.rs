@@ -45,6 +45,25 @@ pub fn libvirt_link(link: Option<&crate::engine::libvirt_link::Link>) -> Dict {
     d
 }
 
+/// Unix milliseconds; 0 for a time before 1970 (a clock set far back).
+fn unix_ms(t: std::time::SystemTime) -> u64 {
+    t.duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// `Manager.Fleet`: empty when the fleet is off; else `report_interval_s` u and
+/// `last_report_ms` t (0: none since vfiod started).
+pub fn fleet(settings: &crate::config::Settings, last: Option<std::time::SystemTime>) -> Dict {
+    let Some(f) = &settings.fleet else {
+        return Dict::new();
+    };
+    let interval = f.report_interval.unwrap_or(settings.poll_interval);
+    Dict::from([
+        ("report_interval_s".into(), v(interval.as_secs() as u32)),
+        ("last_report_ms".into(), v(last.map_or(0, unix_ms))),
+    ])
+}
+
 /// `Manager.GetTasks` entry.
 pub fn task(t: &TaskRecord) -> Dict {
     Dict::from([
@@ -201,8 +220,18 @@ pub fn owner(dict: Dict, default_lease: u32) -> Result<crate::claims::Owner, Err
 }
 
 /// `Manager.GetPools` entry.
-pub fn pool(p: &crate::config::PoolSettings) -> Dict {
+/// `Manager.GetPools` entry; `last` is its last call since vfiod started: `last_call_ms` t
+/// (0: none yet) and `last_call_error` s ("" when the pool answered, a refusal included).
+pub fn pool(
+    p: &crate::config::PoolSettings,
+    last: Option<&crate::metrics::registry::PoolCall>,
+) -> Dict {
     Dict::from([
+        ("last_call_ms".into(), v(last.map_or(0, |c| unix_ms(c.at)))),
+        (
+            "last_call_error".into(),
+            v(last.and_then(|c| c.error.as_deref()).unwrap_or("")),
+        ),
         ("name".into(), v(p.name.as_str())),
         ("url".into(), v(p.url.as_str())),
         ("quiesce_at".into(), v(p.quiesce_at.as_str())),

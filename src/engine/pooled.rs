@@ -150,7 +150,9 @@ impl Engine {
             }
         };
         match tokio::time::timeout(bound, f(client)).await {
-            Ok(r) => r.map_err(wrap),
+            Ok(r) => r
+                .inspect(|_| self.metrics.pool_call_answered(pool))
+                .map_err(wrap),
             Err(_) => Err(wrap(PoolError::Unreachable(format!(
                 "no answer within {} ms",
                 bound.as_millis()

@@ -26,8 +26,9 @@ use prometheus::{
     Gauge, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts,
     Registry, TextEncoder,
 };
+use std::collections::BTreeMap;
 use std::sync::{Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 use tokio::sync::watch;
 
 /// Task durations: sysfs steps take milliseconds, a split of many VFs seconds, an FPGA
@@ -90,7 +91,9 @@ pub struct Metrics {
     fleet_age: GaugeVec,
     textfile_errors: IntCounter,
     /// When the fleet last took a report; `None` until the first.
-    fleet_reported: Mutex<Option<Instant>>,
+    fleet_reported: Mutex<Option<SystemTime>>,
+    /// Each pool's last call since start: when it ended and, if it failed, why.
+    pool_calls: Mutex<BTreeMap<String, PoolCall>>,
     /// The age of a report that never came counts from here: an alert on the age then fires
     /// for a reporter that never succeeds.
     started: Instant,
@@ -107,6 +110,14 @@ impl Default for Metrics {
     fn default() -> Metrics {
         Metrics::new().expect("vfiod's metrics register (constant names, unit-tested)")
     }
+}
+
+/// A pool's last call: when it ended, and why the pool could not be reached or understood
+/// (`None`: it answered, a refusal included).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PoolCall {
+    pub at: SystemTime,
+    pub error: Option<String>,
 }
 
 fn register<T: prometheus::core::Collector + Clone + 'static>(
@@ -242,6 +253,7 @@ impl Metrics {
             fleet_age,
             textfile_errors,
             fleet_reported: Mutex::new(None),
+            pool_calls: Mutex::new(BTreeMap::new()),
             started: Instant::now(),
             rendering: Mutex::new(()),
             touched: watch::channel(0).0,
@@ -289,7 +301,44 @@ impl Metrics {
         self.pool_errors
             .with_label_values(&[pool, pool_error_label(error)])
             .inc();
+        // A refusal is an answer: the pool is reachable, it said no to this call.
+        let reached = matches!(
+            error,
+            PoolError::StaleEpoch { .. }
+                | PoolError::NotFound
+                | PoolError::NotQuiesced
+                | PoolError::Refused { .. }
+        );
+        self.pool_called(pool, (!reached).then(|| crate::error_chain(error)));
         self.touch();
+    }
+
+    /// A call to pool `pool` got its answer (`vfioctl status` shows the pool reachable).
+    pub fn pool_call_answered(&self, pool: &str) {
+        self.pool_called(pool, None);
+    }
+
+    fn pool_called(&self, pool: &str, error: Option<String>) {
+        let mut calls = self
+            .pool_calls
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        // Bounded by the configured pools' names (a removed pool's entry stays until restart).
+        calls.insert(
+            pool.to_string(),
+            PoolCall {
+                at: SystemTime::now(),
+                error,
+            },
+        );
+    }
+
+    /// Each pool's last call since start, by name.
+    pub fn pool_calls(&self) -> BTreeMap<String, PoolCall> {
+        self.pool_calls
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 
     /// The fleet database took a report now.
@@ -297,8 +346,16 @@ impl Metrics {
         *self
             .fleet_reported
             .lock()
-            .unwrap_or_else(PoisonError::into_inner) = Some(Instant::now());
+            .unwrap_or_else(PoisonError::into_inner) = Some(SystemTime::now());
         self.touch();
+    }
+
+    /// When the fleet last took a report; `None` until the first since start.
+    pub fn fleet_last_report(&self) -> Option<SystemTime> {
+        *self
+            .fleet_reported
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
     /// A write of the textfile failed (the caller logs why).
@@ -324,13 +381,13 @@ impl Metrics {
         }
         self.fleet_age.reset();
         if state.fleet {
-            let since = self
-                .fleet_reported
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .unwrap_or(self.started);
-            let age: Gauge = self.fleet_age.with_label_values::<&str>(&[]);
-            age.set(since.elapsed().as_secs_f64());
+            let age = match self.fleet_last_report() {
+                // A clock set back makes it 0, not negative.
+                Some(at) => at.elapsed().unwrap_or_default(),
+                None => self.started.elapsed(),
+            };
+            let gauge: Gauge = self.fleet_age.with_label_values::<&str>(&[]);
+            gauge.set(age.as_secs_f64());
         }
         for pool in &state.pools {
             for error in POOL_ERRORS {
