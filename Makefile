@@ -12,6 +12,7 @@ PREFIX      ?= /usr/local
 SYSCONFDIR  ?= /etc
 BINDIR      ?= $(PREFIX)/bin
 SBINDIR     ?= $(PREFIX)/sbin
+LIBEXECDIR  ?= $(PREFIX)/libexec
 DATADIR     ?= $(PREFIX)/share
 UNITDIR     ?= $(PREFIX)/lib/systemd/system
 TMPFILESDIR ?= $(PREFIX)/lib/tmpfiles.d
@@ -35,7 +36,6 @@ CARGO_TARGET_DIR ?= target
 RELEASE     := $(CARGO_TARGET_DIR)/release
 
 INSTALL     ?= install
-HOOKS       := $(wildcard hooks/qemu.d/*)
 # One file per interface, kept equal to what the daemon serves by tests/dbus_interfaces.rs.
 INTERFACES  := $(wildcard dbus/interfaces/org.vfiod.Vfiod1.*.xml)
 # The man pages, under MANDIR.
@@ -49,7 +49,7 @@ build:
 	cargo build --release
 
 install:
-	@for bin in vfiod vfioctl vfiod-pool; do \
+	@for bin in vfiod vfioctl vfiod-pool vfiod-qemu-hook; do \
 	  test -x $(RELEASE)/$$bin || { echo "make install: $(RELEASE)/$$bin is missing: run 'cargo build --release' first" >&2; exit 1; }; \
 	done
 	@test -f conf/vfiod.toml || { echo "make install: conf/vfiod.toml is missing" >&2; exit 1; }
@@ -94,15 +94,12 @@ install:
 	  echo "$(INSTALL) -m 0644 conf/vfiod.toml $(DESTDIR)$(CONFDIR)/vfiod.toml"; \
 	  $(INSTALL) -m 0644 conf/vfiod.toml $(DESTDIR)$(CONFDIR)/vfiod.toml; \
 	fi
-ifneq ($(HOOKS),)
+	@# libvirt's qemu hook: libvirt runs every executable in HOOKDIR, following a symlink, and
+	@# waits for it on every VM start; a binary of its own, not a shell script (hooks/README.md).
+	$(INSTALL) -D -m 0755 $(RELEASE)/vfiod-qemu-hook $(DESTDIR)$(LIBEXECDIR)/vfiod-qemu-hook
 	$(INSTALL) -d -m 0755 $(DESTDIR)$(HOOKDIR)
-	@# The shims exec the vfioctl installed above, wherever BINDIR put it.
-	for h in $(HOOKS); do \
-	  sed -e 's|/usr/local/bin/vfioctl|$(BINDIR)/vfioctl|' $$h > $(DESTDIR)$(HOOKDIR)/$$(basename $$h) && \
-	  chmod 0755 $(DESTDIR)$(HOOKDIR)/$$(basename $$h) || exit 1; \
-	done
+	ln -sfn $(LIBEXECDIR)/vfiod-qemu-hook $(DESTDIR)$(HOOKDIR)/vfiod
 	@echo "libvirt reads its hook directory when it starts: restart libvirtd (or virtqemud) once"
-endif
 
 uninstall:
 	rm -f $(DESTDIR)$(SBINDIR)/vfiod $(DESTDIR)$(BINDIR)/vfioctl $(DESTDIR)$(BINDIR)/vfiod-pool
@@ -113,7 +110,7 @@ uninstall:
 	rmdir $(DESTDIR)$(DOCDIR) 2>/dev/null || true
 	rm -f $(DESTDIR)$(DBUS_POLICYDIR)/org.vfiod.Vfiod1.conf $(DESTDIR)$(POLKIT_ACTIONDIR)/org.vfiod.vfiod1.policy
 	rm -f $(addprefix $(DESTDIR)$(DBUS_INTERFACEDIR)/,$(notdir $(INTERFACES)))
-	$(if $(HOOKS),rm -f $(addprefix $(DESTDIR)$(HOOKDIR)/,$(notdir $(HOOKS))))
+	rm -f $(DESTDIR)$(HOOKDIR)/vfiod $(DESTDIR)$(LIBEXECDIR)/vfiod-qemu-hook
 	@echo "left in place: $(DESTDIR)$(CONFDIR) (configuration) and /var/lib/vfiod (state)"
 
 # A Debian package of the release build: make install's layout under PREFIX=/usr, packaging/deb's

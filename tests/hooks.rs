@@ -59,11 +59,34 @@ struct Ran {
     took: Duration,
 }
 
-/// Runs `vfioctl hook qemu ARGS` with `xml` on stdin, as libvirt would.
+/// Runs the hook as libvirt runs it (`qemu.d/vfiod`, the `vfiod-qemu-hook` binary) with
+/// `args` and `xml` on stdin.
 fn hook(bus: &str, config: &std::path::Path, args: &[&str], xml: &str) -> Ran {
+    run_hook(
+        Command::new(env!("CARGO_BIN_EXE_vfiod-qemu-hook")),
+        bus,
+        config,
+        args,
+        xml,
+    )
+}
+
+/// `vfioctl hook qemu ARGS`: the same run, by hand.
+fn hook_by_hand(bus: &str, config: &std::path::Path, args: &[&str], xml: &str) -> Ran {
+    let mut vfioctl = Command::new(env!("CARGO_BIN_EXE_vfioctl"));
+    vfioctl.args(["hook", "qemu"]);
+    run_hook(vfioctl, bus, config, args, xml)
+}
+
+fn run_hook(
+    mut command: Command,
+    bus: &str,
+    config: &std::path::Path,
+    args: &[&str],
+    xml: &str,
+) -> Ran {
     let started = Instant::now();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_vfioctl"))
-        .args(["hook", "qemu"])
+    let mut child = command
         .args(args)
         .env("VFIOD_BUS", bus)
         .env("VFIOD_CONFIG", config)
@@ -277,6 +300,51 @@ async fn filters_notifications_and_bad_xml() {
     );
     let r = hook(&bus, &config, &["vm1", "stopped", "end", "-"], "not xml");
     assert_eq!(r.code, 0, "{}", r.stderr);
+}
+
+/// `vfioctl hook qemu` by hand answers as the installed hook does, whatever the case: a start
+/// refused, a notification, a filter, bad XML, and with vfiod gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vfioctl_hook_qemu_answers_as_the_installed_hook() {
+    let (mut h, config, bus) = harness().await;
+    let vm1 = domain_xml("vm1", &[VF0]);
+    let vm2 = domain_xml("vm2", &[VF0]).replace(UUID, "00000000-0000-0000-0000-000000000002");
+    // Cases that change nothing, so that both runs meet the same records.
+    let cases: [(&[&str], &str); 4] = [
+        (&["vm2", "prepare", "begin", "-"], &vm2),
+        (&["vm1", "started", "begin", "-"], &vm1),
+        (&["vm1", "attach", "begin", "-"], &vm1),
+        (&["vm1", "prepare", "begin", "-"], "<domain><name>vm1"),
+    ];
+    let answers = |h: &str| -> Vec<(i32, String, String)> {
+        cases
+            .iter()
+            .map(|(args, xml)| {
+                let r = if h == "installed" {
+                    hook(&bus, &config, args, xml)
+                } else {
+                    hook_by_hand(&bus, &config, args, xml)
+                };
+                (r.code, r.stdout, r.stderr)
+            })
+            .collect()
+    };
+    // vm1 started with VF0 (claimed and attached), so that vm2's start is refused.
+    for op in ["prepare", "started"] {
+        let r = hook(&bus, &config, &["vm1", op, "begin", "-"], &vm1);
+        assert_eq!(r.code, 0, "{op}: {}", r.stderr);
+    }
+    let installed = answers("installed");
+    assert_eq!(
+        installed[0].0, 1,
+        "vm2 may not start with vm1's VF: {installed:?}"
+    );
+    assert_eq!(installed, answers("by hand"));
+    // vfiod gone: the fallback of each.
+    h.stop_server().await;
+    let installed = answers("installed");
+    assert_eq!(installed[1].0, 0, "a notification passes: {installed:?}");
+    assert_eq!(installed, answers("by hand"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

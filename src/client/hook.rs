@@ -1,4 +1,5 @@
-//! `vfioctl hook qemu`: what libvirt's hook shim runs. It forwards the run to vfiod in one call
+//! libvirt's qemu hook: what `vfiod-qemu-hook` (installed as `/etc/libvirt/hooks/qemu.d/vfiod`)
+//! and `vfioctl hook qemu` run, [`process`]. It forwards the run to vfiod in one call
 //! (`Manager.Hook`) within a hard deadline, and decides alone when vfiod cannot answer: a
 //! notification passes (libvirt must never be held up, and a failing `reconnect` would make it
 //! kill the VM), while `prepare`, `start`, `migrate` and `restore` fail closed for a domain with
@@ -88,6 +89,39 @@ pub fn settings() -> Settings {
     };
     // A configuration the daemon would refuse: the defaults, so that the hook still answers.
     loaded.unwrap_or_default()
+}
+
+/// One whole run of the hook process, as libvirt runs it: the settings, the XML from stdin, the
+/// answer (vfiod's, or the hook's own), written to stdout and stderr, and the exit code.
+/// `vfiod-qemu-hook` (what libvirt runs) and `vfioctl hook qemu` (by hand) are both this.
+pub async fn process(bus: &BusTarget, args: &HookArgs) -> u8 {
+    let settings = settings();
+    let out = match read_xml(std::io::stdin().lock(), args) {
+        Ok(xml) => run(bus, args, xml, &settings.hooks, &settings.state_dir).await,
+        Err(out) => out,
+    };
+    use std::io::Write;
+    let _ = std::io::stdout().write_all(out.stdout.as_bytes());
+    if !out.stderr.is_empty() {
+        eprintln!("{}", out.stderr);
+        if out.exit_code != 0 || out.stderr.contains("not recorded") {
+            journal(&out.stderr);
+        }
+    }
+    u8::try_from(out.exit_code.clamp(0, 255)).unwrap_or(1)
+}
+
+/// The bus the hook asks: `$VFIOD_BUS` (tests, a simulated host), else the system bus. An
+/// unreadable value is said on stderr and the system bus is asked: the hook never fails for
+/// its own reasons.
+pub fn bus_from_env() -> BusTarget {
+    match std::env::var("VFIOD_BUS") {
+        Ok(v) if !v.is_empty() => v.parse().unwrap_or_else(|e| {
+            eprintln!("vfiod: VFIOD_BUS: {e}");
+            BusTarget::System
+        }),
+        _ => BusTarget::System,
+    }
 }
 
 /// Runs the hook: asks vfiod, or decides alone when it cannot.

@@ -506,8 +506,8 @@ impl Manager {
         Ok(super::task::task_path(started?.id))
     }
 
-    /// libvirt's qemu hook, forwarded by `vfioctl hook qemu` (the shim in
-    /// `/etc/libvirt/hooks/qemu.d/vfiod`): one call per run of the hook, with libvirt's
+    /// libvirt's qemu hook, forwarded by `vfiod-qemu-hook` (what
+    /// `/etc/libvirt/hooks/qemu.d/vfiod` links to) or `vfioctl hook qemu`: one call per run of the hook, with libvirt's
     /// arguments and the domain XML it gave on stdin. Returns the hook's exit code, its output
     /// (an XML filter's new XML; empty means unchanged) and a message. Decided from the XML and
     /// vfiod's records, never by asking libvirt (it waits for the hook), within `[hooks]`

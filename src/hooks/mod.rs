@@ -1,6 +1,6 @@
 //! libvirt's qemu hook, decided: what vfiod answers when libvirt runs
 //! `/etc/libvirt/hooks/qemu.d/vfiod DOMAIN OPERATION SUB-OPERATION EXTRA` with the domain XML on
-//! stdin (`vfioctl hook qemu` forwards it in one D-Bus call, `Manager.Hook`). Pure: the engine
+//! stdin (that is `vfiod-qemu-hook`, which forwards it in one D-Bus call, `Manager.Hook`). Pure: the engine
 //! reads the records, calls these functions, and carries out their answer
 //! (`engine::hooks`). A hook must never call libvirt back (libvirt waits for it), so everything
 //! is decided from the XML it was given and vfiod's own records.

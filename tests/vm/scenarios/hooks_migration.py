@@ -78,7 +78,7 @@ def setup(g: Guest) -> None:
     vfiod.install(g, dropin=DROPIN)
     g.wait_for("the split at start-up", lambda: len(vfs(g)) == 2, 60)
     check_split(g)
-    g.run(f"test -x {HOOK} && ls -l {HOOK} && grep -q 'vfioctl hook qemu' {HOOK}")
+    g.run(f"test -x {HOOK} && ls -l {HOOK} && test \"$(readlink {HOOK})\" = /usr/local/libexec/vfiod-qemu-hook")
     g.run("systemctl restart libvirtd")
     g.wait_for("libvirtd back", lambda: g.run("virsh list", check=False, quiet=True).rc == 0, 60)
 

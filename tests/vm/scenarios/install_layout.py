@@ -26,7 +26,7 @@ def install_layout(tb: Testbed) -> None:
         # Stand-in binaries: this checks the Makefile, not the build.
         target = Path(tmp) / "target"
         (target / "release").mkdir(parents=True)
-        for name in ("vfiod", "vfioctl", "vfiod-pool"):
+        for name in ("vfiod", "vfioctl", "vfiod-pool", "vfiod-qemu-hook"):
             (target / "release" / name).write_text("#!/bin/sh\n")
             (target / "release" / name).chmod(0o755)
 
@@ -35,6 +35,7 @@ def install_layout(tb: Testbed) -> None:
         for prefix, expected in {
             "/usr/local": {
                 "/usr/local/sbin/vfiod", "/usr/local/bin/vfioctl", "/usr/local/bin/vfiod-pool",
+                "/usr/local/libexec/vfiod-qemu-hook",
                 "/usr/local/lib/systemd/system/vfiod.service", "/usr/local/lib/tmpfiles.d/vfiod.conf",
                 "/etc/dbus-1/system.d/org.vfiod.Vfiod1.conf", "/usr/share/polkit-1/actions/org.vfiod.vfiod1.policy",
                 "/etc/vfiod/vfiod.toml",
@@ -48,7 +49,7 @@ def install_layout(tb: Testbed) -> None:
                 "/usr/local/share/fish/vendor_completions.d/vfioctl.fish",
             },
             "/usr": {
-                "/usr/sbin/vfiod", "/usr/bin/vfioctl", "/usr/bin/vfiod-pool",
+                "/usr/sbin/vfiod", "/usr/bin/vfioctl", "/usr/bin/vfiod-pool", "/usr/libexec/vfiod-qemu-hook",
                 "/usr/lib/systemd/system/vfiod.service", "/usr/lib/tmpfiles.d/vfiod.conf",
                 "/usr/share/dbus-1/system.d/org.vfiod.Vfiod1.conf",
                 "/usr/share/polkit-1/actions/org.vfiod.vfiod1.policy", "/etc/vfiod/vfiod.toml",
@@ -65,8 +66,12 @@ def install_layout(tb: Testbed) -> None:
             dest = Path(tmp) / ("stage" + prefix.replace("/", "-"))
             args = [f"DESTDIR={dest}", f"PREFIX={prefix}", f"CARGO_TARGET_DIR={target}"]
             make(tb.repo, "install", *args)
-            hooks = {f"/etc/libvirt/hooks/qemu.d/{p.name}" for p in (tb.repo / "hooks" / "qemu.d").glob("*")}
+            hooks = {"/etc/libvirt/hooks/qemu.d/vfiod"}
             got = files(dest)
+            # libvirt's hook is a symlink to the hook binary (it runs without a shell).
+            link = dest / "etc/libvirt/hooks/qemu.d/vfiod"
+            assert link.is_symlink() and str(link.readlink()) == f"{prefix}/libexec/vfiod-qemu-hook", \
+                f"PREFIX={prefix}: {link} is not a symlink to {prefix}/libexec/vfiod-qemu-hook"
             assert got == expected | hooks, (f"PREFIX={prefix}: unexpected layout: missing "
                                              f"{sorted(expected | hooks - got)}, extra {sorted(got - expected - hooks)}")
             assert (dest / "etc/vfiod/conf.d").is_dir(), "no empty /etc/vfiod/conf.d"

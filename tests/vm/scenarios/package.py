@@ -28,8 +28,10 @@ def package(tb: Testbed) -> None:
     assert deb.endswith(".deb") and (tb.repo / deb).is_file(), f"make deb printed no package: {built.stdout}"
     # The package's files (not its directories, which it may share with others), from the archive.
     listing = subprocess.run(["dpkg-deb", "-c", str(tb.repo / deb)], capture_output=True, text=True, check=True)
-    files = [line.split()[-1].lstrip(".") for line in listing.stdout.splitlines() if not line.startswith("d")]
-    assert "/usr/sbin/vfiod" in files and "/etc/libvirt/hooks/qemu.d/vfiod" in files, files
+    # A symlink's line ends "NAME -> TARGET": its name is the file.
+    files = [line.split(None, 5)[5].split(" -> ")[0].lstrip(".")
+             for line in listing.stdout.splitlines() if not line.startswith("d")]
+    assert {"/usr/sbin/vfiod", "/usr/libexec/vfiod-qemu-hook", "/etc/libvirt/hooks/qemu.d/vfiod"} <= set(files), files
     pages = {"/usr/share/man/man1/vfioctl.1.gz", "/usr/share/man/man1/vfiod-pool.1.gz",
              "/usr/share/man/man5/vfiod.toml.5.gz", "/usr/share/man/man8/vfiod.8.gz"}
     assert pages <= set(files), f"man pages missing from the package: {sorted(pages - set(files))}"
@@ -50,7 +52,8 @@ def package(tb: Testbed) -> None:
         f"only lspci {sorted(lspci_addresses(g) - listed)}"
     # The hook is in libvirt's directory, and libvirtd restarted after it was (it reads the directory
     # when it starts), then works.
-    g.run("test -x /etc/libvirt/hooks/qemu.d/vfiod && grep -q /usr/bin/vfioctl /etc/libvirt/hooks/qemu.d/vfiod")
+    g.run("test -x /etc/libvirt/hooks/qemu.d/vfiod && "
+          "test \"$(readlink /etc/libvirt/hooks/qemu.d/vfiod)\" = /usr/libexec/vfiod-qemu-hook")
     libvirtd_after = prop(g, "libvirtd", "MainPID")
     assert libvirtd_after not in ("0", libvirtd_before), \
         f"libvirtd was not restarted to read the hook (MainPID {libvirtd_before} -> {libvirtd_after})"
