@@ -4,6 +4,9 @@
 //! manager's history queries name an unknown device as `GetDevice` does.
 
 mod common;
+// The golden files of every read command (tests/data/golden/vfioctl/).
+#[path = "vfioctl/golden.rs"]
+mod golden;
 
 use common::{addr, vfioctl, Harness, STEADY_CONFIG};
 use std::io::Read;
@@ -911,4 +914,121 @@ async fn status_names_tasks_in_error_and_claims_by_state() {
     let (ok, out) = vfioctl(&bus, &["task", "reset", "0000:af:00.0"]);
     assert!(ok, "{out}");
     assert!(status().tasks_in_error.is_empty());
+}
+
+/// `vfioctl plan --config DIR_OR_FILE`: what a configuration that is not installed would do on
+/// this host, from a file or an /etc/vfiod-like directory with a drop-in; every error of a
+/// wrong one, named before vfiod is asked; and nothing changed by any of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plan_config_previews_a_configuration_before_it_is_installed() {
+    let h = Harness::start(STEADY_CONFIG).await;
+    let bus = h.bus.address().to_string();
+    let nic = "0000:3b:00.0";
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("etc-vfiod");
+    std::fs::create_dir_all(dir.join("conf.d")).unwrap();
+    std::fs::write(dir.join("vfiod.toml"), "scenario = \"public\"\n").unwrap();
+    std::fs::write(
+        dir.join("conf.d/50-nic.toml"),
+        "[[select]]\nid = \"8086:1572\"\nnum_vfs = 4\n",
+    )
+    .unwrap();
+    let tasks_before = h.store().tasks(None, 100).unwrap().len();
+    let (running, drop_in) = tokio::task::spawn_blocking({
+        let (bus, dir) = (bus.clone(), dir.clone());
+        move || {
+            let running = ran(&bus, &["plan", nic], false);
+            let d = dir.to_str().unwrap();
+            (running, ran(&bus, &["plan", "--config", d], false))
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(running.code, Some(0), "{}", running.stderr);
+    assert!(!running.stdout.contains("split"), "{}", running.stdout);
+    assert_eq!(drop_in.code, Some(0), "{}", drop_in.stderr);
+    let lines: Vec<&str> = drop_in.stdout.lines().collect();
+    assert!(
+        lines[0].starts_with(&format!("{nic}: split (")),
+        "{}",
+        drop_in.stdout
+    );
+    assert!(
+        lines[1..]
+            .iter()
+            .any(|l| l.contains("sriov_numvfs") && l.contains('4')),
+        "{}",
+        drop_in.stdout
+    );
+
+    let (one, other, json, wrong, missing) = tokio::task::spawn_blocking({
+        let (bus, dir) = (bus.clone(), dir.clone());
+        move || {
+            let d = dir.to_str().unwrap();
+            let one = ran(&bus, &["plan", "--config", d, nic], false);
+            let other = ran(&bus, &["plan", "--config", d, "0000:af:00.0"], false);
+            let json = ran(&bus, &["plan", "--config", d, "--json"], false);
+            // A file: the whole configuration; two errors, both named.
+            let bad = dir.join("bad.toml");
+            std::fs::write(
+                &bad,
+                "scenario = \"cloudy\"\n[[select]]\nid = \"8086:zz\"\n",
+            )
+            .unwrap();
+            let wrong = ran(&bus, &["plan", "--config", bad.to_str().unwrap()], false);
+            let missing = ran(
+                &bus,
+                &["plan", "--config", "/nonexistent/vfiod.toml"],
+                false,
+            );
+            (one, other, json, wrong, missing)
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(one.code, Some(0), "{}", one.stderr);
+    assert!(
+        one.stdout.starts_with(&format!("{nic}: split (")),
+        "{}",
+        one.stdout
+    );
+    assert!(
+        other
+            .stdout
+            .starts_with("0000:af:00.0: left alone (not selected by that configuration"),
+        "{}",
+        other.stdout
+    );
+    let v: serde_json::Value = serde_json::from_str(&json.stdout).unwrap();
+    assert_eq!(v.as_array().unwrap().len(), 1, "{v}");
+    assert_eq!(v[0]["address"], nic, "{v}");
+    assert_ne!(wrong.code, Some(0), "{}", wrong.stderr);
+    assert!(wrong.stdout.is_empty(), "{}", wrong.stdout);
+    let errors: Vec<&str> = wrong.stderr.lines().collect();
+    assert_eq!(errors.len(), 3, "{}", wrong.stderr);
+    assert!(
+        errors[0].contains("bad.toml:1:12: `scenario`"),
+        "{}",
+        wrong.stderr
+    );
+    assert!(
+        errors[1].contains("bad.toml:3:6: `id` in [[select]] #1"),
+        "{}",
+        wrong.stderr
+    );
+    assert!(
+        errors[2].starts_with("2 errors in the configuration"),
+        "{}",
+        wrong.stderr
+    );
+    assert_ne!(missing.code, Some(0));
+    assert!(
+        missing.stderr.contains("/nonexistent/vfiod.toml"),
+        "{}",
+        missing.stderr
+    );
+
+    // Nothing was changed: no task, the NIC whole.
+    assert_eq!(h.store().tasks(None, 100).unwrap().len(), tasks_before);
+    assert_eq!(h.store().device(addr(nic)).unwrap().unwrap().num_vfs, 0);
 }

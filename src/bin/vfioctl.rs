@@ -81,6 +81,11 @@ enum Command {
     Plan {
         #[arg(value_parser = spelling)]
         address: Option<String>,
+        /// Plan with this configuration instead of the running one, before it is installed: a
+        /// file (the whole configuration) or a directory laid out as /etc/vfiod (vfiod.toml,
+        /// conf.d/*.toml). Read here, as you; every error in it is named.
+        #[arg(long, value_name = "DIR_OR_FILE")]
+        config: Option<std::path::PathBuf>,
         #[arg(long)]
         json: bool,
     },
@@ -638,6 +643,79 @@ fn note(text: &str) {
     }
 }
 
+/// `vfioctl plan --config PATH [ADDRESS]`: the files read and checked here (every error
+/// named, without asking vfiod), then planned by vfiod against its host now.
+async fn preview(
+    conn: &zbus::Connection,
+    path: &std::path::Path,
+    address: Option<&str>,
+) -> Result<Vec<client::PlanEntry>, Failure> {
+    use vfiod::config::Settings;
+    let files = Settings::read_files(path).map_err(|e| Failure::from(vfiod::error_chain(&e)))?;
+    if let Err(errors) = Settings::from_files(files.clone()) {
+        let mut lines: Vec<String> = errors.iter().map(|e| vfiod::error_chain(e)).collect();
+        if lines.len() > 1 {
+            lines.push(format!("{} errors in the configuration", errors.len()));
+        }
+        return Err(Failure::named(
+            "org.vfiod.Vfiod1.Error.InvalidConfig",
+            lines.join("\n"),
+        ));
+    }
+    let plans = client::preview_plans(conn, &files)
+        .await
+        .map_err(describe)?;
+    Ok(match address {
+        None => plans,
+        // Only the PFs it selects have a plan; another function is left alone by it.
+        Some(a) => vec![plans
+            .into_iter()
+            .find(|p| p.address == a)
+            .unwrap_or_else(|| client::PlanEntry {
+                address: a.to_string(),
+                decision: "leave".into(),
+                reason: "not selected by that configuration (or a VF, which follows its PF)".into(),
+                program: "nothing".into(),
+                steps: Vec::new(),
+                json: serde_json::json!({
+                    "address": a,
+                    "decision": "leave",
+                    "reason": "not selected by that configuration",
+                })
+                .to_string(),
+            })],
+    })
+}
+
+/// `vfioctl plan`'s output: one line per device and its writes, or the plans as JSON.
+fn print_plans(plans: Vec<client::PlanEntry>, json: bool, config: &str) -> Result<(), Failure> {
+    if json {
+        let v: Vec<serde_json::Value> = plans
+            .iter()
+            .map(|p| serde_json::from_str(&p.json).unwrap_or(serde_json::Value::Null))
+            .collect();
+        print_json(&v)?;
+    } else if plans.is_empty() {
+        println!("no device is selected by {config}: nothing to plan");
+    } else {
+        for p in plans {
+            let what = match p.decision.as_str() {
+                "target" if p.program == "nothing" => {
+                    "in its target mode: nothing to do".to_string()
+                }
+                "target" => p.program.clone(),
+                "refuse" => "refused".to_string(),
+                _ => "left alone".to_string(),
+            };
+            println!("{}: {what} ({})", p.address, p.reason);
+            for s in &p.steps {
+                println!("    {s}");
+            }
+        }
+    }
+    Ok(())
+}
+
 fn print_json<T: serde::Serialize>(v: &T) -> Result<(), String> {
     println!(
         "{}",
@@ -742,23 +820,7 @@ async fn hook(target: BusTarget, command: HookCommand) -> ExitCode {
         sub_operation,
         extra,
     };
-    let settings = client::hook::settings();
-    let read = client::hook::read_xml(std::io::stdin().lock(), &args);
-    let out = match read {
-        Ok(xml) => {
-            client::hook::run(&target, &args, xml, &settings.hooks, &settings.state_dir).await
-        }
-        Err(out) => out,
-    };
-    use std::io::Write;
-    let _ = std::io::stdout().write_all(out.stdout.as_bytes());
-    if !out.stderr.is_empty() {
-        eprintln!("{}", out.stderr);
-        if out.exit_code != 0 || out.stderr.contains("not recorded") {
-            client::hook::journal(&out.stderr);
-        }
-    }
-    ExitCode::from(u8::try_from(out.exit_code.clamp(0, 255)).unwrap_or(1))
+    ExitCode::from(client::hook::process(&target, &args).await)
 }
 
 async fn run(args: Args) -> Result<(), Failure> {
@@ -886,7 +948,23 @@ async fn run(args: Args) -> Result<(), Failure> {
                 "vfiod left the bus: no more events to follow".to_string(),
             ));
         }
-        Command::Plan { address, json } => {
+        Command::Plan {
+            address,
+            config: Some(path),
+            json,
+        } => {
+            let plans = preview(&conn, &path, address.as_deref()).await?;
+            print_plans(
+                plans,
+                json,
+                &format!("the configuration in {}", path.display()),
+            )?;
+        }
+        Command::Plan {
+            address,
+            config: None,
+            json,
+        } => {
             let m = client::manager(&conn).await.map_err(describe)?;
             let plans: Vec<client::PlanEntry> = match &address {
                 Some(a) => vec![m.get_plan(a).await.map_err(|e| describe(e.into()))?],
@@ -895,30 +973,7 @@ async fn run(args: Args) -> Result<(), Failure> {
             .iter()
             .map(client::PlanEntry::from_dict)
             .collect();
-            if json {
-                let v: Vec<serde_json::Value> = plans
-                    .iter()
-                    .map(|p| serde_json::from_str(&p.json).unwrap_or(serde_json::Value::Null))
-                    .collect();
-                print_json(&v)?;
-            } else if plans.is_empty() {
-                println!("no device is selected by the configuration: nothing to plan");
-            } else {
-                for p in plans {
-                    let what = match p.decision.as_str() {
-                        "target" if p.program == "nothing" => {
-                            "in its target mode: nothing to do".to_string()
-                        }
-                        "target" => p.program.clone(),
-                        "refuse" => "refused".to_string(),
-                        _ => "left alone".to_string(),
-                    };
-                    println!("{}: {what} ({})", p.address, p.reason);
-                    for s in &p.steps {
-                        println!("    {s}");
-                    }
-                }
-            }
+            print_plans(plans, json, "the configuration")?;
         }
         Command::Mode {
             address,

@@ -394,6 +394,31 @@ pub async fn manager(conn: &Connection) -> Result<ManagerProxy<'static>, ClientE
         .await?)
 }
 
+/// `vfioctl plan --config`: what the configuration in `files` (read by the caller, in the
+/// order they apply) would plan on the daemon's host now (`Manager.PreviewPlans`). The files
+/// are sent as text: a caller validates them first (`Settings::from_files`), which refuses one
+/// that is not UTF-8.
+pub async fn preview_plans(
+    conn: &Connection,
+    files: &[(std::path::PathBuf, Vec<u8>)],
+) -> Result<Vec<PlanEntry>, ClientError> {
+    let texts: Vec<(String, String)> = files
+        .iter()
+        .map(|(p, b)| {
+            (
+                p.display().to_string(),
+                String::from_utf8_lossy(b).into_owned(),
+            )
+        })
+        .collect();
+    let m = manager(conn).await?;
+    Ok(m.preview_plans(&texts, Dict::new())
+        .await?
+        .iter()
+        .map(PlanEntry::from_dict)
+        .collect())
+}
+
 pub async fn connect(bus: &BusTarget) -> Result<Connection, ClientError> {
     bus.builder().build().await.map_err(ClientError::Connect)
 }

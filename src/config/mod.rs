@@ -276,6 +276,19 @@ impl Settings {
         Settings::from_files(files.into_iter().map(|f| (f.path, f.bytes)))
     }
 
+    /// The files of the configuration at `path`, read as vfiod reads its own, for a preview
+    /// (`vfioctl plan --config`): a file is the whole configuration (a main file, no
+    /// drop-ins); a directory is laid out as `/etc/vfiod` is: `vfiod.toml` when there, then
+    /// `conf.d/*.toml`.
+    pub fn read_files(path: &Path) -> Result<Vec<(PathBuf, Vec<u8>)>, ConfigError> {
+        let files = if path.is_dir() {
+            files::read_all(&path.join("vfiod.toml"), Some(&path.join("conf.d")), false)?
+        } else {
+            files::read_all(path, None, true)?
+        };
+        Ok(files.into_iter().map(|f| (f.path, f.bytes)).collect())
+    }
+
     /// Files already read (name, content), in the order they apply, validated as
     /// [`Settings::check`] validates what it reads (`Manager.PreviewPlans`: a client sends the
     /// configuration it wants previewed, the daemon never opens a path a client names).
