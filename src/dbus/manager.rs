@@ -263,8 +263,8 @@ impl Manager {
     }
 
     /// The plans of a configuration that is not installed, on this host now, each as
-    /// `GetPlans` gives it (what `vfioctl plan --config` shows). `files`: its files as (name,
-    /// content), in the order they apply (the main file, then the drop-ins); the caller reads
+    /// `GetPlans` gives it (what `vfioctl plan` shows with a configuration to preview).
+    /// `files`: its files as (name, content), in the order they apply (the main file, then the drop-ins); the caller reads
     /// them, the daemon opens no path a client names. Bounded as the daemon bounds its own
     /// files. A configuration with errors is refused with every one of them, a line each
     /// (`InvalidConfig`). What it protects and selects is its own: the host is read again
