@@ -92,10 +92,27 @@ async fn a_mode_task_and_a_hook_call_show_in_the_metrics_and_the_textfile() {
     let (code, _, _) = m.hook("vm1", "started", "begin", "-", XML).await.unwrap();
     assert_eq!(code, 0);
 
-    let text = eventually_async(Duration::from_secs(30), "the split counted", || async {
-        let t = metrics(&h).await;
-        (sample(&t, split) == Some(1.0)).then_some(t)
-    })
+    // The task is counted when it ends; its VFs are recorded by the inventory pass after it:
+    // wait for both, so that the device gauges below are read after the pass.
+    let nic_vfs = |h: &Harness| {
+        h.store()
+            .devices()
+            .unwrap()
+            .iter()
+            .filter(|d| d.kind.as_str() == "nic" && d.state.as_str() == "usable")
+            .count()
+    };
+    let text = eventually_async(
+        Duration::from_secs(30),
+        "the split counted and recorded",
+        || async {
+            if nic_vfs(&h) < 9 {
+                return None;
+            }
+            let t = metrics(&h).await;
+            (sample(&t, split) == Some(1.0)).then_some(t)
+        },
+    )
     .await;
     for (series, wanted) in [
         ("vfiod_tasks_total{kind=\"split\",result=\"error\"}", 0.0),
