@@ -274,11 +274,7 @@ fn check_config(source: &ConfigSource) -> Result<ExitCode, String> {
 /// Errors as lines of vfiod's message (`main` puts `vfiod: ` before the first): one error alone
 /// reads as the daemon's own start-up error does; several end with their count.
 fn config_errors(errors: &[vfiod::config::ConfigError]) -> String {
-    let mut lines: Vec<String> = errors.iter().map(|e| error_chain(e)).collect();
-    if lines.len() > 1 {
-        lines.push(format!("{} errors in the configuration", errors.len()));
-    }
-    lines.join("\nvfiod: ")
+    vfiod::config::error_lines(errors).join("\nvfiod: ")
 }
 
 /// A `[[select]]` rule's settings besides its selector, as `key=value` words after a colon;

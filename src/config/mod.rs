@@ -361,6 +361,16 @@ impl Settings {
     }
 }
 
+/// Errors as `--check-config` and `vfioctl plan --config` print them: a line each, then their
+/// count when there are several.
+pub fn error_lines(errors: &[ConfigError]) -> Vec<String> {
+    let mut lines: Vec<String> = errors.iter().map(|e| crate::error_chain(e)).collect();
+    if lines.len() > 1 {
+        lines.push(format!("{} errors in the configuration", errors.len()));
+    }
+    lines
+}
+
 /// The last stage: every section validated, assembled into [`Settings`]. Every section is
 /// validated even after one failed, and an array's entries one by one, so that one run names
 /// every wrong entry; the errors come section by section in this order, entries in file order.

@@ -117,10 +117,7 @@ pub(crate) async fn preview(
     use vfiod::config::Settings;
     let files = Settings::read_files(path).map_err(|e| Failure::from(vfiod::error_chain(&e)))?;
     if let Err(errors) = Settings::from_files(files.clone()) {
-        let mut lines: Vec<String> = errors.iter().map(|e| vfiod::error_chain(e)).collect();
-        if lines.len() > 1 {
-            lines.push(format!("{} errors in the configuration", errors.len()));
-        }
+        let lines = vfiod::config::error_lines(&errors);
         return Err(Failure::named(
             "org.vfiod.Vfiod1.Error.InvalidConfig",
             lines.join("\n"),
