@@ -1,7 +1,7 @@
 //! The latency libvirt sees from vfiod's qemu hook: one run of `started begin` with the domain
 //! XML on stdin, through the hook as installed (`qemu.d/vfiod`, a symlink to
-//! `vfiod-qemu-hook`), against vfiod started in-process on the simulated host and a private
-//! dbus-daemon, with a claim of the domain to record. The reference is a hook that is
+//! `vfiod-qemu-hook`, which reaches vfiod on its hook socket), against vfiod started in-process
+//! on the simulated host and a private dbus-daemon, with a claim of the domain to record. The reference is a hook that is
 //! `/bin/true`, run the same way (a process libvirt forks, XML on stdin) in the same run,
 //! interleaved run by run so that drift on a shared machine hits both alike. `vfioctl hook
 //! qemu` (the same function, by hand) is measured beside them, for comparison.

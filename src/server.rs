@@ -63,6 +63,8 @@ pub struct Server {
     pub fleet: Option<crate::fleet::Reporter>,
     /// Keeps `[metrics] textfile` fresh (and writes nothing while none is configured).
     metrics: Option<crate::metrics::textfile::Writer>,
+    /// The hook's peer-to-peer door (`STATE_DIR/hook.sock`), when it could be opened.
+    hook_socket: Option<dbus::hook_socket::HookSocket>,
     /// Held while the server lives: one daemon per state directory.
     _state_lock: crate::store::lock::StateDirLock,
 }
@@ -90,6 +92,7 @@ impl Server {
         // Before the store is touched: a second daemon on this directory would mark the first
         // one's running tasks interrupted.
         let state_lock = crate::store::lock::StateDirLock::acquire(&s.state_dir)?;
+        let s_state_dir = s.state_dir.clone();
         let state_dir = s.state_dir.clone();
         let store = tokio::task::spawn_blocking(move || -> Result<Store, ServerError> {
             let store = Store::open(&state_dir)?;
@@ -155,6 +158,22 @@ impl Server {
             engine.refresh().await?;
         }
         engine.flush().await;
+        // Open before the name is taken, so that a hook that finds vfiod finds both doors. Not
+        // fatal: without it the hook asks on the bus, as it did before there was one.
+        let hook_socket =
+            match dbus::hook_socket::HookSocket::listen(&s_state_dir, Arc::clone(&engine)) {
+                Ok(h) => {
+                    tracing::debug!("answering libvirt's hook on {}", h.path().display());
+                    Some(h)
+                }
+                Err(e) => {
+                    tracing::warn!(
+                        "cannot open the hook socket {}: {e}; the hook asks on the bus",
+                        s_state_dir.join(dbus::hook_socket::SOCKET_NAME).display()
+                    );
+                    None
+                }
+            };
         dbus::take_name(&conn).await?;
         tracing::info!("serving {} on {:?}", dbus::BUS_NAME, opts.bus);
         // The fleet comes last and runs beside the daemon: a database that is slow or gone
@@ -193,6 +212,7 @@ impl Server {
             #[cfg(feature = "fleet")]
             fleet,
             metrics: Some(metrics),
+            hook_socket,
             _state_lock: state_lock,
         })
     }
@@ -223,6 +243,8 @@ impl Server {
             tracing::warn!("the loop did not stop within {STOP_GRACE:?}; stopping anyway");
             self.task.abort();
         }
+        // The hook finds neither door from here on, and decides alone.
+        self.hook_socket.take();
         let _ = tokio::time::timeout(STOP_GRACE, self.conn.release_name(dbus::BUS_NAME)).await;
         tracing::info!("vfiod stopped");
     }

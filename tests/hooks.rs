@@ -891,3 +891,166 @@ async fn a_slow_document_does_not_hold_vfiod_past_the_deadline() {
         "a list took {listed_in:?}"
     );
 }
+
+/// vfiod answers the hook on its own socket (`STATE_DIR/hook.sock`, peer to peer) as on the
+/// bus: with the bus unreachable the hook still gets vfiod's answers; with the socket gone it
+/// asks on the bus and gets the same; with neither it decides alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_hook_asks_on_vfiods_socket_first_and_on_the_bus_without_it() {
+    let (h, config, bus) = harness().await;
+    let socket = h
+        .dir
+        .path()
+        .join("state")
+        .join(vfiod::dbus::hook_socket::SOCKET_NAME);
+    let no_bus = format!("unix:path={}", h.dir.path().join("no-bus").display());
+    let vm1 = domain_xml("vm1", &[VF0]);
+    let vm2 = domain_xml("vm2", &[VF0]).replace(UUID, "00000000-0000-0000-0000-000000000002");
+    for op in ["prepare", "started"] {
+        let r = hook(&no_bus, &config, &["vm1", op, "begin", "-"], &vm1);
+        assert_eq!(r.code, 0, "{op} on the socket alone: {}", r.stderr);
+    }
+    let list = claims_now(&h).await;
+    assert_eq!(
+        list.len(),
+        1,
+        "vfiod claimed VF0 for vm1 on the socket: {list:?}"
+    );
+    assert_eq!(
+        (list[0].vm_name.as_str(), list[0].state.as_str()),
+        ("vm1", "attached")
+    );
+    let on_socket = hook(&no_bus, &config, &["vm2", "prepare", "begin", "-"], &vm2);
+    assert_eq!(on_socket.code, 1);
+    assert!(
+        on_socket
+            .stderr
+            .contains(&format!("{VF0} is claimed by VM vm1")),
+        "{}",
+        on_socket.stderr
+    );
+    // The socket gone (as under an older vfiod): the same answer, on the bus.
+    let aside = socket.with_extension("aside");
+    std::fs::rename(&socket, &aside).unwrap();
+    let on_bus = hook(&bus, &config, &["vm2", "prepare", "begin", "-"], &vm2);
+    assert_eq!(
+        (on_bus.code, &on_bus.stdout, &on_bus.stderr),
+        (on_socket.code, &on_socket.stdout, &on_socket.stderr)
+    );
+    // Neither: the hook's own answer from the records.
+    let alone = hook(&no_bus, &config, &["vm2", "prepare", "begin", "-"], &vm2);
+    assert_eq!(alone.code, 1);
+    assert!(
+        alone.stderr.contains("vfiod cannot check them"),
+        "{}",
+        alone.stderr
+    );
+    std::fs::rename(&aside, &socket).unwrap();
+    assert_eq!(claims_now(&h).await.len(), 1, "nothing else was claimed");
+}
+
+/// Peers that connect to the hook socket and never speak hold a slot each for the handshake's
+/// time at most; while every slot is taken the hook asks on the bus and still gets vfiod's
+/// answer in time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stuck_peers_on_the_hook_socket_do_not_keep_the_hook_from_vfiod() {
+    use std::io::Read;
+    use vfiod::dbus::hook_socket::{HANDSHAKE, MAX_PEERS, SOCKET_NAME};
+    let (h, config, bus) = harness().await;
+    let socket = h.dir.path().join("state").join(SOCKET_NAME);
+    let mut stuck: Vec<_> = (0..MAX_PEERS + 4)
+        .map(|_| std::os::unix::net::UnixStream::connect(&socket).unwrap())
+        .collect();
+    let vm1 = domain_xml("vm1", &[VF0]);
+    let r = hook(&bus, &config, &["vm1", "prepare", "begin", "-"], &vm1);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(r.took < Duration::from_secs(3), "took {:?}", r.took);
+    assert_eq!(claims_now(&h).await.len(), 1, "vfiod answered, on the bus");
+    // Each stuck peer is hung up on once the handshake time is over.
+    let started = Instant::now();
+    for (i, s) in stuck.iter_mut().enumerate() {
+        s.set_read_timeout(Some(HANDSHAKE * 2)).unwrap();
+        let mut buf = [0u8; 64];
+        let read = s.read(&mut buf);
+        assert!(
+            matches!(read, Ok(0)),
+            "stuck peer {i}: {read:?}, not hung up on"
+        );
+    }
+    assert!(
+        started.elapsed() < HANDSHAKE * 3,
+        "the stuck peers were not hung up on: {:?}",
+        started.elapsed()
+    );
+    // The slots are free again: the socket answers with the bus out of reach.
+    let no_bus = format!("unix:path={}", h.dir.path().join("no-bus").display());
+    let r = hook(&no_bus, &config, &["vm1", "started", "begin", "-"], &vm1);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(
+        r.stderr.contains("attached") && !r.stderr.contains("not recorded"),
+        "answered by vfiod: {}",
+        r.stderr
+    );
+    assert_eq!(claims_now(&h).await[0].state, "attached");
+}
+
+/// Only root (or the uid vfiod runs as) is answered on the hook socket, whatever the file's
+/// mode: a user's connection is closed before a byte is read, and that user's hook decides
+/// alone (here: fails closed for vfiod's VF), with nothing claimed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn the_hook_socket_answers_root_only() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    assert!(nix::unistd::geteuid().is_root(), "run as root (--ignored)");
+    let (h, _config, _bus) = harness().await;
+    let state = h.dir.path().join("state");
+    let socket = state.join(vfiod::dbus::hook_socket::SOCKET_NAME);
+    // Everything open to the user, so that only the peer check stands in the way.
+    let open = |p: &std::path::Path, mode| {
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap()
+    };
+    open(h.dir.path(), 0o755);
+    open(&state, 0o755);
+    open(&socket, 0o666);
+    let config = h.dir.path().join("nobody.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "state_dir = \"{}\"\n[hooks]\ndeadline_ms = 1500\n",
+            state.display()
+        ),
+    )
+    .unwrap();
+    open(&config, 0o644);
+    let no_bus = format!("unix:path={}", h.dir.path().join("no-bus").display());
+    let vm1 = domain_xml("vm1", &[VF0]);
+    let mut as_nobody = Command::new(env!("CARGO_BIN_EXE_vfiod-qemu-hook"));
+    // SAFETY: setuid only, between fork and exec.
+    unsafe {
+        as_nobody.pre_exec(|| {
+            nix::unistd::setuid(nix::unistd::Uid::from_raw(65534)).map_err(std::io::Error::from)
+        });
+    }
+    let r = run_hook(
+        as_nobody,
+        &no_bus,
+        &config,
+        &["vm1", "prepare", "begin", "-"],
+        &vm1,
+    );
+    assert_eq!(r.code, 1, "{}", r.stderr);
+    assert!(
+        r.stderr.contains("vfiod cannot check them"),
+        "decided alone: {}",
+        r.stderr
+    );
+    assert!(
+        claims_now(&h).await.is_empty(),
+        "nobody's hook claimed nothing"
+    );
+    // Root's, the same way: vfiod's answer.
+    let r = hook(&no_bus, &config, &["vm1", "prepare", "begin", "-"], &vm1);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(claims_now(&h).await.len(), 1);
+}

@@ -1,6 +1,8 @@
 //! libvirt's qemu hook: what `vfiod-qemu-hook` (installed as `/etc/libvirt/hooks/qemu.d/vfiod`)
-//! and `vfioctl hook qemu` run, [`process`]. It forwards the run to vfiod in one call
-//! (`Manager.Hook`) within a hard deadline, and decides alone when vfiod cannot answer: a
+//! and `vfioctl hook qemu` run, [`process`]. It forwards the run to vfiod in one call within a
+//! hard deadline (on vfiod's hook socket, `STATE_DIR/hook.sock`, peer to peer; else
+//! `Manager.Hook` on the bus: [`crate::dbus::hook_socket`] says why there are two), and decides
+//! alone when vfiod cannot answer: a
 //! notification passes (libvirt must never be held up, and a failing `reconnect` would make it
 //! kill the VM), while `prepare`, `start`, `migrate` and `restore` fail closed for a domain with
 //! a device vfiod manages or one the host uses (by vfiod's records), and pass for any other
@@ -142,7 +144,8 @@ pub async fn run(
     // What the fallback needs, read at once beside the call: a slow parse is then bounded by
     // the same deadline, and none runs after it.
     let parsed = op.may_fail().then(|| parse_on_a_thread(xml.clone()));
-    let asked = tokio::time::timeout(deadline, ask(bus, args, &xml)).await;
+    let socket = state_dir.join(crate::dbus::hook_socket::SOCKET_NAME);
+    let asked = tokio::time::timeout(deadline, ask(bus, &socket, args, &xml)).await;
     let why = match asked {
         Ok(Ok((exit_code, stdout, message))) => {
             return Outcome {
@@ -197,7 +200,32 @@ fn parse_on_a_thread(
     rx
 }
 
-async fn ask(bus: &BusTarget, a: &HookArgs, xml: &str) -> Result<(i32, String, String), String> {
+/// vfiod's answer: through its hook socket when one answers there, else on the bus. Once the
+/// call is sent on either, its failure is the answer (the call may have been carried out:
+/// asking again elsewhere could do it twice).
+async fn ask(
+    bus: &BusTarget,
+    socket: &Path,
+    a: &HookArgs,
+    xml: &str,
+) -> Result<(i32, String, String), String> {
+    if let Some(conn) = direct(socket).await {
+        let args = (&a.domain, &a.operation, &a.sub_operation, &a.extra, xml);
+        let reply = conn
+            .call_method(
+                None::<&str>,
+                crate::dbus::ROOT_PATH,
+                Some(crate::dbus::hook_socket::INTERFACE),
+                "Hook",
+                &args,
+            )
+            .await
+            .map_err(bus_error)?;
+        return reply
+            .body()
+            .deserialize::<(i32, String, String)>()
+            .map_err(|e| format!("vfiod's answer on {}: {e}", socket.display()));
+    }
     let conn = super::connect(bus)
         .await
         .map_err(|e| crate::error_chain(&e))?;
@@ -207,6 +235,17 @@ async fn ask(bus: &BusTarget, a: &HookArgs, xml: &str) -> Result<(i32, String, S
     m.hook(&a.domain, &a.operation, &a.sub_operation, &a.extra, xml)
         .await
         .map_err(bus_error)
+}
+
+/// A peer-to-peer connection to vfiod's hook socket, or `None` when nothing answers there
+/// (no such file, no vfiod behind it, not allowed, every slot taken): then the bus is asked.
+async fn direct(socket: &Path) -> Option<zbus::Connection> {
+    let stream = tokio::net::UnixStream::connect(socket).await.ok()?;
+    zbus::connection::Builder::unix_stream(stream.into_std().ok()?)
+        .p2p()
+        .build()
+        .await
+        .ok()
 }
 
 /// A D-Bus error on one line, once: its message and its name (a method error's chain repeats

@@ -529,7 +529,7 @@ impl Manager {
         o.authorizer
             .require_root(&o.requesters, conn, &header, "Manager.Hook")
             .await?;
-        const MAX_XML: usize = 16 << 20;
+        use super::hook_socket::MAX_XML;
         if xml.len() > MAX_XML {
             return Err(Error::InvalidArgument(format!(
                 "the domain XML is {} bytes, more than {MAX_XML}",

@@ -8,6 +8,7 @@ pub mod auth;
 pub mod claim;
 pub mod device;
 pub mod error;
+pub mod hook_socket;
 pub mod images;
 pub mod manager;
 pub mod pooled;
