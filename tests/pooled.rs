@@ -271,6 +271,66 @@ async fn lease_list_show_and_release() {
 /// `migrate begin` hook prepares the move, the source quiesces at its switchover, the
 /// destination resumes, the source forgets at its `stopped` hook. Every step is an event with
 /// its time; the pool ends with the session on the destination at epoch 2.
+/// `org.vfiod.Vfiod1.Pools` has what grew on `Manager` (which keeps them as deprecated
+/// aliases, answering alike), `Lease` returns the claim's object, and the claim is released
+/// through its own object (`PooledClaim.Release`), as a PCI claim is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pools_interface_leases_and_the_claims_object_releases() {
+    let pool = Pool::start(&[]);
+    let h = Harness::start(&config("hosta", &pool.url, "switchover")).await;
+    let pools = vfiod::client::pool::pools(&h.client).await.unwrap();
+    let m = h.manager().await;
+    assert_eq!(pools.host_name().await.unwrap(), "hosta");
+    assert_eq!(m.host_name().await.unwrap(), "hosta");
+    let listed = pools.list(dict(&[])).await.unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(vfiod::dbus::wire::Entry(&listed[0]).str("name"), "gpus");
+    assert_eq!(m.get_pools().await.unwrap(), listed);
+    let devices = pools.get_devices("gpus", dict(&[])).await.unwrap();
+    assert_eq!(m.get_pool_devices("gpus").await.unwrap(), devices);
+    assert!(!devices.is_empty());
+    // Options that are not known are refused, naming the key.
+    let (name, message) = common::refusal(
+        pools
+            .get_devices("gpus", dict(&[("colour", Variant::from("red"))]))
+            .await,
+        "an unknown option",
+    );
+    assert_eq!(name, "org.vfiod.Vfiod1.Error.InvalidArgument");
+    assert!(message.contains("colour"), "{message}");
+
+    let owner = dict(&[("vm_name", Variant::from("vm1"))]);
+    let path = pools.lease("gpus", "dev0", owner).await.unwrap();
+    let id = vfiod::client::pool::id_of_path(path.as_str()).expect("a pooled claim's path");
+    let object = vfiod::client::pool::pooled_claim(&h.client, id)
+        .await
+        .unwrap();
+    assert_eq!(object.state().await.unwrap(), "leased");
+    let q = dict(&[("history", Variant::from(false))]);
+    let standing = pools.get_claims(q).await.unwrap();
+    assert_eq!(
+        m.get_pooled_claims(dict(&[("history", Variant::from(false))]))
+            .await
+            .unwrap(),
+        standing
+    );
+    assert_eq!(standing.len(), 1);
+    let c = PooledEntry::from_dict(&standing[0]);
+    assert_eq!((c.id, c.device.as_str()), (id, "dev0"));
+
+    let ended = PooledEntry::from_dict(&object.release().await.unwrap());
+    assert_eq!((ended.id, ended.state.as_str()), (id, "released"));
+    let s = pool.client().session(&c.session).await.unwrap();
+    assert_eq!(s.state.as_str(), "released", "the pool ended it: {s:?}");
+    assert!(claims(&h, false).await.is_empty());
+    // The object went with the claim.
+    let gone = object.release().await;
+    assert!(
+        matches!(&gone, Err(zbus::Error::FDO(e)) if matches!(**e, zbus::fdo::Error::UnknownObject(_))),
+        "{gone:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_follows_its_vm_from_one_host_to_another() {
     let pool = Pool::start(&[]);

@@ -123,7 +123,7 @@ fn view(path: &str, p: &HashMap<String, OwnedVariant>) -> Result<ClaimView, Clie
     let s = |n: &str| prop::<String>(p, path, n);
     Ok(ClaimView {
         path: path.to_string(),
-        id: prop(p, path, "Id")?,
+        id: u64::try_from(prop::<i64>(p, path, "Id")?).unwrap_or(0),
         address: s("Address")?,
         functions: prop(p, path, "Functions")?,
         vm: vm_of(p),
@@ -132,8 +132,8 @@ fn view(path: &str, p: &HashMap<String, OwnedVariant>) -> Result<ClaimView, Clie
         kind: s("Kind")?,
         state: s("State")?,
         guest_address: s("GuestAddress")?,
-        created_ms: prop(p, path, "Created")?,
-        lease_expires_ms: prop(p, path, "LeaseExpires")?,
+        created_ms: u64::try_from(prop::<i64>(p, path, "Created")?).unwrap_or(0),
+        lease_expires_ms: u64::try_from(prop::<i64>(p, path, "LeaseExpires")?).unwrap_or(0),
         persistent: prop(p, path, "Persistent")?,
         requested_by: s("RequestedBy")?,
     })

@@ -77,6 +77,8 @@ pub trait Manager {
     fn find_devices(&self, requirements: Dict) -> zbus::Result<Vec<zbus::OwnedObjectPath>>;
     fn claim(&self, requirements: Dict, owner: Dict) -> zbus::Result<zbus::OwnedObjectPath>;
     fn get_claims(&self) -> zbus::Result<Vec<zbus::OwnedObjectPath>>;
+    // Deprecated aliases of `Pools` (pool::PoolsProxy) and `PooledClaim.Release`, kept for
+    // one release; vfioctl uses the new members, tests check both.
     #[zbus(property)]
     fn host_name(&self) -> zbus::Result<String>;
     fn get_pools(&self) -> zbus::Result<Vec<Dict>>;

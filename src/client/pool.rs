@@ -28,6 +28,39 @@ pub trait PooledClaim {
     fn vm_name(&self) -> zbus::Result<String>;
     #[zbus(property)]
     fn peer_host(&self) -> zbus::Result<String>;
+    /// Gives it back to its pool; the claim as it ends.
+    fn release(&self) -> zbus::Result<Dict>;
+}
+
+/// `org.vfiod.Vfiod1.Pools` on the root object.
+#[zbus::proxy(
+    interface = "org.vfiod.Vfiod1.Pools",
+    default_service = "org.vfiod.Vfiod1",
+    default_path = "/org/vfiod/Vfiod1"
+)]
+pub trait Pools {
+    #[zbus(property)]
+    fn host_name(&self) -> zbus::Result<String>;
+    fn list(&self, options: Dict) -> zbus::Result<Vec<Dict>>;
+    fn get_devices(&self, pool: &str, options: Dict) -> zbus::Result<Vec<Dict>>;
+    fn get_claims(&self, query: Dict) -> zbus::Result<Vec<Dict>>;
+    fn lease(&self, pool: &str, device: &str, owner: Dict) -> zbus::Result<zbus::OwnedObjectPath>;
+}
+
+/// The root object's pools interface (no property cache: one-shot reads).
+pub async fn pools(conn: &zbus::Connection) -> Result<PoolsProxy<'static>, super::ClientError> {
+    Ok(PoolsProxy::builder(conn)
+        .cache_properties(zbus::proxy::CacheProperties::No)
+        .build()
+        .await?)
+}
+
+/// The id at the end of a pooled claim's object path (`/org/vfiod/Vfiod1/pooled/N`).
+pub fn id_of_path(path: &str) -> Option<i64> {
+    path.strip_prefix(crate::dbus::ROOT_PATH)?
+        .strip_prefix("/pooled/")?
+        .parse()
+        .ok()
 }
 
 /// The object of pooled claim `id` (no property cache: one-shot reads).

@@ -93,8 +93,9 @@ pub async fn read(conn: &Connection) -> Result<StatusView, ClientError> {
     for c in super::claims::list_claims(conn).await? {
         *claims.entry(c.state).or_insert(0) += 1;
     }
-    let pools = m
-        .get_pools()
+    let pools = super::pool::pools(conn)
+        .await?
+        .list(super::Dict::new())
         .await?
         .iter()
         .map(|p| {

@@ -53,7 +53,7 @@ impl ClaimObject {
 pub fn properties(c: &ClaimRecord) -> Vec<(&'static str, OwnedVariant)> {
     use super::variant as v;
     vec![
-        ("Id", v(c.id as u64)),
+        ("Id", v(c.id)),
         ("Device", v(super::device_path(c.address))),
         ("Address", v(c.address.to_string())),
         (
@@ -71,11 +71,8 @@ pub fn properties(c: &ClaimRecord) -> Vec<(&'static str, OwnedVariant)> {
             "GuestAddress",
             v(c.guest_address.clone().unwrap_or_default()),
         ),
-        ("Created", v(c.created_ms.max(0) as u64)),
-        (
-            "LeaseExpires",
-            v(c.lease_expires_ms.unwrap_or(0).max(0) as u64),
-        ),
+        ("Created", v(c.created_ms.max(0))),
+        ("LeaseExpires", v(c.lease_expires_ms.unwrap_or(0).max(0))),
         ("Persistent", v(c.persistent)),
         ("RequestedBy", v(c.requested_by.clone())),
     ]
@@ -91,8 +88,8 @@ pub fn changed_properties(
 #[interface(name = "org.vfiod.Vfiod1.Claim")]
 impl ClaimObject {
     #[zbus(property(emits_changed_signal = "const"))]
-    fn id(&self) -> zbus::fdo::Result<u64> {
-        Ok(self.claim()?.id as u64)
+    fn id(&self) -> zbus::fdo::Result<i64> {
+        Ok(self.claim()?.id)
     }
     /// The claimed device's object.
     #[zbus(property(emits_changed_signal = "const"))]
@@ -141,13 +138,13 @@ impl ClaimObject {
     }
     /// Unix milliseconds.
     #[zbus(property(emits_changed_signal = "const"))]
-    fn created(&self) -> zbus::fdo::Result<u64> {
-        Ok(self.claim()?.created_ms.max(0) as u64)
+    fn created(&self) -> zbus::fdo::Result<i64> {
+        Ok(self.claim()?.created_ms.max(0))
     }
     /// When an unattached claim lapses, Unix milliseconds; 0 for no lease.
     #[zbus(property)]
-    fn lease_expires(&self) -> zbus::fdo::Result<u64> {
-        Ok(self.claim()?.lease_expires_ms.unwrap_or(0).max(0) as u64)
+    fn lease_expires(&self) -> zbus::fdo::Result<i64> {
+        Ok(self.claim()?.lease_expires_ms.unwrap_or(0).max(0))
     }
     /// Whether the claim outlives the VM's run.
     #[zbus(property)]

@@ -355,51 +355,29 @@ impl Manager {
         Ok(super::claim::claim_path(claim.id))
     }
 
-    /// What the pools know this host as (`host_name` in the configuration).
+    /// Deprecated: `Pools.HostName`.
     #[zbus(property)]
     fn host_name(&self) -> String {
-        self.objects.engine.settings().host_name.clone()
+        super::pools::host_name(&self.objects)
     }
 
-    /// The configured pools, each `{name: s, url: s, quiesce_at: s ("switchover", "begin"),
-    /// connect_timeout_ms: u, request_timeout_ms: u, last_call_ms: t (Unix ms of its last call
-    /// since vfiod started, 0 when none), last_call_error: s ("" when it answered, a refusal
-    /// included; else why it could not be reached)}`.
+    /// Deprecated: `Pools.List`.
     fn get_pools(&self) -> Vec<Dict> {
-        let calls = self.objects.engine.metrics().pool_calls();
-        self.objects
-            .engine
-            .settings()
-            .pools
-            .iter()
-            .map(|p| wire::pool(p, calls.get(&p.name)))
-            .collect()
+        super::pools::list(&self.objects)
     }
 
-    /// The devices pool `pool` offers (its `GET /v1/devices`), each `{id: s, kind: s, model: s,
-    /// session: s ("" when free)}`. Waits for the pool at most its deadlines.
+    /// Deprecated: `Pools.GetDevices`.
     async fn get_pool_devices(&self, pool: &str) -> Result<Vec<Dict>, Error> {
-        let devices = self.objects.engine.pool_devices(pool).await?;
-        Ok(devices.iter().map(wire::pool_device).collect())
+        super::pools::devices(&self.objects, pool).await
     }
 
-    /// Pooled claims (a pool's session leased to a VM; the standing ones are also objects,
-    /// `org.vfiod.Vfiod1.PooledClaim` at `/org/vfiod/Vfiod1/pooled/N`), oldest first, each `{id: x, pool: s,
-    /// session: s, device: s, epoch: t, state: s (leased, moving, quiesced, released, forgotten,
-    /// error), reason: s, vm_name: s, vm_uuid: s, peer_host: s, requested_by: s, created: x,
-    /// updated: x (Unix ms)}`. Query keys, all optional: `history` b (the ended ones too).
+    /// Deprecated: `Pools.GetClaims`.
     async fn get_pooled_claims(&self, query: Dict) -> Result<Vec<Dict>, Error> {
-        let q = Query::new(query, &["history"])?;
-        let history = q.bool("history")?.unwrap_or(false);
-        let claims = self.objects.engine.pooled_claims(history).await?;
-        Ok(claims.iter().map(wire::pooled).collect())
+        super::pools::claims(&self.objects, query).await
     }
 
-    /// Leases device `device` of pool `pool` to a VM (the pool's `POST /v1/sessions` with this
-    /// host's name), records the pooled claim and writes its session in the domain's metadata
-    /// when the domain exists. Owner keys: `vm_name` s and/or `vm_uuid` s (one is needed).
-    /// Returns the claim as `GetPooledClaims` gives it. Waits for the pool at most its
-    /// deadlines. Authorized as `org.vfiod.vfiod1.claim` with the VM and kind `pooled`.
+    /// Deprecated: `Pools.Lease` (which returns the claim's object). Returns the claim as
+    /// `GetPooledClaims` gives it.
     async fn lease_pooled(
         &self,
         pool: &str,
@@ -408,55 +386,18 @@ impl Manager {
         #[zbus(header)] header: Header<'_>,
         #[zbus(connection)] conn: &Connection,
     ) -> Result<Dict, Error> {
-        let q = Query::new(owner, &["vm_name", "vm_uuid"])?;
-        let vm_name = q.str("vm_name")?.filter(|s| !s.is_empty());
-        let vm_uuid = q.str("vm_uuid")?.filter(|s| !s.is_empty());
-        let vm = vm_name
-            .clone()
-            .or(vm_uuid.clone())
-            .ok_or_else(|| Error::InvalidArgument("owner: give vm_name or vm_uuid".into()))?;
-        if pool.is_empty() || device.is_empty() {
-            return Err(Error::InvalidArgument(
-                "the pool and the device must be named".into(),
-            ));
-        }
-        let o = &self.objects;
-        let check = Check::new(ACTION_CLAIM, "LeasePooled")
-            .with(Detail::Vm, &vm)
-            .with(Detail::Kind, "pooled");
-        o.authorizer.check(conn, &header, &check).await?;
-        let who = o.requesters.of(conn, &header).await;
-        let claim = o
-            .engine
-            .lease_pooled(pool, device, vm_name, vm_uuid, &who)
-            .await;
-        o.engine.flush().await;
-        Ok(wire::pooled(&claim?))
+        let claim = super::pools::lease(&self.objects, pool, device, owner, conn, &header).await?;
+        Ok(wire::pooled(&claim))
     }
 
-    /// Gives pooled claim `id` back to its pool (`DELETE` with its epoch). Returns the claim as
-    /// it ends (released; or forgotten when the pool no longer has the session or fenced this
-    /// host out). Authorized as `org.vfiod.vfiod1.claim` with the VM and kind `pooled`.
+    /// Deprecated: `PooledClaim.Release` on the claim's object.
     async fn release_pooled(
         &self,
         id: i64,
         #[zbus(header)] header: Header<'_>,
         #[zbus(connection)] conn: &Connection,
     ) -> Result<Dict, Error> {
-        let o = &self.objects;
-        let claim = o
-            .engine
-            .read(move |core| core.store().pooled_claim(id))
-            .await??
-            .ok_or_else(|| Error::NoSuchClaim(format!("no pooled claim {id}")))?;
-        let check = Check::new(ACTION_CLAIM, "ReleasePooled")
-            .with(Detail::Vm, claim.vm())
-            .with(Detail::Kind, "pooled");
-        o.authorizer.check(conn, &header, &check).await?;
-        let who = o.requesters.of(conn, &header).await;
-        let claim = o.engine.release_pooled(id, &who).await;
-        o.engine.flush().await;
-        Ok(wire::pooled(&claim?))
+        super::pooled::release(&self.objects, id, conn, &header).await
     }
 
     /// The objects of the claims that hold their devices, oldest first.

@@ -1,5 +1,5 @@
 //! The D-Bus face of the daemon: thin adapters over the engine, one module per object kind
-//! (manager, image catalog, device, task, claim, pooled claim; a new kind of object is a new
+//! (manager, image catalog, pools, device, task, claim, pooled claim; a new kind of object is a new
 //! file). Objects read what they show from the [`view`], which the [`publisher`] keeps in step
 //! with the engine's events; errors are mapped in [`error`]; mutating calls are authorized in
 //! [`auth`]; [`strict`] checks arguments and read-only properties for every object.
@@ -12,6 +12,7 @@ pub mod hook_socket;
 pub mod images;
 pub mod manager;
 pub mod pooled;
+pub mod pools;
 mod publisher;
 mod event_signal;
 pub mod strict;
@@ -146,6 +147,15 @@ pub async fn serve(
         .map_err(ServeError::Export)?;
     server
         .at(ROOT_PATH, Strict::new(images::Images::new(objects.clone())))
+        .await
+        .map_err(ServeError::Export)?;
+    server
+        .at(
+            ROOT_PATH,
+            Strict::new(pools::Pools {
+                objects: objects.clone(),
+            }),
+        )
         .await
         .map_err(ServeError::Export)?;
     // Events sent from here on are applied on top of this picture by the publisher.

@@ -2,7 +2,8 @@
 //! leased to a VM) at `/org/vfiod/Vfiod1/pooled/N`. It appears when the claim is recorded
 //! (leased here, or moving here with a migration), changes with each step (PropertiesChanged:
 //! epoch, state, reason) and goes when the claim ends (released, or forgotten after its VM left
-//! this host). `Manager.GetPooledClaims` lists them, and the ended ones with `history`.
+//! this host). `Pools.GetClaims` lists them, and the ended ones with `history`; `Release` gives
+//! one back.
 
 use crate::model::pooled::PooledClaim;
 use std::collections::HashMap;
@@ -54,6 +55,29 @@ pub fn changed_properties(
     new: &PooledClaim,
 ) -> HashMap<&'static str, OwnedVariant> {
     super::changed(properties(old), properties(new))
+}
+
+/// Gives pooled claim `id` back to its pool; the claim as it ends (released, or forgotten).
+/// polkit's verb is `ReleasePooled`, whichever member was called.
+pub(super) async fn release(
+    o: &super::Objects,
+    id: i64,
+    conn: &zbus::Connection,
+    header: &zbus::message::Header<'_>,
+) -> Result<super::wire::Dict, super::error::Error> {
+    let claim = o
+        .engine
+        .read(move |core| core.store().pooled_claim(id))
+        .await??
+        .ok_or_else(|| super::error::Error::NoSuchClaim(format!("no pooled claim {id}")))?;
+    let check = super::auth::Check::new(super::auth::ACTION_CLAIM, "ReleasePooled")
+        .with(super::auth::Detail::Vm, claim.vm())
+        .with(super::auth::Detail::Kind, "pooled");
+    o.authorizer.check(conn, header, &check).await?;
+    let who = o.requesters.of(conn, header).await;
+    let claim = o.engine.release_pooled(id, &who).await;
+    o.engine.flush().await;
+    Ok(super::wire::pooled(&claim?))
 }
 
 #[interface(name = "org.vfiod.Vfiod1.PooledClaim")]
@@ -118,5 +142,17 @@ impl PooledObject {
     #[zbus(property)]
     fn updated(&self) -> zbus::fdo::Result<i64> {
         Ok(self.claim()?.updated_ms)
+    }
+
+    /// Gives the claim back to its pool (`DELETE` with its epoch) and returns it as it ends:
+    /// `released`, or `forgotten` when the pool no longer has the session or fenced this host
+    /// out, as `Pools.GetClaims` gives it. The object goes. Authorized as
+    /// `org.vfiod.vfiod1.claim` (verb `ReleasePooled`) with the VM and kind `pooled`.
+    async fn release(
+        &self,
+        #[zbus(header)] header: zbus::message::Header<'_>,
+        #[zbus(connection)] conn: &zbus::Connection,
+    ) -> Result<crate::dbus::wire::Dict, super::error::Error> {
+        release(&self.objects, self.id, conn, &header).await
     }
 }

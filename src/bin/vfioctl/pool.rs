@@ -60,14 +60,14 @@ pub(crate) enum PoolCommand {
 
 pub(crate) async fn pool(conn: &zbus::Connection, command: PoolCommand) -> Result<(), Failure> {
     use vfiod::client::pool::{self, PoolDeviceEntry, PoolEntry, PooledEntry};
-    let m = client::manager(conn).await.map_err(describe)?;
+    let m = pool::pools(conn).await.map_err(describe)?;
     let call = |e: zbus::Error| describe(e.into());
     let claims = |all: bool| {
         let m = m.clone();
         async move {
             let q = client::query(vec![("history", Some(all.into()))]);
             Ok::<_, Failure>(
-                m.get_pooled_claims(q)
+                m.get_claims(q)
                     .await
                     .map_err(call)?
                     .iter()
@@ -105,7 +105,9 @@ pub(crate) async fn pool(conn: &zbus::Connection, command: PoolCommand) -> Resul
                     ("since", Some(since.into())),
                     ("limit", Some(10_000u32.into())),
                 ]);
-                let page: Vec<client::EventEntry> = m
+                let page: Vec<client::EventEntry> = client::manager(conn)
+                    .await
+                    .map_err(describe)?
                     .get_events(q)
                     .await
                     .map_err(call)?
@@ -135,7 +137,7 @@ pub(crate) async fn pool(conn: &zbus::Connection, command: PoolCommand) -> Resul
         }
         PoolCommand::Pools { json } => {
             let pools: Vec<PoolEntry> = m
-                .get_pools()
+                .list(Default::default())
                 .await
                 .map_err(call)?
                 .iter()
@@ -156,7 +158,7 @@ pub(crate) async fn pool(conn: &zbus::Connection, command: PoolCommand) -> Resul
         }
         PoolCommand::Devices { pool, json } => {
             let devices: Vec<PoolDeviceEntry> = m
-                .get_pool_devices(&pool)
+                .get_devices(&pool, Default::default())
                 .await
                 .map_err(call)?
                 .iter()
@@ -194,8 +196,13 @@ pub(crate) async fn pool(conn: &zbus::Connection, command: PoolCommand) -> Resul
                 ("vm_name", vm.map(zbus::Variant::from)),
                 ("vm_uuid", vm_uuid.map(zbus::Variant::from)),
             ]);
-            let c =
-                PooledEntry::from_dict(&m.lease_pooled(&pool, &device, owner).await.map_err(call)?);
+            let path = m.lease(&pool, &device, owner).await.map_err(call)?;
+            let id = pool::id_of_path(path.as_str());
+            let c = claims(false)
+                .await?
+                .into_iter()
+                .find(|c| Some(c.id) == id)
+                .ok_or_else(|| Failure::from(format!("leased as {path}, and it ended since")))?;
             if json {
                 print_json(&c)?;
             } else {
@@ -215,7 +222,25 @@ pub(crate) async fn pool(conn: &zbus::Connection, command: PoolCommand) -> Resul
             }
         }
         PoolCommand::Release { id, json } => {
-            let c = PooledEntry::from_dict(&m.release_pooled(id).await.map_err(call)?);
+            let object = pool::pooled_claim(conn, id).await.map_err(describe)?;
+            let c = match object.release().await {
+                Ok(d) => PooledEntry::from_dict(&d),
+                // No object: no standing claim by that id. Say which: it ended, or never was.
+                Err(zbus::Error::FDO(e)) if matches!(*e, zbus::fdo::Error::UnknownObject(_)) => {
+                    let ended = claims(true).await?.into_iter().find(|c| c.id == id);
+                    return Err(match ended {
+                        Some(c) => Failure::named(
+                            "org.vfiod.Vfiod1.Error.InvalidArgument",
+                            format!("pooled claim {id} is {}: already ended", c.state),
+                        ),
+                        None => Failure::named(
+                            "org.vfiod.Vfiod1.Error.NoSuchClaim",
+                            format!("no pooled claim {id}"),
+                        ),
+                    });
+                }
+                Err(e) => return Err(call(e)),
+            };
             if json {
                 return print_json(&c).map_err(Failure::from);
             }
