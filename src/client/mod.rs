@@ -261,9 +261,7 @@ impl TaskEntry {
             step: e.str("step"),
             percent: e.u8("percent"),
             result: e.str("result"),
-            // Recorded as JSON text; a script wants the object, not a string to parse again.
-            parameters: serde_json::from_str(&e.str("parameters"))
-                .unwrap_or(serde_json::Value::Null),
+            parameters: e.json("parameters"),
             requested_by: e.str("requested_by"),
             created_ms: e.i64("created"),
             started_ms: e.i64("started"),
@@ -281,8 +279,8 @@ pub struct PlanEntry {
     pub reason: String,
     pub program: String,
     pub steps: Vec<String>,
-    /// The whole plan as JSON (`vfioctl plan --json`).
-    pub json: String,
+    /// The whole plan (`vfioctl plan --json`).
+    pub json: serde_json::Value,
 }
 
 impl PlanEntry {
@@ -294,7 +292,7 @@ impl PlanEntry {
             reason: e.str("reason"),
             program: e.str("program"),
             steps: e.strings("steps"),
-            json: e.str("plan"),
+            json: e.json("plan"),
         }
     }
 }

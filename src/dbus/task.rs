@@ -90,9 +90,9 @@ impl TaskObject {
         Ok(t.percent)
     }
     #[zbus(property(emits_changed_signal = "const"))]
-    fn parameters(&self) -> zbus::fdo::Result<String> {
+    fn parameters(&self) -> zbus::fdo::Result<super::wire::Dict> {
         let t = self.task()?;
-        Ok(t.params.clone())
+        Ok(super::wire::task_parameters(&t))
     }
     #[zbus(property(emits_changed_signal = "const"))]
     fn requested_by(&self) -> zbus::fdo::Result<String> {

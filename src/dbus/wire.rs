@@ -74,13 +74,19 @@ pub fn task(t: &TaskRecord) -> Dict {
         ("step".into(), v(t.step.as_str())),
         ("percent".into(), v(t.percent)),
         ("result".into(), v(t.message.as_str())),
-        ("parameters".into(), v(t.params.as_str())),
+        ("parameters".into(), v(task_parameters(t))),
         ("requested_by".into(), v(t.requested_by.as_str())),
         ("created".into(), v(t.created_ms)),
         ("started".into(), v(t.started_ms.unwrap_or(0))),
         ("finished".into(), v(t.finished_ms.unwrap_or(0))),
         ("reset_by".into(), v(t.reset_by.clone().unwrap_or_default())),
     ])
+}
+
+/// A task's parameters (recorded as JSON text) as an `a{sv}`: `Task.Parameters` and the
+/// `parameters` of a `GetTasks` entry.
+pub fn task_parameters(t: &TaskRecord) -> Dict {
+    json_dict(&serde_json::from_str(&t.params).unwrap_or_default())
 }
 
 /// `Manager.GetPlan` reply and `GetPlans` entry.
@@ -112,7 +118,7 @@ pub fn plan(p: &DevicePlan) -> Dict {
         ("steps".into(), v(steps)),
         (
             "plan".into(),
-            v(serde_json::to_string(p).unwrap_or_default()),
+            v(json_dict(&serde_json::to_value(p).unwrap_or_default())),
         ),
     ])
 }
@@ -293,6 +299,14 @@ impl Entry<'_> {
         self.get::<String>(key).unwrap_or_default()
     }
 
+    /// A value that was JSON in the daemon ([`from_json`]), as JSON again; null when absent.
+    pub fn json(&self, key: &str) -> serde_json::Value {
+        self.0
+            .get(key)
+            .map(|x| to_json(x))
+            .unwrap_or(serde_json::Value::Null)
+    }
+
     pub fn i64(&self, key: &str) -> i64 {
         self.get::<i64>(key).unwrap_or_default()
     }
@@ -315,5 +329,119 @@ impl Entry<'_> {
 
     pub fn address(&self, key: &str) -> Option<PciAddress> {
         self.str(key).parse().ok()
+    }
+}
+
+/// A JSON value as D-Bus values, so that no reply carries JSON inside a string: an object is an
+/// `a{sv}` (a member that is null is left out: D-Bus has no null), an array `av`, a string `s`, a
+/// whole number `x` (`t` above `i64::MAX`), another number `d`, a boolean `b`, and a null that is
+/// not a member `s` "" . [`to_json`] reads it back.
+pub fn from_json(j: &serde_json::Value) -> OwnedVariant {
+    use serde_json::Value as J;
+    match j {
+        J::Null => v(""),
+        J::Bool(b) => v(*b),
+        J::Number(n) => match (n.as_i64(), n.as_u64()) {
+            (Some(i), _) => v(i),
+            (None, Some(u)) => v(u),
+            _ => v(n.as_f64().unwrap_or(0.0)),
+        },
+        J::String(s) => v(s.as_str()),
+        J::Array(a) => v(a.iter().map(from_json).collect::<Vec<OwnedVariant>>()),
+        J::Object(_) => v(json_dict(j)),
+    }
+}
+
+/// A JSON object as an `a{sv}` ([`from_json`]); anything else as an empty one.
+pub fn json_dict(j: &serde_json::Value) -> Dict {
+    j.as_object()
+        .map(|m| {
+            m.iter()
+                .filter(|(_, x)| !x.is_null())
+                .map(|(k, x)| (k.clone(), from_json(x)))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// A D-Bus value as JSON: what [`from_json`] made, back (the nulls it left out stay out), and
+/// any other value by its kind (an object path as a string, a structure as an array).
+pub fn to_json(x: &zbus::Variant<'_>) -> serde_json::Value {
+    use serde_json::Value as J;
+    use zbus::Variant as V;
+    match x {
+        V::U8(n) => J::from(*n),
+        V::Bool(b) => J::from(*b),
+        V::I16(n) => J::from(*n),
+        V::U16(n) => J::from(*n),
+        V::I32(n) => J::from(*n),
+        V::U32(n) => J::from(*n),
+        V::I64(n) => J::from(*n),
+        V::U64(n) => J::from(*n),
+        V::F64(n) => J::from(*n),
+        V::Str(s) => J::from(s.as_str()),
+        V::Signature(s) => J::from(s.to_string()),
+        V::ObjectPath(p) => J::from(p.as_str()),
+        V::Variant(inner) => to_json(inner),
+        V::Array(a) => J::Array(a.inner().iter().map(to_json).collect()),
+        V::Dict(d) => J::Object(
+            d.iter()
+                .map(|(k, x)| {
+                    let key = match k {
+                        V::Str(s) => s.as_str().to_string(),
+                        other => to_json(other).to_string(),
+                    };
+                    (key, to_json(x))
+                })
+                .collect(),
+        ),
+        V::Structure(s) => J::Array(s.fields().iter().map(to_json).collect()),
+        #[cfg(unix)]
+        V::Fd(_) => J::Null,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{from_json, json_dict, to_json};
+    use serde_json::json;
+
+    #[test]
+    fn json_goes_over_dbus_without_strings_and_comes_back() {
+        // (JSON, its D-Bus signature, what comes back)
+        let table = [
+            (json!(true), "b", json!(true)),
+            (json!(-3), "x", json!(-3)),
+            (json!(u64::MAX), "t", json!(u64::MAX)),
+            (json!(1.5), "d", json!(1.5)),
+            (json!("vf"), "s", json!("vf")),
+            (json!([1, "a"]), "av", json!([1, "a"])),
+            (
+                json!({"mode": "vf", "num_vfs": 4}),
+                "a{sv}",
+                json!({"mode": "vf", "num_vfs": 4}),
+            ),
+            // D-Bus has no null: a null member is left out, a null alone is "".
+            (
+                json!({"driver": null, "mode": "pf"}),
+                "a{sv}",
+                json!({"mode": "pf"}),
+            ),
+            (json!(null), "s", json!("")),
+            (
+                json!({"plan": {"steps": [{"write": "sriov_numvfs"}]}}),
+                "a{sv}",
+                json!({"plan": {"steps": [{"write": "sriov_numvfs"}]}}),
+            ),
+        ];
+        for (j, signature, back) in table {
+            let v = from_json(&j);
+            assert_eq!(v.value_signature().to_string(), signature, "{j}");
+            assert_eq!(to_json(&v), back, "{j}");
+        }
+        assert!(
+            json_dict(&json!([1])).is_empty(),
+            "not an object: an empty a{{sv}}"
+        );
     }
 }

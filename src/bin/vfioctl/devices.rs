@@ -142,8 +142,7 @@ pub(crate) async fn preview(
                     "address": a,
                     "decision": "leave",
                     "reason": "not selected by that configuration",
-                })
-                .to_string(),
+                }),
             })],
     })
 }
@@ -155,10 +154,7 @@ pub(crate) fn print_plans(
     config: &str,
 ) -> Result<(), Failure> {
     if json {
-        let v: Vec<serde_json::Value> = plans
-            .iter()
-            .map(|p| serde_json::from_str(&p.json).unwrap_or(serde_json::Value::Null))
-            .collect();
+        let v: Vec<serde_json::Value> = plans.iter().map(|p| p.json.clone()).collect();
         print_json(&v)?;
     } else if plans.is_empty() {
         println!("no device is selected by {config}: nothing to plan");
