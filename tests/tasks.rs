@@ -28,7 +28,12 @@ async fn finish(h: &Harness, path: &OwnedObjectPath) -> (String, String, String)
         },
     )
     .await;
-    let a = t.device().await.unwrap();
+    let a = t.address().await.unwrap();
+    assert_eq!(
+        vfiod::client::address_of_path(t.device().await.unwrap().as_str()).as_deref(),
+        Some(a.as_str()),
+        "Task.Device is the object of Task.Address"
+    );
     let address = addr(&a);
     let object = device(h, &a).await;
     let object = &object;

@@ -110,7 +110,9 @@ pub trait Task {
     #[zbus(property)]
     fn kind(&self) -> zbus::Result<String>;
     #[zbus(property)]
-    fn device(&self) -> zbus::Result<String>;
+    fn device(&self) -> zbus::Result<zbus::OwnedObjectPath>;
+    #[zbus(property)]
+    fn address(&self) -> zbus::Result<String>;
     #[zbus(property)]
     fn state(&self) -> zbus::Result<String>;
     #[zbus(property)]
@@ -191,7 +193,7 @@ pub async fn task_view(task: &TaskProxy<'_>) -> Result<TaskView, ClientError> {
     Ok(TaskView {
         id: task.id().await?,
         kind: task.kind().await?,
-        address: task.device().await?,
+        address: task.address().await?,
         state: task.state().await?,
         step: task.step().await?,
         percent: task.percent().await?,
@@ -438,6 +440,17 @@ fn prop<T: TryFrom<OwnedVariant>>(
         })
 }
 
+/// The address of a device object's path (`/org/vfiod/Vfiod1/device/pci_0000_3b_00_0`), or
+/// `None` for `/` (no device) or another path.
+pub fn address_of_path(path: &str) -> Option<String> {
+    let name = path
+        .strip_prefix(crate::dbus::ROOT_PATH)?
+        .strip_prefix("/device/")?;
+    crate::model::pci::PciAddress::from_nodedev_name(name)
+        .ok()
+        .map(|a| a.to_string())
+}
+
 /// Builds the view from a device object's properties.
 pub fn view_from_properties(
     path: &str,
@@ -467,7 +480,7 @@ pub fn view_from_properties(
         mode: s("Mode")?,
         total_vfs: prop(p, path, "TotalVfs")?,
         num_vfs: prop(p, path, "NumVfs")?,
-        parent_pf: opt(s("ParentPf")?),
+        parent_pf: address_of_path(&prop::<zbus::OwnedObjectPath>(p, path, "ParentPf")?),
         managed: prop(p, path, "Managed")?,
         state: s("State")?,
         state_reason: s("StateReason")?,

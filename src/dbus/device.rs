@@ -132,10 +132,7 @@ pub fn properties(d: &Device) -> Vec<(&'static str, OwnedVariant)> {
         ("Mode", v(d.mode.as_str())),
         ("TotalVfs", v(d.total_vfs)),
         ("NumVfs", v(d.num_vfs)),
-        (
-            "ParentPf",
-            v(d.parent_pf.map(|a| a.to_string()).unwrap_or_default()),
-        ),
+        ("ParentPf", v(parent_pf_path(d.parent_pf))),
         ("Managed", v(d.managed)),
         ("State", v(d.state.as_str())),
         ("StateReason", v(d.state_reason.clone())),
@@ -254,11 +251,11 @@ impl DeviceObject {
         let d = self.device()?;
         Ok(d.num_vfs)
     }
-    /// For a VF, its PF's address; "" otherwise.
+    /// For a VF, its PF's object; `/` otherwise.
     #[zbus(property)]
-    fn parent_pf(&self) -> zbus::fdo::Result<String> {
+    fn parent_pf(&self) -> zbus::fdo::Result<zbus::OwnedObjectPath> {
         let d = self.device()?;
-        Ok(d.parent_pf.map(|a| a.to_string()).unwrap_or_default())
+        Ok(parent_pf_path(d.parent_pf))
     }
     /// Selected by the config and not protected: vfiod may change it.
     #[zbus(property)]
@@ -420,6 +417,12 @@ impl DeviceObject {
         o.engine.flush().await;
         Ok(())
     }
+}
+
+/// A VF's PF as an object path (a device is always one); `/` for no PF.
+fn parent_pf_path(pf: Option<crate::model::pci::PciAddress>) -> zbus::OwnedObjectPath {
+    pf.map(super::device_path)
+        .unwrap_or_else(|| zbus::OwnedObjectPath::try_from("/").expect("valid object path"))
 }
 
 #[cfg(test)]

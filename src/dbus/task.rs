@@ -62,12 +62,20 @@ impl TaskObject {
         let t = self.task()?;
         Ok(t.kind.as_str().into())
     }
+    /// The device's object (`/org/vfiod/Vfiod1/device/pci_...`): a device is always an object
+    /// path, as `Claim.Device` is.
+    #[zbus(property(emits_changed_signal = "const"))]
+    fn device(&self) -> zbus::fdo::Result<zbus::OwnedObjectPath> {
+        let t = self.task()?;
+        Ok(super::device_path(t.address))
+    }
     /// The device's PCI address.
     #[zbus(property(emits_changed_signal = "const"))]
-    fn device(&self) -> zbus::fdo::Result<String> {
+    fn address(&self) -> zbus::fdo::Result<String> {
         let t = self.task()?;
         Ok(t.address.to_string())
     }
+    /// Deprecated: `Device`, which is now the object path too.
     #[zbus(property(emits_changed_signal = "const"))]
     fn device_path(&self) -> zbus::fdo::Result<zbus::OwnedObjectPath> {
         let t = self.task()?;

@@ -34,7 +34,9 @@ pub trait Task {
     #[zbus(property)]
     fn kind(&self) -> zbus::Result<String>;
     #[zbus(property)]
-    fn device(&self) -> zbus::Result<String>;
+    fn device(&self) -> zbus::Result<zbus::OwnedObjectPath>;
+    #[zbus(property)]
+    fn address(&self) -> zbus::Result<String>;
     #[zbus(property)]
     fn result(&self) -> zbus::Result<String>;
     #[zbus(property)]

@@ -81,7 +81,11 @@ pub(crate) async fn run(conn: &zbus::Connection, command: Command) -> Result<(),
                 let batch: Vec<client::EventEntry> = m
                     .get_events(q(Some(last), 10_000))
                     .await
-                    .map_err(|e| describe(e.into()))?
+                    // Gone between its last signal and this read: the same end as below.
+                    .map_err(|e| match client::ClientError::from(e) {
+                        client::ClientError::NotRunning => left_the_bus(),
+                        other => describe(other),
+                    })?
                     .iter()
                     .map(client::EventEntry::from_dict)
                     .collect();
@@ -96,10 +100,13 @@ pub(crate) async fn run(conn: &zbus::Connection, command: Command) -> Result<(),
             // Entries filtered out still move the mark: they need not be asked for again.
             last = last.max(newest);
         }
-        Err(Failure::from(
-            "vfiod left the bus: no more events to follow".to_string(),
-        ))
+        Err(left_the_bus())
     }
+}
+
+/// How following ends when vfiod goes: its name left the bus, or a read found no owner.
+fn left_the_bus() -> Failure {
+    Failure::from("vfiod left the bus: no more events to follow".to_string())
 }
 
 /// `vfioctl events`' table. Milliseconds: a migration's quiesce window is tens of them.
