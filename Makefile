@@ -5,8 +5,10 @@
 #   make uninstall                             (same variables; leaves /etc/vfiod alone)
 #   make deb                                   target/debian/vfiod_VERSION_ARCH.deb (packaging/deb)
 #
-# `make install` only copies: it never builds, so it also runs where there is no Rust toolchain (the test
-# guests install from a read-only share of this tree).
+# `cargo build --release` builds every package of the workspace (all are default members): vfiod,
+# vfioctl and vfiod-qemu-hook (the root package) and vfiod-pool (crates/vfiod-pool), into one
+# target directory. `make install` only copies: it never builds, so it also runs where there is
+# no Rust toolchain (the test guests install from a read-only share of this tree).
 
 PREFIX      ?= /usr/local
 SYSCONFDIR  ?= /etc
@@ -56,8 +58,9 @@ install:
 	@test -n "$(INTERFACES)" || { echo "make install: dbus/interfaces/*.xml are missing" >&2; exit 1; }
 	$(INSTALL) -D -m 0755 $(RELEASE)/vfiod $(DESTDIR)$(SBINDIR)/vfiod
 	$(INSTALL) -D -m 0755 $(RELEASE)/vfioctl $(DESTDIR)$(BINDIR)/vfioctl
-	@# The reference pool service and its stand-in driver (docs/pool-protocol.md); no unit: a
-	@# pool runs where the operator chooses, usually not on every host.
+	@# The reference pool service and its stand-in driver (crates/vfiod-pool,
+	@# docs/pool-protocol.md); no unit: a pool runs where the operator chooses, usually not on
+	@# every host.
 	$(INSTALL) -D -m 0755 $(RELEASE)/vfiod-pool $(DESTDIR)$(BINDIR)/vfiod-pool
 	@# The man pages and the shell completions, printed by the binaries just built (generated
 	@# from their option definitions, and vfiod.toml.5 from docs/config.md compiled into vfiod:

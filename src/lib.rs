@@ -12,7 +12,7 @@ pub mod config; // settings from vfiod.toml and conf.d drop-ins, validated once 
 pub mod claims; // which device a claim gets: requirements, what is claimable, the choice
 pub mod store; // SQLite state store (WAL), schema migrations: the single source of truth
 pub mod host; // the machine's edges: sysfs (one root, bounded writes), uevents, libvirt
-pub mod pool; // pooled accelerators: the pool protocol, its HTTP client, the reference pool service
+pub mod pool; // pooled accelerators: the pool protocol and its HTTP client (crate vfiod-pool-protocol)
 pub mod sim; // the simulated kernel and a private dbus-daemon, for --simulate and tests
 pub mod inventory; // classification and change detection of PCI functions
 pub mod modes; // mode policy, plans of sysfs writes, and the executor that runs them
@@ -26,7 +26,6 @@ pub mod client; // D-Bus client side: proxies, the JSON device view, vfioctl tab
 #[cfg(feature = "fleet")]
 pub mod fleet; // the fleet database on PostgreSQL: reports, the conductor, reservations
 pub mod server; // assembles store, engine, D-Bus service and loop into a running daemon
-pub mod demo; // vfiod --demo-pool: a pooled session handed between two simulated hosts
 
 /// An error and all its causes on one line ("a: b: c"), for logs and D-Bus error messages.
 pub fn error_chain(e: &dyn std::error::Error) -> String {

@@ -1,7 +1,9 @@
 //! The module map holds: no dependency cycle between modules under `src/` (not `src/bin/`), and
 //! `src/lib.rs` lists the top-level modules from the bottom of the dependency graph up. The
 //! longer map, docs/architecture.md, names only files that exist, and its `unsafe` table lists
-//! exactly the files with `unsafe` code.
+//! exactly the files with `unsafe` code. That the daemon does not use the reference pool service
+//! needs no check here: the service is another crate (crates/vfiod-pool), which the `vfiod`
+//! library does not depend on, so such a use does not compile.
 //!
 //! A module depends on another when its file names it through a `crate::` or `super::` path, in
 //! a `use` or in code. For every folder module (the crate root included) the children form a

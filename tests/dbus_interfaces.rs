@@ -64,7 +64,7 @@ struct Pool {
 impl Pool {
     fn start() -> Pool {
         let dir = tempfile::tempdir().unwrap();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_vfiod-pool"))
+        let mut child = Command::new(common::bins::vfiod_pool())
             .args(["--listen", "127.0.0.1:0", "--state-dir"])
             .arg(dir.path())
             .args(["--devices", "1"])

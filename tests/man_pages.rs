@@ -5,28 +5,35 @@
 
 use std::process::Command;
 
+// The harness's locator of the workspace's other binaries, without the rest of the harness.
+#[path = "common/bins.rs"]
+#[allow(dead_code)]
+mod bins;
+
 /// `(binary, arguments, name, section)` of each page.
-const PAGES: &[(&str, &[&str], &str, &str)] = &[
-    (env!("CARGO_BIN_EXE_vfioctl"), &["man"], "vfioctl", "1"),
-    (
-        env!("CARGO_BIN_EXE_vfiod-pool"),
-        &["man"],
-        "vfiod-pool",
-        "1",
-    ),
-    (
-        env!("CARGO_BIN_EXE_vfiod"),
-        &["--man", "vfiod.8"],
-        "vfiod",
-        "8",
-    ),
-    (
-        env!("CARGO_BIN_EXE_vfiod"),
-        &["--man", "vfiod.toml.5"],
-        "vfiod.toml",
-        "5",
-    ),
-];
+fn pages() -> [(String, &'static [&'static str], &'static str, &'static str); 4] {
+    [
+        (
+            env!("CARGO_BIN_EXE_vfioctl").into(),
+            &["man"],
+            "vfioctl",
+            "1",
+        ),
+        (bins::vfiod_pool(), &["man"], "vfiod-pool", "1"),
+        (
+            env!("CARGO_BIN_EXE_vfiod").into(),
+            &["--man", "vfiod.8"],
+            "vfiod",
+            "8",
+        ),
+        (
+            env!("CARGO_BIN_EXE_vfiod").into(),
+            &["--man", "vfiod.toml.5"],
+            "vfiod.toml",
+            "5",
+        ),
+    ]
+}
 
 fn page(binary: &str, args: &[&str]) -> String {
     let out = Command::new(binary).args(args).output().expect("run");
@@ -72,15 +79,15 @@ fn groff(roff: &str, what: &str) -> Option<String> {
 
 #[test]
 fn every_page_renders_without_warnings_and_has_its_sections() {
-    for (binary, args, name, section) in PAGES {
-        let roff = page(binary, args);
+    for (binary, args, name, section) in pages() {
+        let roff = page(&binary, args);
         let what = format!("{name}({section})");
         assert!(
             roff.contains(&format!(".TH {name} {section} ")),
             "{what}: no title line"
         );
         let mut sections = vec!["NAME", "DESCRIPTION", "SEE ALSO"];
-        if *section != "5" {
+        if section != "5" {
             sections.extend(["SYNOPSIS", "OPTIONS"]);
         }
         for s in &sections {
@@ -147,7 +154,7 @@ fn hidden_man_options_stay_out_of_their_pages() {
     let daemon = page(env!("CARGO_BIN_EXE_vfiod"), &["--man", "vfiod.8"]);
     assert!(!daemon.contains("\\-\\-man"), "{daemon}");
     assert!(daemon.contains("\\-\\-check\\-config"), "{daemon}");
-    let pool = page(env!("CARGO_BIN_EXE_vfiod-pool"), &["man"]);
+    let pool = page(&bins::vfiod_pool(), &["man"]);
     assert!(!pool.contains("vfiod\\-pool man"), "{pool}");
     assert!(pool.contains("vfiod\\-pool drive"), "{pool}");
 }

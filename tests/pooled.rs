@@ -30,7 +30,7 @@ struct Pool {
 impl Pool {
     fn start(extra: &[&str]) -> Pool {
         let dir = tempfile::tempdir().unwrap();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_vfiod-pool"))
+        let mut child = Command::new(common::bins::vfiod_pool())
             .args(["--listen", "127.0.0.1:0", "--state-dir"])
             .arg(dir.path())
             .args(["--devices", "2"])
@@ -757,14 +757,11 @@ async fn leasing_and_releasing_ask_the_claim_action() {
     assert!(claims(&p.h, false).await.is_empty());
 }
 
-/// `vfiod --demo-pool`, the demo, as a newcomer runs it: every step with its time, the
-/// pause window, and nothing lost or duplicated by the stand-in driver.
+/// The demo (`cargo run --release --example pool-demo`) as a newcomer runs it: every
+/// step with its time, the pause window, and nothing lost or duplicated by the stand-in driver.
 #[test]
 fn the_demo_hands_a_session_over_and_loses_nothing() {
-    let out = Command::new(env!("CARGO_BIN_EXE_vfiod"))
-        .arg("--demo-pool")
-        .output()
-        .unwrap();
+    let out = Command::new(common::bins::pool_demo()).output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),

@@ -616,11 +616,11 @@ async fn progress_only_on_a_terminal_and_within_its_width() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn names_versions_completions_man_and_both_address_spellings() {
     for (bin, name) in [
-        (env!("CARGO_BIN_EXE_vfioctl"), "vfioctl"),
-        (env!("CARGO_BIN_EXE_vfiod-pool"), "vfiod-pool"),
-        (env!("CARGO_BIN_EXE_vfiod"), "vfiod"),
+        (env!("CARGO_BIN_EXE_vfioctl").to_string(), "vfioctl"),
+        (common::bins::vfiod_pool(), "vfiod-pool"),
+        (env!("CARGO_BIN_EXE_vfiod").to_string(), "vfiod"),
     ] {
-        let out = Command::new(bin).arg("--version").output().unwrap();
+        let out = Command::new(&bin).arg("--version").output().unwrap();
         let text = String::from_utf8_lossy(&out.stdout);
         assert_eq!(
             text.trim(),

@@ -43,15 +43,15 @@ struct Args {
     /// and exit with its status (e.g. `vfiod --simulate -- vfioctl list`).
     #[arg(last = true, requires = "simulate")]
     command: Vec<String>,
-    /// Run the pooled-device demo and exit: the reference pool service on loopback, vfiod on
-    /// two simulated hosts, the stand-in driver streaming items while its session is handed
-    /// from one host to the other by the code libvirt's hooks and events run (issue 11).
-    #[arg(long, conflicts_with_all = ["simulate", "check_config"])]
-    demo_pool: bool,
     /// Create the state database and exit, taking an existing but empty `vfiod.db` as a new
     /// store (the daemon refuses to start on one: it is a database that lost its content).
-    #[arg(long, conflicts_with_all = ["simulate", "check_config", "demo_pool"])]
+    #[arg(long, conflicts_with_all = ["simulate", "check_config"])]
     init_state: bool,
+    /// The pooled demo's old place: it is `cargo run --release --example pool-demo` now (it
+    /// runs the reference pool service, which vfiod no longer links). Says so and exits 2.
+    // Hidden, and only for one release: for someone who learnt the old command.
+    #[arg(long, hide = true, exclusive = true)]
+    demo_pool: bool,
     /// Print a man page (roff) on stdout and exit: vfiod.8 (this daemon, from these options)
     /// or vfiod.toml.5 (its configuration, from docs/config.md). What `make install` installs.
     // Hidden: for the install, not for a person reading the help (nor in the page itself).
@@ -145,8 +145,14 @@ fn main() -> ExitCode {
     if let Some(page) = args.man {
         return print_man(page);
     }
-    // The demo prints its own steps; the daemons' log would drown them.
-    init_logging(if args.demo_pool { "warn" } else { "info" });
+    if args.demo_pool {
+        eprintln!(
+            "vfiod: --demo-pool moved out of the daemon (which no longer links the pool \
+             service): from a checkout, run `cargo run --release --example pool-demo`"
+        );
+        return ExitCode::from(2);
+    }
+    init_logging("info");
     // Before any thread or descriptor: the limit is the process's.
     match vfiod::server::raise_fd_limit() {
         Ok((soft, hard)) => tracing::debug!("descriptor limit {soft} (hard {hard})"),
@@ -196,10 +202,6 @@ async fn run(args: Args) -> Result<ExitCode, String> {
     // from its own start on; one that comes before that is dropped (the configuration is being
     // read then anyway).
     let _early_hangups = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup());
-    if args.demo_pool {
-        vfiod::demo::pool_migration().await?;
-        return Ok(ExitCode::SUCCESS);
-    }
     if args.simulate {
         return simulate(args).await;
     }

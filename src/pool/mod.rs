@@ -1,9 +1,6 @@
-//! Pooled accelerators (issue 11): the pool control protocol and its edges. [`protocol`] holds
-//! the wire types and paths (pure); [`client`] is the HTTP client vfiod uses, one per
-//! `[[pool]]`. The reference pool service (`vfiod-pool`) and the stand-in user-mode driver
-//! live here too, so that tests and the demo run both ends from one crate.
+//! Pooled accelerators (issue 11): the pool control protocol and its client, re-exported from
+//! the `vfiod-pool-protocol` crate (crates/vfiod-pool-protocol), so that the daemon's code says
+//! `crate::pool::protocol` and `crate::pool::client`. The reference pool service and its
+//! stand-in driver are the `vfiod-pool` crate (crates/vfiod-pool): not linked into vfiod.
 
-pub mod client;
-pub mod driver;
-pub mod protocol;
-pub mod service;
+pub use vfiod_pool_protocol::{client, protocol};

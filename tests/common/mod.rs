@@ -15,6 +15,7 @@ use vfiod::sim::bus::PrivateBus;
 use vfiod::sim::kernel::{HostModel, SimKernel};
 use zbus::{MessageStream, OwnedVariant};
 
+pub mod bins;
 pub mod libvirtd;
 pub mod polkit;
 #[cfg(feature = "fleet")]

@@ -1,29 +1,33 @@
-//! `vfiod --demo-pool`: a pooled device's session handed over from one host to another by the
-//! same code libvirt's hooks and events run, on one machine, with nothing to install: the
-//! reference pool service on loopback, two vfiod daemons on simulated hosts ("hosta" and
-//! "hostb", each on a private bus), and the stand-in user-mode driver streaming numbered items
-//! to the session throughout. It prints each step with its time, the pause window, and what
-//! the driver lost or got twice.
+//! The pooled demo (issue 11), `cargo run --release --example pool-demo`: a pooled device's
+//! session handed over from one host to another by the same code libvirt's hooks and events
+//! run, on one machine, with nothing to install: the reference pool service on loopback, two
+//! vfiod daemons on simulated hosts ("hosta" and "hostb", each on a private bus), and the
+//! stand-in user-mode driver streaming numbered items to the session throughout. It prints each
+//! step with its time, the pause window, and what the driver lost or got twice.
 //!
 //! The steps are those of a live migration with `quiesce_at = "switchover"`: hostb's
 //! `migrate begin` hook (through `Manager.Hook`, with the domain XML carrying the session in
 //! vfiod's metadata), hosta's switchover ([`Engine::quiesce_pooled`], what libvirt's
 //! suspended-for-migration event runs), hostb's resume ([`Engine::resume_pooled`], what the
 //! resumed event runs), hosta's `stopped` hook. Only libvirt itself is played.
+//!
+//! An example of the vfiod package, with the pool crate as a dev-dependency: it needs both
+//! ends, and the daemon's binary must not link the pool service (it was `vfiod --demo-pool`).
 
-use crate::config::Settings;
-use crate::dbus::{auth::Authorizer, BusTarget};
-use crate::engine::{ConfigSource, Engine};
-use crate::host::libvirt::xml::{metadata_element_with, MetadataPooled};
-use crate::pool::client::{PoolClient, PoolEndpoint};
-use crate::pool::driver::{self, DriverConfig};
-use crate::pool::service::{self, PoolConfig};
-use crate::server::{Options, Server};
-use crate::sim::bus::PrivateBus;
-use crate::sim::kernel::{HostModel, SimKernel};
 use std::path::Path;
+use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use vfiod::config::Settings;
+use vfiod::dbus::{auth::Authorizer, BusTarget};
+use vfiod::engine::{ConfigSource, Engine};
+use vfiod::host::libvirt::xml::{metadata_element_with, MetadataPooled};
+use vfiod::pool::client::{PoolClient, PoolEndpoint};
+use vfiod::server::{Options, Server};
+use vfiod::sim::bus::PrivateBus;
+use vfiod::sim::kernel::{HostModel, SimKernel};
+use vfiod_pool::driver::{self, DriverConfig};
+use vfiod_pool::service::{self, PoolConfig};
 
 const UUID: &str = "0c1d2e3f-4a5b-4c6d-8e9f-a0b1c2d3e4f5";
 const ITEMS: u64 = 3_000;
@@ -60,7 +64,7 @@ impl Host {
             pin_sysfs_root: Some(kernel.root().to_path_buf()),
             pin_state_dir: Some(dir.join("state")),
         };
-        let settings: Settings = source.load().map_err(|e| crate::error_chain(&e))?;
+        let settings: Settings = source.load().map_err(|e| vfiod::error_chain(&e))?;
         let server = Server::start(Options {
             settings,
             source: Some(source),
@@ -71,7 +75,7 @@ impl Host {
             simulated: true,
         })
         .await
-        .map_err(|e| crate::error_chain(&e))?;
+        .map_err(|e| vfiod::error_chain(&e))?;
         let client = zbus::connection::Builder::address(bus.address())
             .build()
             .await
@@ -89,10 +93,10 @@ impl Host {
         &self.server.engine
     }
 
-    async fn manager(&self) -> Result<crate::client::ManagerProxy<'static>, String> {
-        crate::client::manager(&self.client)
+    async fn manager(&self) -> Result<vfiod::client::ManagerProxy<'static>, String> {
+        vfiod::client::manager(&self.client)
             .await
-            .map_err(|e| crate::error_chain(&e))
+            .map_err(|e| vfiod::error_chain(&e))
     }
 }
 
@@ -109,7 +113,7 @@ impl Clock {
 }
 
 /// Runs the demo; the error says what failed.
-pub async fn pool_migration() -> Result<(), String> {
+async fn pool_migration() -> Result<(), String> {
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let clock = Clock(Instant::now());
     let pool = service::start(PoolConfig::new(
@@ -117,7 +121,7 @@ pub async fn pool_migration() -> Result<(), String> {
         dir.path().join("pool"),
     ))
     .await
-    .map_err(|e| crate::error_chain(&e))?;
+    .map_err(|e| vfiod::error_chain(&e))?;
     let url = pool.url(false).to_string();
     let url = url.trim_end_matches('/').to_string();
     clock.say("pool", &format!("vfiod-pool serves {url}"));
@@ -126,7 +130,7 @@ pub async fn pool_migration() -> Result<(), String> {
     clock.say("", "vfiod runs on simulated hosts hosta and hostb");
 
     // Lease a pooled device to the VM on hosta, over D-Bus.
-    let owner = crate::client::query(vec![
+    let owner = vfiod::client::query(vec![
         ("vm_name", Some("vm1".into())),
         ("vm_uuid", Some(UUID.into())),
     ]);
@@ -136,7 +140,7 @@ pub async fn pool_migration() -> Result<(), String> {
         .lease_pooled("demo", "dev0", owner)
         .await
         .map_err(|e| e.to_string())?;
-    let c = crate::client::pool::PooledEntry::from_dict(&leased);
+    let c = vfiod::client::pool::PooledEntry::from_dict(&leased);
     clock.say(
         a.name,
         &format!(
@@ -146,7 +150,7 @@ pub async fn pool_migration() -> Result<(), String> {
     );
 
     // The driver inside the VM streams items to its session from the host it runs on.
-    crate::pool::client::install_crypto_provider();
+    vfiod::pool::client::install_crypto_provider();
     let endpoint = PoolEndpoint::new(url.parse().map_err(|e| format!("{url}: {e}"))?);
     let client = PoolClient::new(&endpoint).map_err(|e| e.to_string())?;
     let mut cfg = DriverConfig::new(&c.session, a.name, ITEMS);
@@ -220,7 +224,7 @@ pub async fn pool_migration() -> Result<(), String> {
     let report = running
         .await
         .map_err(|e| e.to_string())?
-        .map_err(|e| crate::error_chain(&e))?;
+        .map_err(|e| vfiod::error_chain(&e))?;
     clock.say("driver", "done");
     println!();
     println!("the pooled claim's history on both hosts (vfioctl events, kind pool), by time:");
@@ -230,11 +234,11 @@ pub async fn pool_migration() -> Result<(), String> {
             .engine()
             .store()
             .events(None, 0, 1000)
-            .map_err(|e| crate::error_chain(&e))?;
+            .map_err(|e| vfiod::error_chain(&e))?;
         steps.extend(
             events
                 .into_iter()
-                .filter(|e| e.kind == crate::model::event::EventKind::Pool)
+                .filter(|e| e.kind == vfiod::model::event::EventKind::Pool)
                 .map(|e| (e.time_ms, host.name, e.message)),
         );
     }
@@ -265,7 +269,7 @@ pub async fn pool_migration() -> Result<(), String> {
     Ok(())
 }
 
-fn step_result(done: &[crate::engine::PooledOutcome]) -> Result<(), String> {
+fn step_result(done: &[vfiod::engine::PooledOutcome]) -> Result<(), String> {
     match done.first() {
         None => Err("no pooled claim took the step".into()),
         Some(o) => match &o.error {
@@ -273,4 +277,40 @@ fn step_result(done: &[crate::engine::PooledOutcome]) -> Result<(), String> {
             None => Ok(()),
         },
     }
+}
+
+fn main() -> ExitCode {
+    // The demo prints its own steps; the daemons' log would drown them (VFIOD_LOG overrides).
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("VFIOD_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_target(false)
+        .init();
+    // Two daemons and a pool in one process: the descriptor limit as vfiod raises it.
+    if let Err(e) = vfiod::server::raise_fd_limit() {
+        tracing::warn!("cannot raise the descriptor limit: {e}");
+    }
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("pool-demo: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let code = match runtime.block_on(pool_migration()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("pool-demo: {e}");
+            ExitCode::FAILURE
+        }
+    };
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    code
 }

@@ -10,7 +10,7 @@ use tokio::sync::Notify;
 
 use super::state::{self, Command, Refusal, Rules, SessionRecord, Transition};
 use super::store::{Store, StoreError};
-use crate::pool::protocol::{
+use crate::protocol::{
     CreateSession, ErrorCode, PoolDevice, Quiesced, Results, Session, SessionState, Submitted,
     WorkItem,
 };
@@ -153,7 +153,7 @@ impl Core {
     }
 
     fn record(store: &Store, id: &str) -> Result<SessionRecord, CoreError> {
-        if !crate::pool::protocol::valid_name(id) {
+        if !crate::protocol::valid_name(id) {
             return Err(
                 Refusal::new(ErrorCode::Invalid, format!("{id:?} is not a session id")).into(),
             );

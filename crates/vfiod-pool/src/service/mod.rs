@@ -29,7 +29,7 @@ use self::core::{Core, CoreError, CoreSettings};
 pub use self::serve::{raise_nofile_limit, ConnectionLimits};
 use self::store::{Store, StoreError};
 pub use self::tls::{TlsError, TlsFiles};
-use crate::pool::protocol::PoolDevice;
+use crate::protocol::PoolDevice;
 
 /// The default quiesce lease: a quiesced session with no resume for this long resumes on its
 /// last owner.
@@ -103,7 +103,7 @@ impl PoolConfig {
             .map(|d| &d.id)
             .chain(self.hosts.iter().flatten())
         {
-            if !crate::pool::protocol::valid_name(name) {
+            if !crate::protocol::valid_name(name) {
                 return Err(ServiceError::Invalid(format!(
                     "{name:?} is not a valid name"
                 )));

@@ -9,7 +9,7 @@
 //!   running | quiesced ──release(e)──> released (for good)
 //! ```
 
-use crate::pool::protocol::{valid_name, CreateSession, ErrorCode, SessionState};
+use crate::protocol::{valid_name, CreateSession, ErrorCode, SessionState};
 
 /// A session as the pool keeps it.
 #[derive(Clone, Debug, PartialEq, Eq)]

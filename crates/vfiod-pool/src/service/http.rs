@@ -1,4 +1,4 @@
-//! The HTTP face of the pool: the routes of [`crate::pool::protocol::ROUTES`] on axum, each a
+//! The HTTP face of the pool: the routes of [`crate::protocol::ROUTES`] on axum, each a
 //! thin translation to [`Core`]; refusals become the protocol's error body with its status,
 //! axum's own too (an unknown path, a method a path does not serve, a path that is not UTF-8,
 //! a body or query that does not parse, a request past its deadline).
@@ -16,7 +16,7 @@ use axum::{Json, Router};
 use super::core::{Core, CoreError};
 use super::state::{Command, Refusal};
 use super::Service;
-use crate::pool::protocol::{self as p, ErrorBody, ErrorCode};
+use crate::protocol::{self as p, ErrorBody, ErrorCode};
 
 /// An error reply.
 struct ApiError(CoreError);

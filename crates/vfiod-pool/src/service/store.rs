@@ -14,7 +14,7 @@ use std::time::Duration;
 use rusqlite::{params, Connection, OptionalExtension, Transaction, TransactionBehavior};
 
 use super::state::SessionRecord;
-use crate::pool::protocol::{SessionState, WorkItem, WorkResult};
+use crate::protocol::{SessionState, WorkItem, WorkResult};
 
 /// File name of the database inside the state directory.
 pub const DB_FILE_NAME: &str = "pool.db";
@@ -566,8 +566,8 @@ fn raw_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawRow> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pool::protocol::CreateSession;
-    use crate::pool::service::state::{create, Rules};
+    use crate::protocol::CreateSession;
+    use crate::service::state::{create, Rules};
 
     fn rec(id: &str) -> SessionRecord {
         let req = CreateSession {

@@ -8,10 +8,10 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use vfiod::pool::client::{PoolClient, PoolEndpoint, PoolError};
-use vfiod::pool::driver::{self, DriverConfig};
-use vfiod::pool::protocol::{self as p, SessionState, WorkItem};
-use vfiod::pool::service::{self, PoolConfig, RunningPool, ServiceError, TlsFiles};
+use vfiod_pool::driver::{self, DriverConfig};
+use vfiod_pool::service::{self, PoolConfig, RunningPool, ServiceError, TlsFiles};
+use vfiod_pool_protocol::client::{PoolClient, PoolEndpoint, PoolError};
+use vfiod_pool_protocol::protocol::{self as p, SessionState, WorkItem};
 
 const LOOPBACK: &str = "127.0.0.1:0";
 
@@ -477,7 +477,7 @@ async fn every_protocol_route_is_served() {
 fn openapi() -> yaml_rust2::Yaml {
     let text = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/docs/pool-openapi.yaml"
+        "/../../docs/pool-openapi.yaml"
     ))
     .expect("docs/pool-openapi.yaml");
     let mut docs = yaml_rust2::YamlLoader::load_from_str(&text).expect("pool-openapi.yaml parses");

@@ -12,9 +12,9 @@ use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpSocket, TcpStream};
-use vfiod::pool::client::{PoolClient, PoolEndpoint};
-use vfiod::pool::protocol::{ErrorBody, SessionState, WorkItem};
-use vfiod::pool::service::{self, ConnectionLimits, PoolConfig, RunningPool, TlsFiles};
+use vfiod_pool::service::{self, ConnectionLimits, PoolConfig, RunningPool, TlsFiles};
+use vfiod_pool_protocol::client::{PoolClient, PoolEndpoint};
+use vfiod_pool_protocol::protocol::{ErrorBody, SessionState, WorkItem};
 
 async fn start(dir: &Path, tweak: impl FnOnce(&mut PoolConfig)) -> RunningPool {
     let mut cfg = PoolConfig::new("127.0.0.1:0".parse().unwrap(), dir.to_owned());
@@ -283,7 +283,7 @@ fn make_pki() -> Pki {
 fn tls_connector(pki: &Pki) -> tokio_rustls::TlsConnector {
     use rustls::pki_types::pem::PemObject;
     use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-    vfiod::pool::client::install_crypto_provider();
+    vfiod_pool_protocol::client::install_crypto_provider();
     let mut roots = rustls::RootCertStore::empty();
     for c in CertificateDer::pem_file_iter(pki.path("ca.pem")).unwrap() {
         roots.add(c.unwrap()).unwrap();
@@ -480,7 +480,7 @@ async fn idle_share(state: &Path) -> (f64, PoolProcess, PoolClient) {
 async fn twenty_thousand_released_sessions_cost_no_idle_cpu() {
     let reference_dir = tempfile::tempdir().unwrap();
     let reference_state = reference_dir.path().join("state");
-    drop(vfiod::pool::service::store::Store::open(&reference_state).unwrap());
+    drop(vfiod_pool::service::store::Store::open(&reference_state).unwrap());
     let (reference, reference_pool, _) = idle_share(&reference_state).await;
     drop(reference_pool);
 
@@ -488,7 +488,7 @@ async fn twenty_thousand_released_sessions_cost_no_idle_cpu() {
     let state = dir.path().join("state");
     {
         // The schema, as the pool makes it.
-        drop(vfiod::pool::service::store::Store::open(&state).unwrap());
+        drop(vfiod_pool::service::store::Store::open(&state).unwrap());
         let mut db = rusqlite::Connection::open(state.join("pool.db")).unwrap();
         let tx = db.transaction().unwrap();
         {

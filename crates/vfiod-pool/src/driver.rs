@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use tokio::sync::watch;
 
-use super::client::{PoolClient, PoolError};
-use super::protocol::{work_value, ErrorCode, SessionState, WorkItem};
+use crate::client::{PoolClient, PoolError};
+use crate::protocol::{work_value, ErrorCode, SessionState, WorkItem};
 
 /// How to drive a session.
 #[derive(Clone, Debug)]

@@ -8,10 +8,10 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use vfiod::error_chain;
-use vfiod::pool::client::{PoolClient, PoolEndpoint};
-use vfiod::pool::driver::{self, DriverConfig};
-use vfiod::pool::service::{self, ConnectionLimits, PoolConfig, TlsFiles};
+use vfiod_pool::driver::{self, DriverConfig};
+use vfiod_pool::service::{self, ConnectionLimits, PoolConfig, TlsFiles};
+use vfiod_pool_protocol::client::{PoolClient, PoolEndpoint};
+use vfiod_pool_protocol::error_chain;
 
 /// A device pool speaking pool protocol v1: leases pooled accelerators to VMs, quiesces and
 /// resumes their work across a live migration, with epochs that fence a stale host off. Its
@@ -157,8 +157,7 @@ fn seconds(what: &str, s: f64) -> Result<Duration, String> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     if let Some(Command::Man) = cli.command {
-        let page =
-            vfiod::client::man::command_page(<Cli as clap::CommandFactory>::command(), "1", "");
+        let page = vfiod_man::command_page(<Cli as clap::CommandFactory>::command(), "1", "");
         return match page.and_then(|p| std::io::stdout().write_all(&p)) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {

@@ -17,7 +17,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 use super::Service;
-use crate::pool::protocol::{work_value, SessionState, WorkResult};
+use crate::protocol::{work_value, SessionState, WorkResult};
 
 /// How often a sleeping worker looks at its session even without a wake-up (a safety net: every
 /// change that matters rings the engine's bell).
