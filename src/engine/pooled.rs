@@ -125,15 +125,14 @@ impl Engine {
         Ok((p.clone(), client))
     }
 
-    /// Runs one pool call within the pool's deadlines (the client has its own; this bounds the
-    /// whole call, retries of the client included).
+    /// Runs `f` with pool `pool`'s client, within the pool's deadlines (the client has its
+    /// own; this bounds the whole call, retries of the client included). `call` says what
+    /// failed, in the error. `f` may borrow the caller's values: it is awaited here.
     async fn pool_call<T>(
         &self,
         pool: &str,
         call: &str,
-        f: impl FnOnce(
-            Arc<PoolClient>,
-        ) -> futures_util::future::BoxFuture<'static, Result<T, PoolError>>,
+        f: impl AsyncFnOnce(&PoolClient) -> Result<T, PoolError>,
     ) -> Result<T, PooledError> {
         let (settings, client) = self.pool_client(pool).inspect_err(|e| {
             if let PooledError::Pool { source, .. } = e {
@@ -149,7 +148,7 @@ impl Engine {
                 source,
             }
         };
-        match tokio::time::timeout(bound, f(client)).await {
+        match tokio::time::timeout(bound, f(&client)).await {
             Ok(r) => r
                 .inspect(|_| self.metrics.pool_call_answered(pool))
                 .map_err(wrap),
@@ -228,10 +227,9 @@ impl Engine {
     ) -> Result<PooledClaim, PooledError> {
         let host = self.settings().host_name.clone();
         let vm = vm_name.clone().or(vm_uuid.clone()).unwrap_or_default();
-        let (d, h, v) = (device.to_string(), host.clone(), vm.clone());
         let session = self
-            .pool_call(pool, &format!("cannot lease device {device}"), move |c| {
-                Box::pin(async move { c.create_session(&d, &h, &v).await })
+            .pool_call(pool, &format!("cannot lease device {device}"), async |c| {
+                c.create_session(device, &host, &vm).await
             })
             .await?;
         let new = NewPooled {
@@ -256,10 +254,9 @@ impl Engine {
             Ok(c) => c,
             Err(e) => {
                 // Not recorded: give the session back rather than leak it at the pool.
-                let (id, epoch) = (session.id.clone(), session.epoch);
                 let _ = self
-                    .pool_call(pool, "release", move |c| {
-                        Box::pin(async move { c.release(&id, epoch).await })
+                    .pool_call(pool, "release", async |c| {
+                        c.release(&session.id, session.epoch).await
                     })
                     .await;
                 return Err(e);
@@ -296,12 +293,11 @@ impl Engine {
                 what: "a migration is bringing it here; it is released where the VM runs",
             });
         }
-        let (session, epoch) = (claim.session.clone(), claim.epoch);
         let released = self
             .pool_call(
                 &claim.pool,
-                &format!("cannot release session {session}"),
-                move |c| Box::pin(async move { c.release(&session, epoch).await }),
+                &format!("cannot release session {}", claim.session),
+                async |c| c.release(&claim.session, claim.epoch).await,
             )
             .await;
         let after = match released {
@@ -476,10 +472,9 @@ impl Engine {
                 // The source quiesced at its switchover, most likely: resume at once (one round
                 // trip inside the pause window, not two).
                 if claim.state == PooledState::Moving {
-                    let (session, epoch, h) = (claim.session.clone(), claim.epoch, host.clone());
                     let first = self
-                        .pool_call(&claim.pool, "resume", move |c| {
-                            Box::pin(async move { c.resume(&session, epoch, &h).await })
+                        .pool_call(&claim.pool, "resume", async |c| {
+                            c.resume(&claim.session, claim.epoch, &host).await
                         })
                         .await;
                     if let Ok(s) = first {
@@ -540,10 +535,9 @@ impl Engine {
     /// another host owns it (fenced).
     async fn adopt(&self, claim: &PooledClaim) -> Option<PooledClaim> {
         let me = self.settings().host_name.clone();
-        let id = claim.session.clone();
         let s = self
-            .pool_call(&claim.pool, "cannot read the session", move |c| {
-                Box::pin(async move { c.session(&id).await })
+            .pool_call(&claim.pool, "cannot read the session", async |c| {
+                c.session(&claim.session).await
             })
             .await
             .ok()?;
@@ -601,12 +595,11 @@ impl Engine {
         claim: &PooledClaim,
         when: &str,
     ) -> Result<PooledClaim, PooledError> {
-        let (session, epoch) = (claim.session.clone(), claim.epoch);
         let done = self
             .pool_call(
                 &claim.pool,
                 &format!("cannot quiesce session {}", claim.session),
-                move |c| Box::pin(async move { c.quiesce(&session, epoch).await }),
+                async |c| c.quiesce(&claim.session, claim.epoch).await,
             )
             .await;
         match done {
@@ -640,12 +633,11 @@ impl Engine {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let (session, epoch, h) = (claim.session.clone(), claim.epoch, host.to_string());
             let done = self
                 .pool_call(
                     &claim.pool,
                     &format!("cannot resume session {} on {host}", claim.session),
-                    move |c| Box::pin(async move { c.resume(&session, epoch, &h).await }),
+                    async |c| c.resume(&claim.session, claim.epoch, host).await,
                 )
                 .await;
             match done {
@@ -808,12 +800,11 @@ impl Engine {
                 s.epoch
             );
             if incoming.quiesce {
-                let (id, epoch) = (s.session.clone(), s.epoch);
                 match self
                     .pool_call(
                         &s.pool,
                         &format!("cannot quiesce session {}", s.session),
-                        move |c| Box::pin(async move { c.quiesce(&id, epoch).await }),
+                        async |c| c.quiesce(&s.session, s.epoch).await,
                     )
                     .await
                 {
@@ -869,11 +860,10 @@ impl Engine {
         s: &MetadataPooled,
         host: &str,
     ) -> Result<crate::pool::client::Session, PooledError> {
-        let (id, epoch, to) = (s.session.clone(), s.epoch, host.to_string());
         self.pool_call(
             &s.pool,
             &format!("refused to move session {} here", s.session),
-            move |c| Box::pin(async move { c.prepare_move(&id, epoch, &to).await }),
+            async |c| c.prepare_move(&s.session, s.epoch, host).await,
         )
         .await
     }
@@ -883,10 +873,9 @@ impl Engine {
         if s.host.is_empty() {
             return false;
         }
-        let id = s.session.clone();
         let found = self
-            .pool_call(&s.pool, "cannot read the session", move |c| {
-                Box::pin(async move { c.session(&id).await })
+            .pool_call(&s.pool, "cannot read the session", async |c| {
+                c.session(&s.session).await
             })
             .await;
         matches!(found, Ok(session) if session.host == s.host
@@ -957,10 +946,8 @@ impl Engine {
         &self,
         pool: &str,
     ) -> Result<Vec<crate::pool::client::PoolDevice>, PooledError> {
-        self.pool_call(pool, "cannot list its devices", |c| {
-            Box::pin(async move { c.devices().await })
-        })
-        .await
+        self.pool_call(pool, "cannot list its devices", async |c| c.devices().await)
+            .await
     }
 }
 
