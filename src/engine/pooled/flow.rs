@@ -10,7 +10,7 @@ use super::PooledError;
 use crate::engine::Engine;
 use crate::host::libvirt;
 use crate::model::pooled::{PooledClaim, PooledState};
-use crate::pooled::{Action, DomainStep};
+use crate::pooled::{Action, DomainStep, ResumeCall};
 use std::sync::Arc;
 use tokio::sync::mpsc;
 
@@ -124,6 +124,7 @@ impl Engine {
         out
     }
 
+    /// One action of [`crate::pooled::on_step`] on `claim`, carried out and recorded.
     async fn carry_out(
         self: &Arc<Self>,
         claim: &PooledClaim,
@@ -135,36 +136,7 @@ impl Engine {
                 self.quiesce_one(claim, "at the migration's switchover")
                     .await
             }
-            Action::ResumeHere { .. } => {
-                // The source quiesced at its switchover, most likely: resume at once (one round
-                // trip inside the pause window, not two).
-                if claim.state == PooledState::Moving {
-                    let first = self
-                        .pool_call(&claim.pool, "resume", async |c| {
-                            c.resume(&claim.session, claim.epoch, &host).await
-                        })
-                        .await;
-                    if let Ok(s) = first {
-                        let after = self.record_resumed(claim, &host, s.epoch).await?;
-                        self.write_pooled_metadata(&after).await;
-                        return Ok(after);
-                    }
-                }
-                let claim = if claim.state == PooledState::Quiesced {
-                    claim.clone()
-                } else {
-                    // The source has not quiesced (yet: its event and ours race, or its vfiod
-                    // is down): quiesce is idempotent, and the VM is paused there by now.
-                    self.quiesce_one(claim, "before resuming on this host")
-                        .await?
-                };
-                if claim.state != PooledState::Quiesced {
-                    return Ok(claim);
-                }
-                let after = self.resume_one(&claim, &host).await?;
-                self.write_pooled_metadata(&after).await;
-                Ok(after)
-            }
+            Action::ResumeHere { .. } => self.resume_here(claim, &host).await,
             Action::ResumeOn { host: peer, .. } => {
                 let resumed = self.resume_one(claim, &peer).await;
                 let why = match &resumed {
@@ -194,5 +166,43 @@ impl Engine {
                 .await
             }
         }
+    }
+
+    /// [`Action::ResumeHere`]: the calls [`crate::pooled::resume_order`] gives, in order; the
+    /// domain's metadata follows a resume.
+    async fn resume_here(
+        self: &Arc<Self>,
+        claim: &PooledClaim,
+        host: &str,
+    ) -> Result<PooledClaim, PooledError> {
+        let mut claim = claim.clone();
+        for call in crate::pooled::resume_order(claim.state) {
+            match call {
+                ResumeCall::TryResume => {
+                    let first = self
+                        .pool_call(&claim.pool, "resume", async |c| {
+                            c.resume(&claim.session, claim.epoch, host).await
+                        })
+                        .await;
+                    // A refusal here is not recorded: the calls that follow decide.
+                    if let Ok(s) = first {
+                        let after = self.record_resumed(&claim, host, s.epoch).await?;
+                        self.write_pooled_metadata(&after).await;
+                        return Ok(after);
+                    }
+                }
+                ResumeCall::Quiesce => {
+                    claim = self
+                        .quiesce_one(&claim, "before resuming on this host")
+                        .await?
+                }
+                ResumeCall::Resume => {
+                    let after = self.resume_one(&claim, host).await?;
+                    self.write_pooled_metadata(&after).await;
+                    return Ok(after);
+                }
+            }
+        }
+        Ok(claim)
     }
 }

@@ -6,7 +6,6 @@ use super::PooledError;
 use crate::engine::Engine;
 use crate::host::libvirt::xml::MetadataPooled;
 use crate::model::pooled::PooledState;
-use crate::pool::client::PoolError;
 use crate::store::NewPooled;
 use std::sync::Arc;
 
@@ -49,27 +48,11 @@ impl Engine {
             line
         };
         for incoming in plan {
-            let s = &incoming.session;
             if incoming.existing.is_some() {
                 continue;
             }
-            let mut s = s.clone();
-            let mut prepared = self.prepare_move(&s, &host).await;
-            if let Err(PooledError::Pool {
-                source: PoolError::StaleEpoch { current },
-                ..
-            }) = &prepared
-            {
-                // The metadata's epoch is old, but the pool may still give the session to the
-                // host the metadata names (its quiesce lease expired there, or an earlier
-                // failed migration gave it back, each a new epoch): then that host is still the
-                // owner this migration moves it from, at the pool's epoch.
-                if self.owned_by(&s, *current).await {
-                    s.epoch = *current;
-                    prepared = self.prepare_move(&s, &host).await;
-                }
-            }
-            if let Err(e) = prepared {
+            let mut s = incoming.session;
+            if let Err(e) = self.move_here(&mut s, &host).await {
                 return Err(fail(
                     made,
                     format!(
@@ -79,7 +62,6 @@ impl Engine {
                 )
                 .await);
             }
-            let s = &s;
             let mut state = PooledState::Moving;
             let mut what = format!(
                 "incoming migration of {name} from {}: the pool accepted to move the session to {host} (prepare-move at epoch {})",
@@ -142,6 +124,31 @@ impl Engine {
         Ok(made)
     }
 
+    /// Prepare-moves session `s` to `host`. After a stale epoch, once more at the pool's epoch
+    /// when the pool still gives the session to the host the metadata names
+    /// ([`crate::pooled::ask_owner_after_move`], [`crate::pooled::owned_by`]); `s` then carries
+    /// that epoch. The error is the last refusal.
+    async fn move_here(&self, s: &mut MetadataPooled, host: &str) -> Result<(), PooledError> {
+        let e = match self.prepare_move(s, host).await {
+            Ok(_) => return Ok(()),
+            Err(e) => e,
+        };
+        let Some(current) = crate::pooled::ask_owner_after_move(s, e.refusal()) else {
+            return Err(e);
+        };
+        let found = self
+            .pool_call(&s.pool, "cannot read the session", async |c| {
+                c.session(&s.session).await
+            })
+            .await
+            .ok();
+        if !crate::pooled::owned_by(s, current, found.as_ref()) {
+            return Err(e);
+        }
+        s.epoch = current;
+        self.prepare_move(s, host).await.map(drop)
+    }
+
     async fn prepare_move(
         &self,
         s: &MetadataPooled,
@@ -153,20 +160,5 @@ impl Engine {
             async |c| c.prepare_move(&s.session, s.epoch, host).await,
         )
         .await
-    }
-
-    /// Whether the pool gives session `s` to the host its metadata names, at epoch `current`.
-    async fn owned_by(&self, s: &MetadataPooled, current: u64) -> bool {
-        if s.host.is_empty() {
-            return false;
-        }
-        let found = self
-            .pool_call(&s.pool, "cannot read the session", async |c| {
-                c.session(&s.session).await
-            })
-            .await;
-        matches!(found, Ok(session) if session.host == s.host
-            && session.epoch == current
-            && session.state != crate::pool::protocol::SessionState::Released)
     }
 }

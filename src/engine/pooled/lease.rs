@@ -3,8 +3,7 @@
 use super::PooledError;
 use crate::engine::Engine;
 use crate::model::pooled::{PooledClaim, PooledState};
-use crate::pool::client::PoolError;
-use crate::pooled::fenced;
+use crate::pooled::ForgetAnyway;
 use crate::store::NewPooled;
 use std::sync::Arc;
 
@@ -61,9 +60,10 @@ impl Engine {
         Ok(claim)
     }
 
-    /// Gives pooled claim `id` back to its pool (`DELETE` with its epoch). A pool that has no
-    /// such session any more, or that fenced this host out, ends the claim here all the same
-    /// (said in its event); an unreachable pool leaves it as it is, to try again.
+    /// Gives pooled claim `id` back to its pool (`DELETE` with its epoch). A refusal that ends
+    /// the claim here all the same ([`crate::pooled::release_refused`]: the pool has no such
+    /// session any more, or fenced this host out) is said in its event; any other failure (an
+    /// unreachable pool) leaves it as it is, to try again.
     pub async fn release_pooled(
         self: &Arc<Self>,
         id: i64,
@@ -73,18 +73,11 @@ impl Engine {
             .store_op(move |s| s.pooled_claim(id))
             .await?
             .ok_or(PooledError::NoSuchClaim(id))?;
-        if claim.state.ended() {
+        if let Some(what) = crate::pooled::unreleasable(claim.state) {
             return Err(PooledError::Wrong {
                 id,
                 state: claim.state,
-                what: "already ended",
-            });
-        }
-        if claim.state == PooledState::Moving {
-            return Err(PooledError::Wrong {
-                id,
-                state: claim.state,
-                what: "a migration is bringing it here; it is released where the VM runs",
+                what,
             });
         }
         let released = self
@@ -105,43 +98,29 @@ impl Engine {
                 )
                 .await?
             }
-            Err(PooledError::Pool {
-                source: PoolError::NotFound,
-                ..
-            }) => {
-                self.step(
-                    id,
-                    PooledState::Forgotten,
-                    None,
-                    "the pool has no such session any more".into(),
-                    format!("released by {requested_by}: the pool no longer has the session"),
-                )
-                .await?
-            }
-            Err(PooledError::Pool {
-                source: PoolError::StaleEpoch { current },
-                ..
-            }) => {
-                self.step(
-                    id,
-                    PooledState::Forgotten,
-                    None,
-                    fenced(current),
-                    format!("released by {requested_by}: {}", fenced(current)),
-                )
-                .await?
-            }
-            Err(e) => {
-                self.note(
-                    &claim,
-                    format!(
-                        "release by {requested_by} failed: {}",
-                        crate::error_chain(&e)
-                    ),
-                )
-                .await;
-                return Err(e);
-            }
+            Err(e) => match crate::pooled::release_refused(e.refusal()) {
+                Some(ForgetAnyway { reason, event }) => {
+                    self.step(
+                        id,
+                        PooledState::Forgotten,
+                        None,
+                        reason,
+                        format!("released by {requested_by}: {event}"),
+                    )
+                    .await?
+                }
+                None => {
+                    self.note(
+                        &claim,
+                        format!(
+                            "release by {requested_by} failed: {}",
+                            crate::error_chain(&e)
+                        ),
+                    )
+                    .await;
+                    return Err(e);
+                }
+            },
         };
         self.write_pooled_metadata(&after).await;
         Ok(after)

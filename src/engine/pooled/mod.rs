@@ -3,6 +3,11 @@
 //! events. Every step is committed with its event (`vfioctl events`, kind `pool`) before it is
 //! answered.
 //!
+//! These files decide nothing: what a step means, the order of a resume, retry or give up,
+//! adopt or fence, who owns a session, are pure functions of [`crate::pooled`] (its header has
+//! the table). The files here read the records and the pool's answers, ask those functions,
+//! and carry out what they answer.
+//!
 //! | file           | job                                                                    |
 //! |----------------|------------------------------------------------------------------------|
 //! | `mod.rs`       | the pool clients (one per `[[pool]]`), [`Engine::pool_devices`], `pool_call`, the store helpers |
@@ -62,6 +67,17 @@ pub enum PooledError {
     Store(#[from] StoreError),
     #[error(transparent)]
     Engine(#[from] EngineError),
+}
+
+impl PooledError {
+    /// The pool's answer, when the error is one (what the rules of [`crate::pooled`] read): not
+    /// a pool this host does not know, nor the store.
+    fn refusal(&self) -> Option<&PoolError> {
+        match self {
+            PooledError::Pool { source, .. } => Some(source),
+            _ => None,
+        }
+    }
 }
 
 /// One pool client per `[[pool]]`, made on first use and remade when its settings change (a

@@ -1,9 +1,10 @@
-//! At start-up, the steps of the pooled flow missed while vfiod (or libvirt) was down.
+//! At start-up, the steps of the pooled flow missed while vfiod (or libvirt) was down: what
+//! libvirt says of each domain, read here, and the step it means, decided by
+//! [`crate::pooled::missed_step`].
 
 use crate::engine::Engine;
 use crate::host::libvirt::LibvirtError;
-use crate::model::pooled::PooledState;
-use crate::pooled::DomainStep;
+use crate::pooled::DomainSeen;
 use std::sync::Arc;
 
 impl Engine {
@@ -23,27 +24,21 @@ impl Engine {
         let mut changed = 0;
         for c in claims
             .into_iter()
-            .filter(|c| matches!(c.state, PooledState::Moving | PooledState::Quiesced))
+            .filter(|c| crate::pooled::mid_migration(c.state))
         {
             let domain = c.vm_uuid.clone().or(c.vm_name.clone()).unwrap_or_default();
             let found = self.read(move |core| core.libvirt().lookup(&domain)).await;
-            let gone = match found {
-                Ok(Ok(info)) => !info.active,
-                Ok(Err(LibvirtError::NoSuchDomain { .. })) => true,
-                // libvirt cannot say: nothing is decided on a guess.
-                _ => false,
+            let seen = match found {
+                Ok(Ok(info)) if info.active => DomainSeen::Running,
+                Ok(Ok(_)) => DomainSeen::Inactive,
+                Ok(Err(LibvirtError::NoSuchDomain { .. })) => DomainSeen::Missing,
+                _ => DomainSeen::Unknown,
             };
-            if !gone {
+            let Some(step) = crate::pooled::missed_step(seen) else {
                 continue;
-            }
+            };
             let name = c.vm_name.clone().unwrap_or_default();
-            let done = self
-                .pooled_step(
-                    &name,
-                    c.vm_uuid.as_deref(),
-                    DomainStep::Stopped { migrated: false },
-                )
-                .await;
+            let done = self.pooled_step(&name, c.vm_uuid.as_deref(), step).await;
             changed += done.iter().filter(|o| o.error.is_none()).count();
         }
         if changed > 0 {
