@@ -157,17 +157,20 @@ impl From<crate::engine::PooledError> for Error {
     fn from(e: crate::engine::PooledError) -> Self {
         use crate::engine::PooledError as P;
         use crate::pool::client::PoolError;
+        use crate::pool::protocol::ErrorCode;
         let chain = crate::error_chain(&e);
         match e {
             P::NoSuchPool(_) | P::Wrong { .. } => Error::InvalidArgument(chain),
             P::NoSuchClaim(_) => Error::NoSuchClaim(chain),
             P::Store(s) => s.into(),
             P::Engine(e) => e.into(),
-            P::Pool { source, .. } => match source {
-                PoolError::Refused { code, .. } if code == "device_taken" || code == "busy" => {
+            P::Pool { source, .. } => match (&source, source.error_code()) {
+                (PoolError::Refused { .. }, Some(ErrorCode::DeviceTaken | ErrorCode::Busy)) => {
                     Error::NoDeviceAvailable(chain)
                 }
-                PoolError::Refused { .. } | PoolError::NotFound => Error::InvalidArgument(chain),
+                (PoolError::Refused { .. } | PoolError::NotFound, _) => {
+                    Error::InvalidArgument(chain)
+                }
                 _ => Error::Failed(chain),
             },
         }

@@ -110,6 +110,12 @@ impl PoolError {
             _ => None,
         }
     }
+
+    /// [`Self::code`] as the protocol's typed code; `None` also for a code this version does not
+    /// know.
+    pub fn error_code(&self) -> Option<ErrorCode> {
+        self.code().and_then(ErrorCode::parse)
+    }
 }
 
 /// A client of one pool.

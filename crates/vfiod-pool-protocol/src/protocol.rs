@@ -372,6 +372,29 @@ pub enum ErrorCode {
 }
 
 impl ErrorCode {
+    /// Every code, in the order above.
+    pub const ALL: [ErrorCode; 13] = [
+        ErrorCode::StaleEpoch,
+        ErrorCode::NotFound,
+        ErrorCode::NotQuiesced,
+        ErrorCode::CannotServe,
+        ErrorCode::Invalid,
+        ErrorCode::Busy,
+        ErrorCode::DeviceTaken,
+        ErrorCode::Unauthorized,
+        ErrorCode::NotOwner,
+        ErrorCode::Quiesced,
+        ErrorCode::Internal,
+        ErrorCode::MethodNotAllowed,
+        ErrorCode::Unavailable,
+    ];
+
+    /// The code of a wire name; `None` for a name this version does not know (a newer pool's:
+    /// a client treats it as a refusal it cannot act on).
+    pub fn parse(s: &str) -> Option<ErrorCode> {
+        Self::ALL.into_iter().find(|c| c.as_str() == s)
+    }
+
     /// The HTTP status a reply with this code carries.
     pub fn status(self) -> u16 {
         match self {
@@ -533,5 +556,19 @@ mod tests {
         assert_ne!(work_value(1, 0), work_value(2, 0));
         assert_ne!(work_value(1, 0), work_value(1, 1));
         assert_eq!(work_value(5, 9), work_value(5, 9));
+    }
+}
+
+#[cfg(test)]
+mod error_code_tests {
+    use super::ErrorCode;
+
+    #[test]
+    fn every_code_parses_back_from_its_wire_name_and_serde_agrees() {
+        for c in ErrorCode::ALL {
+            assert_eq!(ErrorCode::parse(c.as_str()), Some(c));
+            assert_eq!(serde_json::to_value(c).unwrap(), c.as_str());
+        }
+        assert_eq!(ErrorCode::parse("no_such_code"), None);
     }
 }
