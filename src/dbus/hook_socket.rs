@@ -153,25 +153,33 @@ impl HookEndpoint {
         sub_operation: String,
         extra: String,
         xml: String,
-    ) -> zbus::fdo::Result<(i32, String, String)> {
-        if xml.len() > MAX_XML {
-            return Err(zbus::fdo::Error::InvalidArgs(format!(
-                "the domain XML is {} bytes, more than {MAX_XML}",
-                xml.len()
-            )));
-        }
-        let v = self
-            .engine
-            .hook(HookCall {
-                domain,
-                operation,
-                sub_operation,
-                extra,
-                xml,
-            })
-            .await;
-        Ok((v.exit_code, v.stdout, v.message))
+    ) -> Result<(i32, String, String), super::error::Error> {
+        let call = HookCall {
+            domain,
+            operation,
+            sub_operation,
+            extra,
+            xml,
+        };
+        answer(&self.engine, call).await
     }
+}
+
+/// One hook run answered, on either door (this socket, `Manager.Hook` once it has checked the
+/// caller): the XML's size bounded, then [`Engine::hook`]'s verdict as the hook's exit code,
+/// stdout and stderr line.
+pub(super) async fn answer(
+    engine: &Arc<Engine>,
+    call: HookCall,
+) -> Result<(i32, String, String), super::error::Error> {
+    if call.xml.len() > MAX_XML {
+        return Err(super::error::Error::InvalidArgument(format!(
+            "the domain XML is {} bytes, more than {MAX_XML}",
+            call.xml.len()
+        )));
+    }
+    let v = engine.hook(call).await;
+    Ok((v.exit_code, v.stdout, v.message))
 }
 
 #[cfg(test)]

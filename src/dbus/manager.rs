@@ -470,13 +470,6 @@ impl Manager {
         o.authorizer
             .require_root(&o.requesters, conn, &header, "Manager.Hook")
             .await?;
-        use super::hook_socket::MAX_XML;
-        if xml.len() > MAX_XML {
-            return Err(Error::InvalidArgument(format!(
-                "the domain XML is {} bytes, more than {MAX_XML}",
-                xml.len()
-            )));
-        }
         let call = crate::engine::HookCall {
             domain,
             operation,
@@ -484,8 +477,7 @@ impl Manager {
             extra,
             xml,
         };
-        let v = o.engine.hook(call).await;
-        Ok((v.exit_code, v.stdout, v.message))
+        super::hook_socket::answer(&o.engine, call).await
     }
 
     /// Re-reads the configuration (as SIGHUP does), runs an inventory pass and starts the tasks
