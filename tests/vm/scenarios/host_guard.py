@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from testbed import vfiod
 from testbed.guest import Guest, private_pair
-from testbed.nested import SMALL_DOMAIN, domain_state
+from testbed.nested import DOMAIN_TYPE, SMALL_DOMAIN, domain_state
 from testbed.runner import Testbed, scenario
 
 NIC = "0000:00:04.0"
@@ -24,7 +24,7 @@ def define(g: Guest, name: str, address: str) -> None:
     domain, bus, rest = address.split(":")
     slot, function = rest.split(".")
     hostdev = MANAGED_HOSTDEV.format(domain=domain, bus=bus, slot=slot, function=function)
-    g.run(f"cat > /tmp/{name}.xml", input=SMALL_DOMAIN.format(name=name, memory_mib=128, hostdevs=hostdev))
+    g.run(f"cat > /tmp/{name}.xml", input=SMALL_DOMAIN.format(domain_type=DOMAIN_TYPE, name=name, memory_mib=128, hostdevs=hostdev))
     g.run(f"virsh define /tmp/{name}.xml")
 
 

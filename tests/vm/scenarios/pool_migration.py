@@ -155,10 +155,6 @@ while :; do sleep 3600; done
 """
 NESTED_INITRD = f"/var/lib/libvirt/images/{VM}-initrd.img"
 NESTED_CMDLINE = "console=ttyS0 loglevel=5 rdinit=/vfiod/init"
-# TCG inside the guest, not KVM: under KVM (the guest's AMD-V, itself emulated by the outer TCG) the nested kernel
-# was reset within minutes of running the driver, in each of three runs (a triple fault leaves no message); TCG
-# inside TCG boots in about a minute and streams 50-80 items/s, and migrates the same way.
-NESTED_TYPE = "qemu"
 NESTED_MAC = "52:54:00:76:66:01"
 DRIVE_MARK = "vfiod-drive: "
 
@@ -317,8 +313,7 @@ def run(tb: Testbed, a: Guest, b: Guest) -> None:
 
     # ---- lease a pooled device to a domain on hosta, which then starts with the driver inside ----------
     # Leased before the domain starts, as a cloud would: the session's id goes into the VM's initramfs.
-    define_os_domain(a, VM, start=False, initrd=NESTED_INITRD, cmdline=NESTED_CMDLINE, user_net_mac=NESTED_MAC,
-                     domain_type=NESTED_TYPE)
+    define_os_domain(a, VM, start=False, initrd=NESTED_INITRD, cmdline=NESTED_CMDLINE, user_net_mac=NESTED_MAC)
     lease = a.json(f"vfioctl pool lease {POOL} dev0 --vm {VM} --json")
     assert lease["state"] == "leased" and lease["epoch"] == 1 and lease["session"], lease
     session = lease["session"]
