@@ -420,13 +420,23 @@ async fn check_status(resp: reqwest::Response) -> Result<reqwest::Response, Pool
         return Ok(resp);
     }
     let what = format!("the HTTP {status} reply");
-    let bytes = match read_capped(resp, MAX_ERROR_REPLY_SIZE, &what).await {
-        Ok(b) => b,
-        Err(e @ PoolError::TooLarge { .. }) => return Err(e),
-        // The status says enough when its body cannot be read to the end.
-        Err(_) => Vec::new(),
-    };
-    Err(error_from_reply(status, &String::from_utf8_lossy(&bytes)))
+    Err(reply_error(
+        status,
+        read_capped(resp, MAX_ERROR_REPLY_SIZE, &what).await,
+    ))
+}
+
+/// The error an error reply stands for, from its status and its body as read.
+///
+/// A body that broke off is the transport's failure (`Unreachable`, which callers retry), never
+/// a refusal: a 409 alone does not say whether the session is quiesced, moved or fenced, and
+/// reading it as a final refusal made the stand-in driver give up when a live migration cut its
+/// connection in the middle of a `quiesced` reply (stop 31's CI).
+fn reply_error(status: StatusCode, body: Result<Vec<u8>, PoolError>) -> PoolError {
+    match body {
+        Ok(bytes) => error_from_reply(status, &String::from_utf8_lossy(&bytes)),
+        Err(e) => e,
+    }
 }
 
 /// The body of `resp`, read chunk by chunk and refused once it passes `limit` bytes (or when
@@ -535,6 +545,31 @@ mod tests {
         std::fs::write(&empty, "not a certificate\n").unwrap();
         e.ca_file = Some(empty);
         assert!(matches!(PoolClient::new(&e), Err(PoolError::Config(_))));
+    }
+
+    #[test]
+    fn a_reply_whose_body_broke_off_is_unreachable_not_refused() {
+        let cut = || {
+            Err(PoolError::Unreachable(
+                "reading the HTTP 409 reply: connection reset".into(),
+            ))
+        };
+        for status in [
+            StatusCode::CONFLICT,
+            StatusCode::NOT_FOUND,
+            StatusCode::SERVICE_UNAVAILABLE,
+        ] {
+            let e = reply_error(status, cut());
+            assert!(matches!(e, PoolError::Unreachable(_)), "{status}: {e:?}");
+        }
+        let e = reply_error(
+            StatusCode::CONFLICT,
+            Ok(br#"{"error":"quiesced","message":"m"}"#.to_vec()),
+        );
+        assert!(
+            matches!(e, PoolError::Refused { ref code, .. } if code == "quiesced"),
+            "{e:?}"
+        );
     }
 
     #[test]
