@@ -19,7 +19,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use vfiod::client::claims::ClaimProxy;
+use vfiod::client::claim::ClaimProxy;
 use vfiod::client::ManagerProxy;
 use vfiod::dbus::wire::Dict;
 use vfiod::dbus::{auth::Authorizer, BusTarget, BUS_NAME, ROOT_PATH};

@@ -17,7 +17,7 @@ mod postgres;
 use postgres::Postgres;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use vfiod::claims::Snapshot;
+use vfiod::claim::Snapshot;
 use vfiod::fleet::db::{self, HostMeta};
 use vfiod::fleet::record::Report;
 use vfiod::model::device::{Device, Kind, Mode, Role, State};

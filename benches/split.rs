@@ -10,12 +10,12 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use vfiod::config::Settings;
-use vfiod::engine::jobs::ModeJob;
-use vfiod::engine::{tasks, Core, Modprobe};
+use vfiod::engine::job::ModeJob;
+use vfiod::engine::{task, Core, Modprobe};
 use vfiod::host::sysfs::Backend;
+use vfiod::mode::plan::Step;
+use vfiod::mode::policy::Target;
 use vfiod::model::pci::PciAddress;
-use vfiod::modes::plan::Step;
-use vfiod::modes::policy::Target;
 use vfiod::sim::kernel::{HostModel, SimKernel};
 use vfiod::store::Store;
 
@@ -52,8 +52,8 @@ fn main() {
     let task = |target: Target| {
         let cx = engine.job_context();
         let job = Box::new(ModeJob::new(nic, Some(target)));
-        let started = tasks::begin(&cx, job, "bench", &|_, _| {}).unwrap();
-        tasks::run(&cx, started, &|_, _| {}).unwrap()
+        let started = task::begin(&cx, job, "bench", &|_, _| {}).unwrap();
+        task::run(&cx, started, &|_, _| {}).unwrap()
     };
     let target = Target::Vf {
         num_vfs: 64,
@@ -72,7 +72,7 @@ fn main() {
     // The writes of the split, as a script would have them.
     let script: Vec<(std::path::PathBuf, String)> = {
         let d = store.device(nic).unwrap().unwrap();
-        let (_, plan, _) = vfiod::modes::planner::plan_to(&sysfs, &store, &d, &target).unwrap();
+        let (_, plan, _) = vfiod::mode::planner::plan_to(&sysfs, &store, &d, &target).unwrap();
         plan.unwrap()
             .steps
             .iter()

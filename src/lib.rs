@@ -9,16 +9,15 @@
 pub mod model; // PciAddress, class codes, the device record, task and event kinds: plain values
 pub mod fpga; // FPGA image headers (gbs, xclbin) and image legality: pure code
 pub mod config; // settings from vfiod.toml and conf.d drop-ins, validated once at load
-pub mod claims; // which device a claim gets: requirements, what is claimable, the choice
+pub mod claim; // which device a claim gets: requirements, what is claimable, the choice
 pub mod store; // SQLite state store (WAL), schema migrations: the single source of truth
 pub mod host; // the machine's edges: sysfs (one root, bounded writes), uevents, libvirt
-pub mod pool; // pooled accelerators: the pool protocol and its HTTP client (crate vfiod-pool-protocol)
+pub mod pool; // pooled accelerators: the pool protocol and client, and a pooled session through a live migration, decided
 pub mod sim; // the simulated kernel and a private dbus-daemon, for --simulate and tests
 pub mod inventory; // classification and change detection of PCI functions
-pub mod modes; // mode policy, plans of sysfs writes, and the executor that runs them
-pub mod hooks; // libvirt's qemu hook: what each operation answers, decided from the XML
+pub mod mode; // mode policy, plans of sysfs writes, and the executor that runs them
+pub mod hook; // libvirt's qemu hook: what each operation answers, decided from the XML
 pub mod migration; // live migration with passthrough devices: what moves, what is re-claimed
-pub mod pooled; // pooled devices through a live migration: prepare-move, quiesce, resume, decided
 pub mod metrics; // Prometheus metrics: the registry, gauges from the store, the textfile
 pub mod engine; // the engine: inventory passes, reconcile, tasks and the jobs they run
 pub mod dbus; // the D-Bus API: one module per object kind, named errors, polkit

@@ -1,7 +1,7 @@
 //! Live migration of VMs with passthrough devices, decided: whether a device can go with its VM
 //! (`Migratable`), what vfiod writes in a domain's `<metadata>` so that the destination knows
 //! what the VM had, and what the destination claims for it. Pure; the migrate job
-//! (`engine::jobs::migrate`) and the `migrate` hook act on it.
+//! (`engine::job::migrate`) and the `migrate` hook act on it.
 //!
 //! A function whose driver has no VFIO migration support cannot be live-migrated as it is
 //! (QEMU refuses), so vfiod detaches it before the migration, the destination claims an
@@ -9,7 +9,7 @@
 //! reattaches it if the migration fails. A function on a VFIO variant driver with migration
 //! support (mlx5_vfio_pci, hisi_acc_vfio_pci, ...) stays attached and moves with the VM.
 
-use crate::claims::Requirements;
+use crate::claim::Requirements;
 use crate::model::device::{Device, Role, State};
 use serde::Serialize;
 

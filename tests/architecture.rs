@@ -19,7 +19,7 @@ use std::path::Path;
 /// A module path below the crate root: `["engine", "tasks"]`; the root is empty.
 type ModPath = Vec<String>;
 
-/// One source file: its path as reported (`src/engine/tasks.rs`) and its text.
+/// One source file: its path as reported (`src/engine/task.rs`) and its text.
 struct SourceFile {
     path: String,
     text: String,
@@ -49,7 +49,7 @@ struct Reference {
 /// The children of one folder module and the edges between them, each with where it is made.
 type Graph = BTreeMap<String, BTreeMap<String, Vec<Location>>>;
 
-/// The module a file under `src/` defines: `engine/tasks.rs` -> `engine::tasks`,
+/// The module a file under `src/` defines: `engine/task.rs` -> `engine::task`,
 /// `engine/mod.rs` -> `engine`, `lib.rs` -> the root. `None` for binaries and non-Rust files.
 fn module_of(relative: &str) -> Option<ModPath> {
     let stem = relative.strip_suffix(".rs")?;
@@ -790,5 +790,82 @@ fn unsafe_code_is_where_architecture_md_says() {
     assert_eq!(
         with_unsafe, listed,
         "files with `unsafe` code (left) and the files docs/architecture.md lists (right)"
+    );
+}
+
+/// The module names a file path gives: `src/engine/pool/flow.rs` -> `engine`, `pool`, `flow`
+/// (`mod.rs`, `lib.rs` and `main.rs` name no module of their own; `src` is no module).
+fn module_names(path: &str) -> Vec<String> {
+    let stem = path.strip_suffix(".rs").unwrap_or(path);
+    stem.split('/')
+        .skip(1)
+        .filter(|p| !matches!(*p, "mod" | "lib" | "main"))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// One stem per concept (docs/architecture.md, "Names"): no module name is another's plural or
+/// participle (`claim` and `claims`, `pool` and `pooled`), and schema migrations are `schema`, so
+/// that "migration" always means live migration. Each problem names both modules.
+fn stem_clashes(paths: &[&str]) -> Vec<String> {
+    let names: BTreeSet<String> = paths.iter().flat_map(|p| module_names(p)).collect();
+    let mut problems = Vec::new();
+    for n in &names {
+        for suffix in ["s", "ed"] {
+            let longer = format!("{n}{suffix}");
+            if names.contains(&longer) {
+                problems.push(format!("`{n}` and `{longer}` name one concept: use `{n}`"));
+            }
+        }
+        if n.starts_with("migrations") {
+            problems.push(format!(
+                "`{n}`: schema migrations are `schema`; \"migration\" means live migration"
+            ));
+        }
+    }
+    problems
+}
+
+#[test]
+fn stem_clashes_finds_plural_participle_and_schema_migrations() {
+    let table: &[(&[&str], usize)] = &[
+        (&["src/claim/mod.rs", "src/engine/claim.rs"], 0),
+        (&["src/claims/mod.rs", "src/engine/claim.rs"], 1),
+        (&["src/pool/mod.rs", "src/dbus/pooled.rs"], 1),
+        (
+            &[
+                "src/dbus/pool.rs",
+                "src/dbus/pools.rs",
+                "src/model/pooled.rs",
+            ],
+            2,
+        ),
+        (&["src/store/migrations.rs"], 1),
+        (&["src/migration.rs", "src/store/schema.rs"], 0),
+        (&["src/metrics/mod.rs", "src/engine/pool/lease.rs"], 0),
+    ];
+    for (paths, want) in table {
+        let got = stem_clashes(paths);
+        assert_eq!(got.len(), *want, "{paths:?}: {got:?}");
+    }
+}
+
+#[test]
+fn module_names_use_one_stem_per_concept() {
+    let mut paths: Vec<String> = crate_tree().into_iter().map(|f| f.path).collect();
+    for krate in [
+        "crates/vfiod-pool",
+        "crates/vfiod-pool-protocol",
+        "crates/vfiod-man",
+    ] {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join(krate);
+        paths.extend(read_tree(&root).into_iter().map(|f| f.path));
+    }
+    let refs: Vec<&str> = paths.iter().map(String::as_str).collect();
+    let problems = stem_clashes(&refs);
+    assert!(
+        problems.is_empty(),
+        "module names:\n{}",
+        problems.join("\n")
     );
 }

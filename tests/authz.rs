@@ -487,11 +487,11 @@ async fn without_the_action_file_others_are_refused_and_root_is_not_asked() {
 /// Claim 1 as [`CLAIM_THE_GPU`] makes it, written to the store directly (as a vfiod that could
 /// ask polkit would have), and vfiod started again to show it.
 async fn claim_the_gpu_in_the_store(p: &mut PolkitHarness) {
-    let req = vfiod::claims::Requirements {
+    let req = vfiod::claim::Requirements {
         kind: Some(vfiod::model::device::Kind::Gpu),
         ..Default::default()
     };
-    let owner = vfiod::claims::Owner::new(Some("desktop"), None, 0, false).unwrap();
+    let owner = vfiod::claim::Owner::new(Some("desktop"), None, 0, false).unwrap();
     let claim = p.h.store().claim(&req, &owner, "the test").unwrap();
     assert_eq!((claim.id, claim.address), (1, addr(GPU)));
     p.h.stop_server().await;
@@ -552,7 +552,7 @@ async fn an_unprivileged_caller_reads_claims_but_cannot_claim_release_attach_or_
     // without claims), the claim's properties, and the audio function's Claim.
     let found = p.vfioctl(NOBODY, &["find"]).await.stdout;
     assert_eq!(found.lines().collect::<Vec<_>>(), ["0000:af:00.0", NIC]);
-    let seen: Vec<vfiod::client::claims::ClaimView> =
+    let seen: Vec<vfiod::client::claim::ClaimView> =
         serde_json::from_str(&p.vfioctl(NOBODY, &["claims", "--json"]).await.stdout).unwrap();
     assert_eq!(seen.len(), 1, "{seen:?}");
     assert_eq!(

@@ -7,7 +7,7 @@ mod common;
 use common::{addr, connect, dict, eventually_async, vfioctl, Harness};
 use std::collections::BTreeSet;
 use std::time::Duration;
-use vfiod::client::claims::{self, ClaimView};
+use vfiod::client::claim::{self, ClaimView};
 use vfiod::dbus::wire::Dict;
 use zbus::Variant;
 
@@ -68,7 +68,7 @@ async fn start() -> Harness {
 }
 
 async fn claims_of(h: &Harness) -> Vec<ClaimView> {
-    claims::list_claims(&h.client).await.unwrap()
+    claim::list_claims(&h.client).await.unwrap()
 }
 
 /// Every function held by the active claims, each once, or the test fails naming the double.
@@ -94,7 +94,7 @@ async fn sixty_four_clients_share_forty_vfs_without_a_double_booking() {
         let address = address.clone();
         calls.push(tokio::spawn(async move {
             let conn = connect(&address).await;
-            let m = claims::claims_proxy(&conn).await.unwrap();
+            let m = claim::claims_proxy(&conn).await.unwrap();
             let r = m
                 .claim(
                     dict(&[("role", Variant::from("vf"))]),
@@ -164,7 +164,7 @@ async fn sixty_four_clients_share_forty_vfs_without_a_double_booking() {
         .iter()
         .filter(|d| d.claim.is_some())
         .all(|d| d.vm.as_deref().is_some_and(|v| v.starts_with("vm-"))));
-    let free = claims::claims_proxy(&h.client)
+    let free = claim::claims_proxy(&h.client)
         .await
         .unwrap()
         .find_devices(dict(&[("role", Variant::from("vf"))]))
@@ -184,7 +184,7 @@ async fn a_pf_claim_racing_its_vfs_claims_never_both_win() {
             let address = address.clone();
             calls.push(tokio::spawn(async move {
                 let conn = connect(&address).await;
-                let m = claims::claims_proxy(&conn).await.unwrap();
+                let m = claim::claims_proxy(&conn).await.unwrap();
                 // The PF's claim goes out in the middle of its VFs'.
                 let want = if i == 4 {
                     dict(&[("address", Variant::from(NIC))])
@@ -219,7 +219,7 @@ async fn a_pf_claim_racing_its_vfs_claims_never_both_win() {
         let list = claims_of(&h).await;
         held_once(&list);
         for c in list {
-            claims::release(&h.client, zbus::OwnedObjectPath::try_from(c.path).unwrap())
+            claim::release(&h.client, zbus::OwnedObjectPath::try_from(c.path).unwrap())
                 .await
                 .unwrap();
         }
@@ -232,7 +232,7 @@ async fn a_pf_claim_racing_its_vfs_claims_never_both_win() {
 /// undone alone, and the history records them in that order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_of_claim_changes_is_decided_in_order_and_fails_change_by_change() {
-    use vfiod::claims::{Owner, Requirements};
+    use vfiod::claim::{Owner, Requirements};
     use vfiod::store::{ClaimChange, StoreError};
     let h = start().await;
     let store = h.store();
@@ -321,7 +321,7 @@ async fn a_batch_of_claim_changes_is_decided_in_order_and_fails_change_by_change
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_holds_the_whole_iommu_group_until_released() {
     let h = start().await;
-    let m = claims::claims_proxy(&h.client).await.unwrap();
+    let m = claim::claims_proxy(&h.client).await.unwrap();
     let path = m
         .claim(
             dict(&[("kind", Variant::from("gpu"))]),
@@ -336,7 +336,7 @@ async fn a_claim_holds_the_whole_iommu_group_until_released() {
         )
         .await
         .unwrap();
-    let c = claims::claim_view(&h.client, path.as_str()).await.unwrap();
+    let c = claim::claim_view(&h.client, path.as_str()).await.unwrap();
     assert_eq!(c.address, "0000:17:00.0");
     assert_eq!(c.functions, ["0000:17:00.0", "0000:17:00.1"]);
     assert_eq!(c.vm, "desktop");
@@ -364,15 +364,15 @@ async fn a_claim_holds_the_whole_iommu_group_until_released() {
     let (name, message) = refusal(nic.set_mode("pf", 0).await);
     assert_eq!(name, "org.vfiod.Vfiod1.Error.InUse", "{message}");
     assert!(message.contains("db"), "{message}");
-    claims::release(&h.client, vf_claim).await.unwrap();
+    claim::release(&h.client, vf_claim).await.unwrap();
 
     let audio_dev = vfiod::client::show_device(&h.client, "0000:17:00.1")
         .await
         .unwrap();
     assert_eq!(audio_dev.claim.as_deref(), Some(path.as_str()));
 
-    claims::release(&h.client, path.clone()).await.unwrap();
-    let (name, _) = refusal(claims::claim_view(&h.client, path.as_str()).await.map_err(
+    claim::release(&h.client, path.clone()).await.unwrap();
+    let (name, _) = refusal(claim::claim_view(&h.client, path.as_str()).await.map_err(
         |e| match e {
             vfiod::client::ClientError::Call(z) => z,
             other => panic!("{other}"),
@@ -413,7 +413,7 @@ async fn a_claim_holds_the_whole_iommu_group_until_released() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_and_unclaimable_devices_get_named_errors() {
     let h = start().await;
-    let m = claims::claims_proxy(&h.client).await.unwrap();
+    let m = claim::claims_proxy(&h.client).await.unwrap();
     let events_before = h.store().events(None, 0, 100_000).unwrap().len();
     let huge = "x".repeat(1 << 20);
     let cases: Vec<(Dict, Dict, &str, &str)> = vec![
@@ -600,7 +600,7 @@ async fn vfioctl_claims_lists_and_releases() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lapsed_lease_releases_the_claim() {
     let h = start().await;
-    let m = claims::claims_proxy(&h.client).await.unwrap();
+    let m = claim::claims_proxy(&h.client).await.unwrap();
     let path = m
         .claim(
             dict(&[("address", Variant::from("0000:3b:02.0"))]),
@@ -611,14 +611,14 @@ async fn a_lapsed_lease_releases_the_claim() {
         )
         .await
         .unwrap();
-    let c = claims::claim_view(&h.client, path.as_str()).await.unwrap();
+    let c = claim::claim_view(&h.client, path.as_str()).await.unwrap();
     assert!(c.lease_expires_ms >= c.created_ms + 1000, "{c:?}");
     let client = &h.client;
     eventually_async(
         Duration::from_secs(15),
         "the lapsed claim is released",
         || async move {
-            let list = claims::list_claims(client).await.unwrap();
+            let list = claim::list_claims(client).await.unwrap();
             list.is_empty().then_some(())
         },
     )
@@ -646,7 +646,7 @@ async fn a_lapsed_lease_releases_the_claim() {
     .unwrap();
     h.manager().await.reload().await.unwrap();
     let path = m.claim(dict(&[]), vm("default")).await.unwrap();
-    let c = claims::claim_view(&h.client, path.as_str()).await.unwrap();
+    let c = claim::claim_view(&h.client, path.as_str()).await.unwrap();
     assert!(
         (3_599_000..=3_601_000).contains(&(c.lease_expires_ms - c.created_ms)),
         "{c:?}"
@@ -661,7 +661,7 @@ async fn a_lapsed_lease_releases_the_claim() {
         )
         .await
         .unwrap();
-    let c = claims::claim_view(&h.client, path.as_str()).await.unwrap();
+    let c = claim::claim_view(&h.client, path.as_str()).await.unwrap();
     assert_eq!(c.lease_expires_ms, 0, "0 asks for no lease: {c:?}");
 }
 
@@ -670,7 +670,7 @@ async fn a_lapsed_lease_releases_the_claim() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claimed_device_that_breaks_stays_claimed_and_is_reported() {
     let h = start().await;
-    let m = claims::claims_proxy(&h.client).await.unwrap();
+    let m = claim::claims_proxy(&h.client).await.unwrap();
     let vf = "0000:3b:02.3";
     let one = || dict(&[("address", Variant::from(vf))]);
     let path = m.claim(one(), vm("db1")).await.unwrap();
@@ -686,7 +686,7 @@ async fn a_claimed_device_that_breaks_stays_claimed_and_is_reported() {
             .any(|e| e.kind.as_str() == "claim" && e.message.contains("broke while claimed by db1")),
         "{events:?}"
     );
-    claims::release(&h.client, path).await.unwrap();
+    claim::release(&h.client, path).await.unwrap();
     let (name, message) = refusal(m.claim(one(), vm("db2")).await);
     assert_eq!(name, "org.vfiod.Vfiod1.Error.NoDeviceAvailable");
     assert!(message.contains("broken"), "{message}");

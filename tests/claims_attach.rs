@@ -15,7 +15,7 @@ use common::libvirtd::{require_qemu, tcg_domain_xml, Libvirtd};
 use common::{addr, dict, eventually_async, refusal, Harness};
 use std::path::Path;
 use std::time::Duration;
-use vfiod::client::claims::{self, ClaimProxy};
+use vfiod::client::claim::{self, ClaimProxy};
 use vfiod::model::event::EventKind;
 use zbus::Variant;
 
@@ -58,7 +58,7 @@ async fn setup() -> (Libvirtd, Harness) {
 }
 
 async fn claim_vf(h: &Harness, vm: &str) -> zbus::OwnedObjectPath {
-    let m = claims::claims_proxy(&h.client).await.unwrap();
+    let m = claim::claims_proxy(&h.client).await.unwrap();
     m.claim(
         dict(&[("role", Variant::from("vf"))]),
         dict(&[("vm_name", Variant::from(vm.to_string()))]),
@@ -76,7 +76,7 @@ async fn proxy<'a>(h: &'a Harness, path: &zbus::OwnedObjectPath) -> ClaimProxy<'
 }
 
 async fn active_paths(h: &Harness) -> Vec<String> {
-    claims::list_claims(&h.client)
+    claim::list_claims(&h.client)
         .await
         .unwrap()
         .into_iter()
@@ -85,7 +85,7 @@ async fn active_paths(h: &Harness) -> Vec<String> {
 }
 
 async fn findable(h: &Harness, address: &str) -> bool {
-    let m = claims::claims_proxy(&h.client).await.unwrap();
+    let m = claim::claims_proxy(&h.client).await.unwrap();
     m.find_devices(dict(&[("address", Variant::from(address.to_string()))]))
         .await
         .unwrap()
@@ -110,7 +110,7 @@ async fn an_attach_libvirt_refuses_releases_the_claim() {
 
     // A domain libvirt does not have.
     let path = claim_vf(&h, "ghost").await;
-    let c = claims::claim_view(&h.client, path.as_str()).await.unwrap();
+    let c = claim::claim_view(&h.client, path.as_str()).await.unwrap();
     let (name, message) = refusal(
         proxy(&h, &path).await.attach("ghost", &[]).await,
         "attach to a domain that does not exist",
@@ -128,7 +128,7 @@ async fn an_attach_libvirt_refuses_releases_the_claim() {
     );
     // The failed task does not hold the device: it can be claimed and attached again.
     let again = claim_vf(&h, "vm1").await;
-    let again_view = claims::claim_view(&h.client, again.as_str()).await.unwrap();
+    let again_view = claim::claim_view(&h.client, again.as_str()).await.unwrap();
     assert_eq!(again_view.address, c.address, "the same VF, the best again");
 
     // A live hostdev the session driver cannot assign (no such host device, no VFIO here).
@@ -180,7 +180,7 @@ async fn refusals_before_the_attach_change_nothing() {
     let (name, message) = refusal(p.detach().await, "detach of a claim never attached");
     assert_eq!(name, "org.vfiod.Vfiod1.Error.InvalidArgument", "{message}");
     assert!(message.contains("it is not attached"), "{message}");
-    let c = claims::claim_view(&h.client, path.as_str()).await.unwrap();
+    let c = claim::claim_view(&h.client, path.as_str()).await.unwrap();
     assert_eq!(c.state, "claimed");
 
     // vm1 is defined but stopped: a live attach is refused by the domain's state, which only
@@ -198,7 +198,7 @@ async fn a_config_attach_and_detach_and_a_detach_that_fails() {
     let p = proxy(&h, &path).await;
     // A stopped domain: into its configuration (the default then).
     p.attach("vm1", &[]).await.expect("config attach");
-    let c = claims::claim_view(&h.client, path.as_str()).await.unwrap();
+    let c = claim::claim_view(&h.client, path.as_str()).await.unwrap();
     assert_eq!(c.state, "attached");
     assert_eq!(c.vm_uuid, uuid, "the UUID libvirt has is recorded");
     assert!(!c.guest_address.is_empty(), "{c:?}");
@@ -216,7 +216,7 @@ async fn a_config_attach_and_detach_and_a_detach_that_fails() {
     let (name, message) = refusal(p.detach().await, "detach without libvirt");
     assert_eq!(name, "org.vfiod.Vfiod1.Error.DetachFailed", "{message}");
     assert!(message.contains("the claim stays attached"), "{message}");
-    let c = claims::claim_view(&h.client, path.as_str()).await.unwrap();
+    let c = claim::claim_view(&h.client, path.as_str()).await.unwrap();
     assert_eq!(c.state, "attached");
     assert!(!findable(&h, &c.address).await, "still out of the pool");
 
@@ -259,13 +259,13 @@ async fn the_reconcile_repairs_claims_libvirt_disagrees_with() {
         .attach("vm1", &["config"])
         .await
         .unwrap();
-    let c = claims::claim_view(&h.client, path.as_str()).await.unwrap();
+    let c = claim::claim_view(&h.client, path.as_str()).await.unwrap();
     let hostdev =
         vfiod::host::libvirt::hostdev_xml(addr(&c.address), &format!("ua-vfiod-{}-0", c.id));
     let file = d.dir.path().join("hostdev.xml");
     std::fs::write(&file, &hostdev).unwrap();
     // And the reverse: a managed VF assigned to vm1 by hand, that no claim holds.
-    let m = claims::claims_proxy(&h.client).await.unwrap();
+    let m = claim::claims_proxy(&h.client).await.unwrap();
     let free = m
         .find_devices(dict(&[("role", Variant::from("vf"))]))
         .await
@@ -304,7 +304,7 @@ async fn the_reconcile_repairs_claims_libvirt_disagrees_with() {
     let first = path.to_string();
     let (first, by_hand_ref) = (&first, &by_hand);
     let list = eventually_async(SLOW, "the reconcile puts the claim back", || async move {
-        let list = claims::list_claims(client).await.unwrap();
+        let list = claim::list_claims(client).await.unwrap();
         let back = list
             .iter()
             .any(|c| &c.path == first && c.state == "claimed");
@@ -385,7 +385,7 @@ async fn the_reconcile_ends_a_run_claim_of_a_domain_that_stopped_unheard() {
     let (mut d, h) = setup().await;
     let uri = d.qemu_uri();
     define(&d, "vm1", false);
-    let m = claims::claims_proxy(&h.client).await.unwrap();
+    let m = claim::claims_proxy(&h.client).await.unwrap();
     let free = m
         .find_devices(dict(&[("role", Variant::from("vf"))]))
         .await
@@ -414,7 +414,7 @@ async fn the_reconcile_ends_a_run_claim_of_a_domain_that_stopped_unheard() {
         let (code, stderr) = run_hook(&h, &uri, &["vm1", op, "begin", "-"], &xml);
         assert_eq!(code, 0, "{op}: {stderr}");
     }
-    let list = claims::list_claims(&h.client).await.unwrap();
+    let list = claim::list_claims(&h.client).await.unwrap();
     assert_eq!(list.len(), 1, "{list:?}");
     assert_eq!(
         (
@@ -432,7 +432,7 @@ async fn the_reconcile_ends_a_run_claim_of_a_domain_that_stopped_unheard() {
     announce(h.kernel.root(), d.pid());
     let client = &h.client;
     eventually_async(SLOW, "the reconcile ends the claim", || async move {
-        claims::list_claims(client)
+        claim::list_claims(client)
             .await
             .unwrap()
             .is_empty()
@@ -470,7 +470,7 @@ async fn without_libvirt_attach_says_so_and_claims_still_work() {
         message.contains("libvirt is off in this configuration"),
         "{message}"
     );
-    let c = claims::claim_view(&h.client, path.as_str()).await.unwrap();
+    let c = claim::claim_view(&h.client, path.as_str()).await.unwrap();
     assert_eq!(c.state, "claimed", "a refusal changes nothing");
     proxy(&h, &path).await.release().await.unwrap();
 }
@@ -520,7 +520,7 @@ async fn vfioctl_attaches_and_detaches() {
     assert!(out.contains("attached to vm1 at guest address"), "{out}");
     let (ok, out) = run(args(&["claims", "--json"])).await;
     assert!(ok, "{out}");
-    let list: Vec<claims::ClaimView> = serde_json::from_str(&out).unwrap();
+    let list: Vec<claim::ClaimView> = serde_json::from_str(&out).unwrap();
     assert_eq!(list[0].state, "attached");
 
     let (ok, out) = run(args(&["release", &id])).await;
@@ -530,7 +530,7 @@ async fn vfioctl_attaches_and_detaches() {
     assert!(out.contains(&format!("claim {id} ")), "{out}");
     let client = &h.client;
     eventually_async(SLOW, "the claim is gone after the detach", || async move {
-        claims::list_claims(client)
+        claim::list_claims(client)
             .await
             .unwrap()
             .is_empty()
@@ -556,7 +556,7 @@ async fn vfioctl_attaches_and_detaches() {
     ]))
     .await;
     assert!(ok, "{out}");
-    let c: claims::ClaimView = serde_json::from_str(&out).unwrap();
+    let c: claim::ClaimView = serde_json::from_str(&out).unwrap();
     assert_eq!(c.state, "attached", "{out}");
     assert!(!c.guest_address.is_empty(), "{out}");
     let (ok, out) = run(args(&["detach", &id, "--wait", "--json"])).await;
@@ -573,7 +573,7 @@ async fn undefining_a_stopped_domain_ends_its_attached_claims() {
     define(&d, "vm2", false);
     let one = claim_vf(&h, "vm1").await;
     proxy(&h, &one).await.attach("vm1", &[]).await.unwrap();
-    let m = claims::claims_proxy(&h.client).await.unwrap();
+    let m = claim::claims_proxy(&h.client).await.unwrap();
     let two = m
         .claim(
             dict(&[("role", Variant::from("vf"))]),
@@ -595,7 +595,7 @@ async fn undefining_a_stopped_domain_ends_its_attached_claims() {
         SLOW,
         "vm1's claim ends, vm2's persistent one stays",
         || async move {
-            let list = claims::list_claims(client).await.unwrap();
+            let list = claim::list_claims(client).await.unwrap();
             let gone = !list.iter().any(|c| &c.path == one_s);
             let kept = list
                 .iter()

@@ -7,7 +7,7 @@ mod common;
 use common::libvirtd::Libvirtd;
 use common::{addr, dict, eventually_async, Harness};
 use std::time::Duration;
-use vfiod::client::claims;
+use vfiod::client::claim;
 use zbus::Variant;
 
 fn define(d: &Libvirtd, name: &str) -> String {
@@ -32,7 +32,7 @@ async fn undefining_a_domain_releases_its_claims_but_persistent_ones() {
     let h = Harness::start(&config).await;
     let vm1_uuid = define(&d, "vm1");
     define(&d, "vm2");
-    let m = claims::claims_proxy(&h.client).await.unwrap();
+    let m = claim::claims_proxy(&h.client).await.unwrap();
     let vf = || dict(&[("role", Variant::from("vf"))]);
     // vm1 by UUID only (as a client that knows the domain by UUID), vm2 by name and persistent,
     // and a VM libvirt does not know.
@@ -54,7 +54,7 @@ async fn undefining_a_domain_releases_its_claims_but_persistent_ones() {
         .claim(vf(), dict(&[("vm_name", Variant::from("vm3"))]))
         .await
         .unwrap();
-    let first = claims::claim_view(&h.client, by_uuid.as_str())
+    let first = claim::claim_view(&h.client, by_uuid.as_str())
         .await
         .unwrap();
 
@@ -67,7 +67,7 @@ async fn undefining_a_domain_releases_its_claims_but_persistent_ones() {
         || {
             let path = path.clone();
             async move {
-                let list = claims::list_claims(client).await.unwrap();
+                let list = claim::list_claims(client).await.unwrap();
                 (!list.iter().any(|c| c.path == path)).then_some(list)
             }
         },
@@ -85,7 +85,7 @@ async fn undefining_a_domain_releases_its_claims_but_persistent_ones() {
     );
 
     d.virsh(&["undefine", "vm2"]);
-    let kept = claims::claim_view(&h.client, persistent.as_str())
+    let kept = claim::claim_view(&h.client, persistent.as_str())
         .await
         .unwrap();
     let store = h.store();
@@ -102,7 +102,7 @@ async fn undefining_a_domain_releases_its_claims_but_persistent_ones() {
         },
     )
     .await;
-    let left: Vec<String> = claims::list_claims(&h.client)
+    let left: Vec<String> = claim::list_claims(&h.client)
         .await
         .unwrap()
         .into_iter()

@@ -7,10 +7,10 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 use vfiod::host::sysfs::Sysfs;
+use vfiod::mode::convert::{self, ConvertError};
+use vfiod::mode::plan::{self, Snapshot};
+use vfiod::mode::policy::Program;
 use vfiod::model::pci::PciAddress;
-use vfiod::modes::convert::{self, ConvertError};
-use vfiod::modes::plan::{self, Snapshot};
-use vfiod::modes::policy::Program;
 use vfiod::sim::kernel::{FaultAction, FaultTarget, HostModel, SimKernel};
 
 fn a(s: &str) -> PciAddress {

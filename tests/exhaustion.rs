@@ -22,7 +22,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use vfiod::client::images::images;
+use vfiod::client::image::images;
 
 /// The descriptor limit (soft and hard) of the vfiod child: far below the 1,024 of issue 24, far
 /// above what vfiod needs when nobody floods it.
@@ -305,7 +305,7 @@ async fn pressure_then_answers_within_a_second(secs: u64) {
                     loop {
                         match tokio::time::timeout(
                             bound,
-                            vfiod::client::claims::release(&probe, path.clone()),
+                            vfiod::client::claim::release(&probe, path.clone()),
                         )
                         .await
                         .expect("Release answers under pressure")

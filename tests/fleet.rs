@@ -455,9 +455,7 @@ async fn broken_devices_leave_the_pool_and_killed_hosts_go_down() {
     // reservation is made by hand, as a racing fleet claim would have made it before b's
     // report arrived.
     let b_vf = vfs_of(&b)[0].clone();
-    let claims = vfiod::client::claims::claims_proxy(&b.client)
-        .await
-        .unwrap();
+    let claims = vfiod::client::claim::claims_proxy(&b.client).await.unwrap();
     claims
         .claim(
             dict(&[("address", Variant::from(b_vf.clone()))]),
@@ -767,7 +765,7 @@ async fn a_database_outage_leaves_the_hosts_alone_and_the_fleet_catches_up() {
     // 5 s) and reconnect, while the hosts go on.
     db.pg.freeze(true);
     let frozen = Instant::now();
-    let claims_a = vfiod::client::claims::claims_proxy(&hosts[0].1.client)
+    let claims_a = vfiod::client::claim::claims_proxy(&hosts[0].1.client)
         .await
         .unwrap();
     let t = Instant::now();
@@ -802,7 +800,7 @@ async fn a_database_outage_leaves_the_hosts_alone_and_the_fleet_catches_up() {
         frozen.elapsed()
     );
     db.pg.freeze(false);
-    vfiod::client::claims::release(&hosts[0].1.client, path)
+    vfiod::client::claim::release(&hosts[0].1.client, path)
         .await
         .unwrap();
     until(
@@ -835,9 +833,7 @@ async fn a_database_outage_leaves_the_hosts_alone_and_the_fleet_catches_up() {
         })
         .await;
         // A claim over D-Bus.
-        let claims = vfiod::client::claims::claims_proxy(&h.client)
-            .await
-            .unwrap();
+        let claims = vfiod::client::claim::claims_proxy(&h.client).await.unwrap();
         let t = Instant::now();
         claims
             .claim(
@@ -1048,7 +1044,7 @@ fn sample_report(address: &str) -> vfiod::fleet::record::Report {
         state_reason: String::new(),
     };
     vfiod::fleet::record::Report::build(
-        &vfiod::claims::Snapshot {
+        &vfiod::claim::Snapshot {
             devices: vec![d],
             ..Default::default()
         },

@@ -10,7 +10,7 @@ mod common;
 use common::{dict, eventually_async, refusal, vfioctl, Harness};
 use sha2::{Digest, Sha256};
 use std::time::Duration;
-use vfiod::client::images::images;
+use vfiod::client::image::images;
 use vfiod::client::{self, DeviceProxy, TaskProxy};
 use vfiod::fpga::image::build;
 use vfiod::sim::kernel::{
@@ -330,7 +330,7 @@ async fn a_card_in_vf_mode_is_refused_when_a_vf_is_claimed_else_restored_program
         },
     )
     .await;
-    let m = client::claims::claims_proxy(&h.client).await.unwrap();
+    let m = client::claim::claims_proxy(&h.client).await.unwrap();
     let claim = m
         .claim(
             dict(&[("address", zbus::Variant::from("0000:af:00.1"))]),
@@ -349,7 +349,7 @@ async fn a_card_in_vf_mode_is_refused_when_a_vf_is_claimed_else_restored_program
     assert_eq!(h.kernel.num_vfs(af), Some(2));
     assert_eq!(settled_state(&h, AF).await, "idle");
 
-    client::claims::release(&h.client, claim).await.unwrap();
+    client::claim::release(&h.client, claim).await.unwrap();
     let (state, result) = finish(&h, &d.program("nlb").await.unwrap()).await;
     assert_eq!(state, "success", "{result}");
     assert!(

@@ -9,7 +9,7 @@ use common::{addr, dict, Harness};
 use std::io::Write;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-use vfiod::client::claims;
+use vfiod::client::claim;
 use zbus::Variant;
 
 /// The FPGA (selected, private scenario: PF mode, left on its own driver) and the NIC split into
@@ -133,8 +133,8 @@ async fn harness_with(
     (h, path, bus)
 }
 
-async fn claims_now(h: &Harness) -> Vec<claims::ClaimView> {
-    claims::list_claims(&h.client).await.unwrap()
+async fn claims_now(h: &Harness) -> Vec<claim::ClaimView> {
+    claim::list_claims(&h.client).await.unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -220,7 +220,7 @@ async fn the_lifecycle_of_a_domain_claims_binds_attaches_and_releases() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn persistent_claims_outlive_the_run_and_auto_claim_can_be_off() {
     let (h, config, bus) = harness().await;
-    let m = claims::claims_proxy(&h.client).await.unwrap();
+    let m = claim::claims_proxy(&h.client).await.unwrap();
     m.claim(
         dict(&[("address", Variant::from(VF1))]),
         dict(&[
@@ -651,7 +651,7 @@ async fn the_host_guard_refuses_every_function_the_host_uses() {
     );
 
     // Nor can it be claimed (and so attached) through D-Bus.
-    let m = claims::claims_proxy(&h.client).await.unwrap();
+    let m = claim::claims_proxy(&h.client).await.unwrap();
     let (name, message) = common::refusal(
         m.claim(
             dict(&[("address", Variant::from(HOST_NIC))]),
@@ -774,7 +774,7 @@ async fn a_refused_prepare_releases_what_it_claimed() {
         claims_now(&h).await
     );
     // A claim the domain held before the run is its own: kept.
-    let m = claims::claims_proxy(&h.client).await.unwrap();
+    let m = claim::claims_proxy(&h.client).await.unwrap();
     m.claim(
         dict(&[("address", Variant::from(VF1))]),
         dict(&[("vm_name", Variant::from("vm1"))]),

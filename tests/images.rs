@@ -8,7 +8,7 @@ mod common;
 use common::{dict, refusal, vfioctl, Harness, STEADY_CONFIG};
 use sha2::{Digest, Sha256};
 use std::io::Write;
-use vfiod::client::images::{images, ImageEntry};
+use vfiod::client::image::{images, ImageEntry};
 use vfiod::fpga::image::build;
 
 const IFACE: &str = "3a00972e7aac41debbd13901124e8cda";
@@ -311,7 +311,7 @@ async fn add_until_admitted(
 
 /// Waits until the adds from descriptors are all taken: a quick add (an empty file whose digest
 /// does not match) is refused as Busy rather than for its digest. Returns the refusal.
-async fn until_capped(p: &vfiod::client::images::ImagesProxy<'_>, dir: &std::path::Path) -> String {
+async fn until_capped(p: &vfiod::client::image::ImagesProxy<'_>, dir: &std::path::Path) -> String {
     let empty = dir.join("empty");
     std::fs::write(&empty, b"").unwrap();
     common::eventually_async(
@@ -340,7 +340,7 @@ async fn until_capped(p: &vfiod::client::images::ImagesProxy<'_>, dir: &std::pat
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn adds_from_descriptors_are_capped_bounded_and_stopped_with_their_caller() {
     use std::time::{Duration, Instant};
-    use vfiod::dbus::images::MAX_LOCAL_ADDS;
+    use vfiod::dbus::image::MAX_LOCAL_ADDS;
     let h = Harness::start(&short_deadlines()).await;
     let p = images(&h.client).await.unwrap();
     let digest = sha(b"whatever");
@@ -420,7 +420,7 @@ async fn adds_from_descriptors_are_capped_bounded_and_stopped_with_their_caller(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_add_stops_when_its_caller_leaves_the_bus() {
     use std::time::{Duration, Instant};
-    use vfiod::dbus::images::MAX_LOCAL_ADDS;
+    use vfiod::dbus::image::MAX_LOCAL_ADDS;
     let h = Harness::start(STEADY_CONFIG).await;
     let p = images(&h.client).await.unwrap();
     let digest = sha(b"whatever");

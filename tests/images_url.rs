@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpListener;
-use vfiod::client::images::{images, ImageEntry};
+use vfiod::client::image::{images, ImageEntry};
 use vfiod::fpga::image::build;
 use vfiod::sim::kernel::REFERENCE_FPGA_INTERFACE;
 
@@ -237,7 +237,7 @@ fn non_loopback_address() -> Option<std::net::IpAddr> {
 }
 
 /// Waits until the download of `name` has received some bytes.
-async fn downloading(p: &vfiod::client::images::ImagesProxy<'static>, name: &str) {
+async fn downloading(p: &vfiod::client::image::ImagesProxy<'static>, name: &str) {
     eventually_async(Duration::from_secs(20), "a download in progress", || {
         let p = p.clone();
         async move {

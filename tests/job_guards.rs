@@ -1,4 +1,4 @@
-//! Issue 19: one guard (`engine::jobs::guard::users_of`) for every job that takes functions
+//! Issue 19: one guard (`engine::job::guard::users_of`) for every job that takes functions
 //! away, so that each kind of holder refuses each job: a claim in the store, a running libvirt
 //! domain (libvirt's test driver, `test://`), and a process holding the VFIO group open (a
 //! "QEMU" in the simulated host's /proc). The mode job's three holders are in tests/tasks.rs
@@ -13,8 +13,8 @@ use common::{addr, dict, eventually_async, refusal, Harness};
 use sha2::{Digest, Sha256};
 use std::path::Path;
 use std::time::Duration;
-use vfiod::client::claims::{self, ClaimProxy};
-use vfiod::client::{self, images::images, DeviceProxy};
+use vfiod::client::claim::{self, ClaimProxy};
+use vfiod::client::{self, image::images, DeviceProxy};
 use vfiod::fpga::image::build;
 use vfiod::sim::kernel::REFERENCE_FPGA_INTERFACE;
 use zbus::Variant;
@@ -136,7 +136,7 @@ fn nic_config(uri: &str) -> String {
 }
 
 async fn claim(h: &Harness, address: &'static str, vm: &'static str) -> zbus::OwnedObjectPath {
-    claims::claims_proxy(&h.client)
+    claim::claims_proxy(&h.client)
         .await
         .unwrap()
         .claim(
@@ -170,7 +170,7 @@ async fn the_attach_job_is_refused_by_an_open_vfio_group_and_another_running_dom
         "is open by pid 4242 (qemu-system-x86)",
     );
     no_qemu(&h);
-    let c = claims::claim_view(&h.client, path.as_str()).await.unwrap();
+    let c = claim::claim_view(&h.client, path.as_str()).await.unwrap();
     assert_eq!(c.state, "claimed", "the refusal changed nothing");
 
     // A function another running domain has by hand, claimed for web2 in the records.

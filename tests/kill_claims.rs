@@ -1,6 +1,6 @@
 //! Claims across a crash of the daemon: vfiod killed with SIGKILL between a claim and its attach,
 //! during an attach (before and after libvirt was asked) and during a detach (the `test-hooks`
-//! feature's `VFIOD_TEST_KILL_AT` points of src/engine/jobs), then restarted on the same
+//! feature's `VFIOD_TEST_KILL_AT` points of src/engine/job), then restarted on the same
 //! (persistent) simulated host. After each restart no claim is lost or duplicated, and a claim
 //! that disagrees with libvirt (the crash came between libvirt's change and the claim's) is
 //! repaired by the reconcile that runs when the restarted daemon connects to libvirt, with an
@@ -22,7 +22,7 @@ use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::Duration;
-use vfiod::client::claims::ClaimView;
+use vfiod::client::claim::ClaimView;
 use vfiod::model::claim::ClaimState;
 use vfiod::sim::bus::PrivateBus;
 

@@ -8,7 +8,7 @@
 //! case of a `<hostdev>`) waits for the guest, so here it is never removed and no event comes,
 //! while the detach call still returns success after libvirt's own 5 s wait.
 //! DEVICE_REMOVAL_FAILED needs a guest that refuses the unplug: it is registered (see the unit
-//! test in `src/host/libvirt/events.rs`) but not produced here.
+//! test in `src/host/libvirt/event.rs`) but not produced here.
 //!
 //! Needs `qemu-system-x86` besides the packages of README's test command.
 

@@ -28,7 +28,7 @@ fn a_device_gone_before_the_next_pass_does_not_spoil_the_other_plans() {
     )
     .unwrap();
     core.refresh().unwrap();
-    let before = vfiod::modes::planner::plan_all(&kernel.sysfs(), &store, &settings).unwrap();
+    let before = vfiod::mode::planner::plan_all(&kernel.sysfs(), &store, &settings).unwrap();
     let nvme = common::addr("0000:d8:00.0");
     assert!(before.iter().any(|p| p.address == nvme));
 
@@ -38,7 +38,7 @@ fn a_device_gone_before_the_next_pass_does_not_spoil_the_other_plans() {
         .write_device_attr(nvme, "remove", "1")
         .unwrap();
     assert!(store.device(nvme).unwrap().is_some());
-    let after = vfiod::modes::planner::plan_all(&kernel.sysfs(), &store, &settings)
+    let after = vfiod::mode::planner::plan_all(&kernel.sysfs(), &store, &settings)
         .expect("the other devices are planned");
     assert!(after.iter().all(|p| p.address != nvme), "{after:?}");
     assert_eq!(after.len(), before.len() - 1);

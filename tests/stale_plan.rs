@@ -10,10 +10,10 @@ mod common;
 
 use common::{addr, eventually, Harness, STEADY_CONFIG};
 use std::time::{Duration, Instant};
-use vfiod::engine::jobs::ModeJob;
+use vfiod::engine::job::ModeJob;
 use vfiod::engine::{Job, Phase, Progress};
+use vfiod::mode::policy::{Target, VFIO_PCI};
 use vfiod::model::task::TaskKind;
-use vfiod::modes::policy::{Target, VFIO_PCI};
 use vfiod::sim::kernel::{FaultAction, FaultTarget};
 use vfiod::store::{TaskRecord, TaskState};
 

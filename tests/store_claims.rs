@@ -4,7 +4,7 @@
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
-use vfiod::claims::{Owner, Requirements};
+use vfiod::claim::{Owner, Requirements};
 use vfiod::model::device::{Device, Kind, Mode, Role, State};
 use vfiod::model::pci::{ClassCode, PciAddress};
 use vfiod::store::{DeviceChange, Store, StoreError};

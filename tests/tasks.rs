@@ -299,7 +299,7 @@ async fn a_claimed_device_is_not_converted() {
             zbus::OwnedVariant::try_from(zbus::Variant::from(v.to_string())).unwrap(),
         )])
     };
-    vfiod::client::claims::claims_proxy(&h.client)
+    vfiod::client::claim::claims_proxy(&h.client)
         .await
         .unwrap()
         .claim(one("address", "0000:af:00.2"), one("vm_name", "web-7"))

@@ -31,7 +31,7 @@ fn main() -> ExitCode {
             // No runtime, no call: a notification must still pass (see client::hook).
             eprintln!("vfiod: cannot start the hook's runtime: {e}");
             return ExitCode::from(u8::from(
-                vfiod::hooks::Operation::parse(&args.operation).may_fail(),
+                vfiod::hook::Operation::parse(&args.operation).may_fail(),
             ));
         }
     };

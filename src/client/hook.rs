@@ -12,7 +12,7 @@
 
 use crate::config::{HookSettings, Settings, DEFAULT_CONFIG_PATH, DEFAULT_DROPIN_DIR};
 use crate::dbus::BusTarget;
-use crate::hooks::{HostUses, Operation};
+use crate::hook::{HostUses, Operation};
 use crate::model::pci::PciAddress;
 use std::io::Read;
 use std::path::Path;
@@ -306,7 +306,7 @@ fn alone(
                     "start"
                 };
                 if let Err(line) =
-                    crate::hooks::refuse_host_devices(&args.domain, verb, &functions, &records.host)
+                    crate::hook::refuse_host_devices(&args.domain, verb, &functions, &records.host)
                 {
                     return Outcome {
                         exit_code: 1,
@@ -374,7 +374,7 @@ fn records_read_only(state_dir: &Path) -> Result<Records, String> {
         }
         if state == protected {
             out.host
-                .insert(a, crate::hooks::recorded_use(&reason).to_string());
+                .insert(a, crate::hook::recorded_use(&reason).to_string());
         }
     }
     Ok(out)

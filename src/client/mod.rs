@@ -1,9 +1,9 @@
 //! Client side of the D-Bus API, used by `vfioctl` and the tests: proxies, the JSON view of a
 //! device, and the table `vfioctl list` prints.
 
-pub mod claims;
-pub mod events;
-pub mod images;
+pub mod claim;
+pub mod event;
+pub mod image;
 pub mod hook;
 pub mod metrics;
 pub mod exit;
@@ -516,8 +516,8 @@ pub async fn list_devices(conn: &Connection) -> Result<Vec<DeviceView>, ClientEr
     };
     let mut vms = HashMap::new();
     for (path, ifaces) in &objects {
-        if let Some(props) = of(ifaces, claims::INTERFACE) {
-            vms.insert(path.as_str().to_string(), claims::vm_of(&props));
+        if let Some(props) = of(ifaces, claim::INTERFACE) {
+            vms.insert(path.as_str().to_string(), claim::vm_of(&props));
         }
     }
     let mut out = Vec::new();
@@ -547,7 +547,7 @@ pub async fn show_device(conn: &Connection, address: &str) -> Result<DeviceView,
     let mut d = view_from_properties(path.as_str(), &all.into_iter().collect())?;
     if let Some(c) = &d.claim {
         // Released between the two reads: no VM to show.
-        d.vm = claims::claim_view(conn, c).await.ok().map(|c| c.vm);
+        d.vm = claim::claim_view(conn, c).await.ok().map(|c| c.vm);
     }
     Ok(d)
 }

@@ -69,7 +69,7 @@ pub async fn pooled_claim(
     id: i64,
 ) -> Result<PooledClaimProxy<'static>, super::ClientError> {
     Ok(PooledClaimProxy::builder(conn)
-        .path(crate::dbus::pooled::pooled_path(id))
+        .path(crate::dbus::pool_claim::pooled_path(id))
         .cache_properties(zbus::proxy::CacheProperties::No)
         .build()
         .await?)

@@ -90,7 +90,7 @@ pub async fn read(conn: &Connection) -> Result<StatusView, ClientError> {
     });
     let devices = super::list_devices(conn).await?;
     let mut claims = BTreeMap::new();
-    for c in super::claims::list_claims(conn).await? {
+    for c in super::claim::list_claims(conn).await? {
         *claims.entry(c.state).or_insert(0) += 1;
     }
     let pools = super::pool::pools(conn)

@@ -63,7 +63,7 @@
 //! # How to add a section
 //!
 //! For a `[hooks]` table (or a `[[pool]]` array):
-//! 1. `src/config/hooks.rs`: `RawHooks` (`#[derive(Deserialize)] #[serde(deny_unknown_fields)]`,
+//! 1. `src/config/hook.rs`: `RawHooks` (`#[derive(Deserialize)] #[serde(deny_unknown_fields)]`,
 //!    values as `Spanned<bounded::Keyword>` / `Spanned<bounded::PathText>` /
 //!    `Spanned<bounded::Int>`, never a bare `String`), the typed `Hooks`, and its validator,
 //!    built on the leaves only (`located`, `bounded`, `error`; `selector` for selectors):
@@ -75,18 +75,18 @@
 //! 2. one field in `raw::RawFile`: `hooks: Option<Spanned<RawHooks>>`
 //!    (or `#[serde(default)] pool: Vec<Spanned<RawPool>>`);
 //! 3. one field in [`Settings`] (and its default);
-//! 4. one line in `settle`: `hooks: hooks::validate(inputs.values(|f| f.hooks.as_ref()))?,`
+//! 4. one line in `settle`: `hooks: hook::validate(inputs.values(|f| f.hooks.as_ref()))?,`
 //!    (or `pool: pool::validate(inputs.entries(|f| &f.pool))?,`).
 //!
 //! Nothing in `files`, `merge` or the leaves changes. A new top-level daemon key is a field of
 //! `raw::RawFile` and a check in `daemon::validate`.
 
 mod bounded;
-mod claims;
+mod claim;
 mod fleet;
 mod fpga;
-mod hooks;
-mod images;
+mod hook;
+mod image;
 mod daemon;
 mod error;
 mod files;
@@ -101,15 +101,15 @@ mod select;
 mod selector;
 
 pub use bounded::{MAX_DRIVER_BYTES, MAX_KEYWORD_BYTES, MAX_PATH_BYTES};
-pub use claims::{ClaimSettings, MAX_DETACH_TIMEOUT_SECONDS, MAX_LEASE_SECONDS};
+pub use claim::{ClaimSettings, MAX_DETACH_TIMEOUT_SECONDS, MAX_LEASE_SECONDS};
 pub use daemon::{Scenario, DEFAULT_LIBVIRT_URI};
 pub(crate) use error::Quoted;
 pub use error::{ConfigError, FileRefusal};
 pub use files::{MAX_DROPINS, MAX_FILE_BYTES, MAX_TOTAL_BYTES};
 pub use fleet::{check_host_name, FleetSettings, DEFAULT_DOWN_AFTER};
 pub use fpga::{FpgaBackend, FpgaRule};
-pub use hooks::HookSettings;
-pub use images::{ImageSettings, MAX_DOWNLOAD_SECONDS};
+pub use hook::HookSettings;
+pub use image::{ImageSettings, MAX_DOWNLOAD_SECONDS};
 pub use metrics::MetricsSettings;
 pub use pool::{PoolSettings, QuiesceAt, MAX_POOL_TIMEOUT_MS};
 pub use position::Origin;
@@ -385,9 +385,9 @@ fn settle(inputs: &Inputs) -> Result<Settings, Vec<ConfigError>> {
     let protect = found.array(inputs.entries(|f| &f.protect), |e| {
         protect::validate(e.into_iter())
     });
-    let claims = found.section(claims::validate(inputs.values(|f| f.claims.as_ref())));
-    let hooks = found.section(hooks::validate(inputs.values(|f| f.hooks.as_ref())));
-    let images = found.section(images::validate(inputs.values(|f| f.images.as_ref())));
+    let claims = found.section(claim::validate(inputs.values(|f| f.claims.as_ref())));
+    let hooks = found.section(hook::validate(inputs.values(|f| f.hooks.as_ref())));
+    let images = found.section(image::validate(inputs.values(|f| f.images.as_ref())));
     let fpga = found.array(inputs.entries(|f| &f.fpga), |e| {
         fpga::validate(e.into_iter())
     });

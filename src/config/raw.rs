@@ -11,12 +11,12 @@
 //! validator. So this module depends on the sections, never the other way round.
 
 use super::bounded::{Int, Keyword, PathText};
-use super::claims::RawClaims;
+use super::claim::RawClaims;
 use super::error::{bound_message, ConfigError, Key};
 use super::fleet::RawFleet;
 use super::fpga::RawFpga;
-use super::hooks::RawHooks;
-use super::images::RawImages;
+use super::hook::RawHooks;
+use super::image::RawImages;
 use super::metrics::RawMetrics;
 use super::pool::RawPool;
 use super::position::{key_path_at, line_column, Segment, Source};

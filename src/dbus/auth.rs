@@ -7,9 +7,9 @@
 //! owns an existing task. `docs/polkit.md` is the operator's view of the same.
 
 use super::error::Error;
+use crate::mode::policy::Target;
 use crate::model::pci::PciAddress;
 use crate::model::task::TaskKind;
-use crate::modes::policy::Target;
 use std::collections::HashMap;
 use std::fmt;
 use zbus::message::Header;

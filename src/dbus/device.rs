@@ -3,7 +3,7 @@
 use super::auth::{Check, Detail, ACTION_MODE, ACTION_PROGRAM};
 use super::error::Error;
 use super::view::DeviceEntry;
-use crate::engine::jobs::{FpgaJob, ModeJob};
+use crate::engine::job::{FpgaJob, ModeJob};
 use crate::model::device::Device;
 use crate::model::pci::PciAddress;
 use std::collections::HashMap;
@@ -322,7 +322,7 @@ impl DeviceObject {
         #[zbus(header)] header: zbus::message::Header<'_>,
         #[zbus(connection)] conn: &zbus::Connection,
     ) -> Result<zbus::OwnedObjectPath, Error> {
-        use crate::modes::policy::{Target, VFIO_PCI};
+        use crate::mode::policy::{Target, VFIO_PCI};
         let settings = self.objects.engine.settings();
         let d = self.device()?;
         let rule = settings.rule_for(d.address, d.vendor_id, d.device_id, d.class);

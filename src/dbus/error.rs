@@ -2,7 +2,7 @@
 //! that is the daemon's fault (a store that failed, a worker that died) is `Failed` with its
 //! cause, never `InvalidArgument`: that name tells a caller to change its request.
 
-use crate::claims::choice::Policy;
+use crate::claim::choice::Policy;
 use crate::config::ConfigError;
 use crate::engine::{EngineError, JobError};
 use crate::model::image_source::SourceError;
@@ -75,7 +75,7 @@ impl From<StoreError> for Error {
                 Error::NoSuchClaim(e.to_string())
             }
             StoreError::ClaimStep(r) => {
-                use crate::claims::lifecycle::Refusal;
+                use crate::claim::lifecycle::Refusal;
                 use crate::model::claim::ClaimState;
                 let text = r.to_string();
                 match r {
@@ -200,9 +200,9 @@ impl From<ConfigError> for Error {
     }
 }
 
-impl From<crate::modes::planner::ModeError> for Error {
-    fn from(e: crate::modes::planner::ModeError) -> Self {
-        use crate::modes::planner::ModeError as M;
+impl From<crate::mode::planner::ModeError> for Error {
+    fn from(e: crate::mode::planner::ModeError) -> Self {
+        use crate::mode::planner::ModeError as M;
         match e {
             M::NoSuchDevice(a) => Error::NoSuchDevice(format!("no PCI function {a} on this host")),
             M::Store(s) => s.into(),

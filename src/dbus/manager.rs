@@ -244,7 +244,7 @@ impl Manager {
             .objects
             .engine
             .read(move |core| {
-                crate::modes::planner::plan_device(core.sysfs(), core.store(), &core.settings(), a)
+                crate::mode::planner::plan_device(core.sysfs(), core.store(), &core.settings(), a)
             })
             .await??;
         Ok(wire::plan(&p))
@@ -256,7 +256,7 @@ impl Manager {
             .objects
             .engine
             .read(|core| {
-                crate::modes::planner::plan_all(core.sysfs(), core.store(), &core.settings())
+                crate::mode::planner::plan_all(core.sysfs(), core.store(), &core.settings())
             })
             .await??;
         Ok(plans.iter().map(wire::plan).collect())
@@ -287,7 +287,7 @@ impl Manager {
             .engine
             .read(move |core| -> Result<_, Error> {
                 let settings = preview_settings(files)?;
-                Ok(crate::modes::planner::plan_preview(
+                Ok(crate::mode::planner::plan_preview(
                     core.sysfs(),
                     core.store(),
                     &settings,
@@ -358,22 +358,22 @@ impl Manager {
     /// Deprecated: `Pools.HostName`.
     #[zbus(property)]
     fn host_name(&self) -> String {
-        super::pools::host_name(&self.objects)
+        super::pool::host_name(&self.objects)
     }
 
     /// Deprecated: `Pools.List`.
     fn get_pools(&self) -> Vec<Dict> {
-        super::pools::list(&self.objects)
+        super::pool::list(&self.objects)
     }
 
     /// Deprecated: `Pools.GetDevices`.
     async fn get_pool_devices(&self, pool: &str) -> Result<Vec<Dict>, Error> {
-        super::pools::devices(&self.objects, pool).await
+        super::pool::devices(&self.objects, pool).await
     }
 
     /// Deprecated: `Pools.GetClaims`.
     async fn get_pooled_claims(&self, query: Dict) -> Result<Vec<Dict>, Error> {
-        super::pools::claims(&self.objects, query).await
+        super::pool::claims(&self.objects, query).await
     }
 
     /// Deprecated: `Pools.Lease` (which returns the claim's object). Returns the claim as
@@ -386,7 +386,7 @@ impl Manager {
         #[zbus(header)] header: Header<'_>,
         #[zbus(connection)] conn: &Connection,
     ) -> Result<Dict, Error> {
-        let claim = super::pools::lease(&self.objects, pool, device, owner, conn, &header).await?;
+        let claim = super::pool::lease(&self.objects, pool, device, owner, conn, &header).await?;
         Ok(wire::pooled(&claim))
     }
 
@@ -397,7 +397,7 @@ impl Manager {
         #[zbus(header)] header: Header<'_>,
         #[zbus(connection)] conn: &Connection,
     ) -> Result<Dict, Error> {
-        super::pooled::release(&self.objects, id, conn, &header).await
+        super::pool_claim::release(&self.objects, id, conn, &header).await
     }
 
     /// The objects of the claims that hold their devices, oldest first.

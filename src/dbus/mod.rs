@@ -9,10 +9,10 @@ pub mod claim;
 pub mod device;
 pub mod error;
 pub mod hook_socket;
-pub mod images;
+pub mod image;
 pub mod manager;
-pub mod pooled;
-pub mod pools;
+pub mod pool_claim;
+pub mod pool;
 mod publisher;
 mod event_signal;
 pub mod strict;
@@ -96,8 +96,8 @@ impl Objects {
         })
     }
 
-    pub(crate) fn pooled_object(&self, id: i64) -> Strict<pooled::PooledObject> {
-        Strict::new(pooled::PooledObject {
+    pub(crate) fn pooled_object(&self, id: i64) -> Strict<pool_claim::PooledObject> {
+        Strict::new(pool_claim::PooledObject {
             id,
             objects: self.clone(),
         })
@@ -146,13 +146,13 @@ pub async fn serve(
         .await
         .map_err(ServeError::Export)?;
     server
-        .at(ROOT_PATH, Strict::new(images::Images::new(objects.clone())))
+        .at(ROOT_PATH, Strict::new(image::Images::new(objects.clone())))
         .await
         .map_err(ServeError::Export)?;
     server
         .at(
             ROOT_PATH,
-            Strict::new(pools::Pools {
+            Strict::new(pool::Pools {
                 objects: objects.clone(),
             }),
         )
@@ -203,7 +203,7 @@ pub async fn serve(
         let id = c.id;
         objects.view.put_pooled(c);
         server
-            .at(pooled::pooled_path(id), objects.pooled_object(id))
+            .at(pool_claim::pooled_path(id), objects.pooled_object(id))
             .await
             .map_err(ServeError::Export)?;
     }

@@ -6,7 +6,7 @@
 use super::claim::{self, ClaimObject};
 use super::device::{self, DeviceObject};
 use super::manager::Manager;
-use super::pooled;
+use super::pool_claim;
 use super::task;
 use super::{device_path, signal_changed, strict::Strict, Objects, ROOT_PATH};
 use crate::engine::{DeviceView, EngineEvent, EventStream};
@@ -218,27 +218,30 @@ async fn publish_claim(objects: &Objects, c: crate::store::ClaimRecord) -> zbus:
 }
 
 /// Creates, updates or (once ended) removes `/org/vfiod/Vfiod1/pooled/<id>`.
-async fn publish_pooled(
-    objects: &Objects,
-    c: crate::model::pooled::PooledClaim,
-) -> zbus::Result<()> {
+async fn publish_pooled(objects: &Objects, c: crate::model::pool::PooledClaim) -> zbus::Result<()> {
     let server = objects.conn.object_server();
     let (id, ended) = (c.id, c.state.ended());
     match objects.view.put_pooled(c.clone()) {
         Some(old) => {
-            let changed = pooled::changed_properties(&old, &c);
-            emit(objects, pooled::pooled_path(id), pooled::INTERFACE, changed).await?;
+            let changed = pool_claim::changed_properties(&old, &c);
+            emit(
+                objects,
+                pool_claim::pooled_path(id),
+                pool_claim::INTERFACE,
+                changed,
+            )
+            .await?;
         }
         None if !ended => {
             server
-                .at(pooled::pooled_path(id), objects.pooled_object(id))
+                .at(pool_claim::pooled_path(id), objects.pooled_object(id))
                 .await?;
         }
         None => {}
     }
     if ended {
         server
-            .remove::<Strict<pooled::PooledObject>, _>(pooled::pooled_path(id))
+            .remove::<Strict<pool_claim::PooledObject>, _>(pool_claim::pooled_path(id))
             .await
             .ok();
         objects.view.forget_pooled(id);

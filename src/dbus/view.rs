@@ -36,7 +36,7 @@ struct Inner {
     /// Function -> the active claim that holds it.
     holders: HashMap<PciAddress, i64>,
     /// Pooled claims with objects: the standing ones, and an ended one until its object goes.
-    pooled: BTreeMap<i64, crate::model::pooled::PooledClaim>,
+    pooled: BTreeMap<i64, crate::model::pool::PooledClaim>,
 }
 
 /// `e` with its task brought up to date from `inner.tasks` (see [`View::device`]).
@@ -126,15 +126,15 @@ impl View {
         inner.claims.insert(claim.id, claim)
     }
 
-    pub fn pooled(&self, id: i64) -> Option<crate::model::pooled::PooledClaim> {
+    pub fn pooled(&self, id: i64) -> Option<crate::model::pool::PooledClaim> {
         self.read().pooled.get(&id).cloned()
     }
 
     /// Replaces (or adds) a pooled claim; returns what it was.
     pub fn put_pooled(
         &self,
-        claim: crate::model::pooled::PooledClaim,
-    ) -> Option<crate::model::pooled::PooledClaim> {
+        claim: crate::model::pool::PooledClaim,
+    ) -> Option<crate::model::pool::PooledClaim> {
         self.write().pooled.insert(claim.id, claim)
     }
 

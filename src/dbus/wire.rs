@@ -3,8 +3,8 @@
 //! signature changes.
 
 use super::error::{quote, Error};
+use crate::mode::planner::DevicePlan;
 use crate::model::pci::PciAddress;
-use crate::modes::planner::DevicePlan;
 use crate::store::{Event, TaskRecord};
 use std::collections::HashMap;
 use zbus::OwnedVariant;
@@ -91,7 +91,7 @@ pub fn task_parameters(t: &TaskRecord) -> Dict {
 
 /// `Manager.GetPlan` reply and `GetPlans` entry.
 pub fn plan(p: &DevicePlan) -> Dict {
-    use crate::modes::policy::Decision;
+    use crate::mode::policy::Decision;
     let decision = match &p.decision {
         Decision::Leave { .. } => "leave",
         Decision::Target { .. } => "target",
@@ -199,8 +199,8 @@ pub const REQUIREMENT_KEYS: &[&str] = &["address", "kind", "id", "role", "numa_n
 pub const OWNER_KEYS: &[&str] = &["vm_name", "vm_uuid", "lease_seconds", "persistent"];
 
 /// Claim requirements from their `a{sv}` dictionary (all keys optional).
-pub fn requirements(dict: Dict) -> Result<crate::claims::Requirements, Error> {
-    use crate::claims::Requirements;
+pub fn requirements(dict: Dict) -> Result<crate::claim::Requirements, Error> {
+    use crate::claim::Requirements;
     let q = Query::new(dict, REQUIREMENT_KEYS)?;
     let address = |t: &str| t.parse::<PciAddress>().map_err(|e| e.to_string());
     Ok(Requirements {
@@ -214,9 +214,9 @@ pub fn requirements(dict: Dict) -> Result<crate::claims::Requirements, Error> {
 }
 
 /// A claim's owner from its `a{sv}` dictionary; `default_lease` when it gives no lease_seconds.
-pub fn owner(dict: Dict, default_lease: u32) -> Result<crate::claims::Owner, Error> {
+pub fn owner(dict: Dict, default_lease: u32) -> Result<crate::claim::Owner, Error> {
     let q = Query::new(dict, OWNER_KEYS)?;
-    crate::claims::Owner::new(
+    crate::claim::Owner::new(
         q.str("vm_name")?.as_deref(),
         q.str("vm_uuid")?.as_deref(),
         q.u32("lease_seconds")?.unwrap_or(default_lease),
@@ -263,7 +263,7 @@ pub fn pool_device(d: &crate::pool::client::PoolDevice) -> Dict {
 }
 
 /// `Manager.GetPooledClaims` entry.
-pub fn pooled(c: &crate::model::pooled::PooledClaim) -> Dict {
+pub fn pooled(c: &crate::model::pool::PooledClaim) -> Dict {
     Dict::from([
         ("id".into(), v(c.id)),
         ("pool".into(), v(c.pool.as_str())),

@@ -3,11 +3,11 @@
 //! the claims with the domains' definitions at start-up, after libvirt reconnects and when a
 //! domain stops: a hostdev vfiod recorded that libvirt no longer has, or the reverse, is
 //! reported as an event and repaired where that is safe (see
-//! [`crate::claims::lifecycle::reconcile`]).
+//! [`crate::claim::lifecycle::reconcile`]).
 
-use super::jobs::{detach::claim_of_alias, AttachJob, DetachJob};
+use super::job::{detach::claim_of_alias, AttachJob, DetachJob};
 use super::{Core, Engine, JobError};
-use crate::claims::lifecycle::{self, Assigned, DomainDefinitions, Repair, Step};
+use crate::claim::lifecycle::{self, Assigned, DomainDefinitions, Repair, Step};
 use crate::host::libvirt::{self, DomainEvent, DomainEventKind, LibvirtError};
 use crate::model::claim::ClaimState;
 use crate::model::pci::PciAddress;
@@ -256,7 +256,7 @@ impl Engine {
                 claim.state,
                 &claim.functions,
                 claim.persistent,
-                crate::hooks::for_a_run(&claim.requested_by),
+                crate::hook::for_a_run(&claim.requested_by),
                 domain,
             );
             if repair == Repair::Keep {
@@ -306,7 +306,7 @@ impl Engine {
                 && t.message.starts_with("interrupted")
             {
                 let t = store.reset_task(d.address, RECONCILE)?;
-                self.task_changed(&t, super::tasks::Change::State);
+                self.task_changed(&t, super::task::Change::State);
             }
         }
         Ok(())

@@ -4,7 +4,7 @@
 //! engine depends on jobs and never the reverse.
 
 use super::removals::Removals;
-use crate::claims::lifecycle::Step;
+use crate::claim::lifecycle::Step;
 use crate::config::Settings;
 use crate::host::libvirt::{DomainQuery, Libvirt};
 use crate::host::sysfs::Sysfs;

@@ -3,7 +3,7 @@
 //! done here; [`super::Engine`] runs them off the async threads and publishes their outcome.
 
 use super::context::{ClaimSteps, JobContext, ModuleLoader};
-use super::events::{DeviceTasks, DeviceView};
+use super::event::{DeviceTasks, DeviceView};
 use super::removals::Removals;
 use crate::config::{ConfigError, Settings};
 use crate::host::libvirt::{Libvirt, LibvirtEvent};

@@ -7,9 +7,9 @@
 //!   attached. A migration that fails after that point ends with the domain's `stopped` and
 //!   `release` hooks, which release those claims.
 
-use super::jobs::{migrate::claims_of, MigrateJob};
+use super::job::{migrate::claims_of, MigrateJob};
 use super::{Engine, JobError};
-use crate::hooks::{DomainId, Verdict};
+use crate::hook::{DomainId, Verdict};
 use crate::host::libvirt::{self, DomainEvent, DomainEventKind, Migration};
 use crate::store::{StoreError, TaskRecord};
 use std::collections::HashMap;
@@ -74,7 +74,7 @@ impl Engine {
     pub(super) async fn hook_migrate(self: &Arc<Self>, name: &str, xml: &str) -> Verdict {
         // Both parses off the async threads: the deadline must be able to fire while they run.
         let text = xml.to_string();
-        let both = super::hooks::off_the_executor(move || {
+        let both = super::hook::off_the_executor(move || {
             Ok((
                 libvirt::xml::parse_domain(&text)?,
                 libvirt::xml::parse_pooled(&text)?,
@@ -103,7 +103,7 @@ impl Engine {
             return Verdict::pass("");
         }
         // The claims name the domain as a D-Bus `Claim` would, through the same checks.
-        let owner = match super::hooks::hook_owner(name, parsed.uuid.as_deref(), "come here") {
+        let owner = match super::hook::hook_owner(name, parsed.uuid.as_deref(), "come here") {
             Ok(o) => o,
             Err(line) => return Verdict::fail(line),
         };
@@ -149,7 +149,7 @@ impl Engine {
                 }
             };
             match self
-                .claim(req, owner.clone(), crate::hooks::BY_INCOMING)
+                .claim(req, owner.clone(), crate::hook::BY_INCOMING)
                 .await
             {
                 Ok(c) => {

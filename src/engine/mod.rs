@@ -9,34 +9,33 @@
 //! never shows a state the store does not hold.
 
 mod attachments;
-mod claims;
+mod claim;
 pub mod context;
-mod hooks;
+mod hook;
 mod migration;
-mod pooled;
+mod pool;
 mod core;
-pub mod events;
+pub mod event;
 pub mod removals;
 pub mod job;
 pub mod libvirt_link;
-pub mod jobs;
 mod run_loop;
-pub mod tasks;
+pub mod task;
 
 pub use self::core::{warn_about_drivers, ConfigSource, Core, EngineError, Pass};
 pub use attachments::AttachError;
-pub use claims::ClaimError;
+pub use claim::ClaimError;
 pub use context::{ClaimSteps, JobContext, Modprobe, ModuleLoader};
-pub use events::{DeviceTasks, DeviceView, EngineEvent, EventStream};
-pub use hooks::HookCall;
+pub use event::{DeviceTasks, DeviceView, EngineEvent, EventStream};
+pub use hook::HookCall;
 pub use job::{Admission, Job, JobError, JobFailure, Phase, Progress};
-pub use pooled::{PooledError, PooledOutcome};
+pub use pool::{PooledError, PooledOutcome};
 
 use crate::config::Settings;
+use crate::mode::policy::{Decision, Program};
 use crate::model::pci::PciAddress;
-use crate::modes::policy::{Decision, Program};
 use crate::store::{DeviceChange, Store, StoreError, TaskRecord};
-use events::EventSender;
+use event::EventSender;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use tokio::sync::{mpsc, oneshot, watch};
@@ -54,11 +53,11 @@ pub struct Engine {
     /// "finished" and stay stale on the bus.
     publishing: Arc<Mutex<()>>,
     /// Claim changes waiting for their shared commit (see [`claims`]).
-    claims: Arc<Mutex<claims::ClaimQueue>>,
+    claims: Arc<Mutex<claim::ClaimQueue>>,
     /// Claims made for domains migrating here, attached once they run (see [`migration`]).
     incoming: migration::Incoming,
     /// The pools' clients and the queue of pooled steps (see [`pooled`]).
-    pools: pooled::Pools,
+    pools: pool::Pools,
     /// Counts committed changes of devices, claims and tasks: a watcher (the fleet reporter)
     /// learns that something changed without the engine waiting for it or queueing anything.
     changes: Arc<watch::Sender<u64>>,
@@ -81,7 +80,7 @@ impl Engine {
             publishing: Arc::new(Mutex::new(())),
             claims: Arc::default(),
             incoming: migration::Incoming::default(),
-            pools: pooled::Pools::default(),
+            pools: pool::Pools::default(),
             changes: Arc::new(watch::channel(0).0),
             libvirt_link: libvirt_link::LinkRecord::default(),
             metrics: Arc::default(),
@@ -217,10 +216,10 @@ impl Engine {
     }
 
     /// Records a task change: the store has committed it; tell the consumer and the waiters.
-    fn task_changed(&self, task: &TaskRecord, change: tasks::Change) {
+    fn task_changed(&self, task: &TaskRecord, change: task::Change) {
         let publishing = self.publishing.lock().unwrap_or_else(|p| p.into_inner());
         let devices = match change {
-            tasks::Change::State => self.core.covered_by(task).unwrap_or_else(|e| {
+            task::Change::State => self.core.covered_by(task).unwrap_or_else(|e| {
                 tracing::error!(
                     task_id = task.id,
                     "cannot read the devices a task covers: {}",
@@ -228,18 +227,18 @@ impl Engine {
                 );
                 Vec::new()
             }),
-            tasks::Change::Progress => Vec::new(),
+            task::Change::Progress => Vec::new(),
         };
         self.send(EngineEvent::Task {
             task: task.clone(),
             devices,
         });
         drop(publishing);
-        if change == tasks::Change::State {
+        if change == task::Change::State {
             self.changed();
         }
         // A reset keeps the row in error: it is not a second end of the task.
-        if change == tasks::Change::State && task.state.is_final() && task.reset_ms.is_none() {
+        if change == task::Change::State && task.state.is_final() && task.reset_ms.is_none() {
             self.metrics.task_finished(task);
         }
         let mut watches = self.watches.lock().unwrap_or_else(|p| p.into_inner());
@@ -267,8 +266,8 @@ impl Engine {
         let who = requested_by.to_string();
         let (cx, started) = tokio::task::spawn_blocking(move || {
             let cx = me.job_context();
-            let notify = |t: &TaskRecord, c: tasks::Change| me.task_changed(t, c);
-            tasks::begin(&cx, job, &who, &notify).map(|s| (cx, s))
+            let notify = |t: &TaskRecord, c: task::Change| me.task_changed(t, c);
+            task::begin(&cx, job, &who, &notify).map(|s| (cx, s))
         })
         .await
         .map_err(|e| JobError::Internal(format!("the task could not be prepared: {e}")))??;
@@ -280,12 +279,12 @@ impl Engine {
 
     /// Runs a started task on the blocking pool, then an inventory pass (its device's VFs and
     /// drivers changed).
-    async fn run_task(self: Arc<Self>, cx: JobContext, started: tasks::Started) {
+    async fn run_task(self: Arc<Self>, cx: JobContext, started: task::Started) {
         let id = started.task.id;
         let me = Arc::clone(&self);
         let outcome = tokio::task::spawn_blocking(move || {
-            let notify = |t: &TaskRecord, c: tasks::Change| me.task_changed(t, c);
-            tasks::run(&cx, started, &notify)
+            let notify = |t: &TaskRecord, c: task::Change| me.task_changed(t, c);
+            task::run(&cx, started, &notify)
         })
         .await;
         match outcome {
@@ -304,7 +303,7 @@ impl Engine {
                 let _ = self
                     .read(move |core| {
                         if let Ok(t) = core.store().task_failed(id, &message) {
-                            me.task_changed(&t, tasks::Change::State);
+                            me.task_changed(&t, task::Change::State);
                         }
                     })
                     .await;
@@ -329,7 +328,7 @@ impl Engine {
         let by = by.to_string();
         self.read(move |core| {
             let t = core.store().reset_task(address, &by)?;
-            me.task_changed(&t, tasks::Change::State);
+            me.task_changed(&t, task::Change::State);
             Ok::<_, StoreError>(t)
         })
         .await
@@ -344,7 +343,7 @@ impl Engine {
         let plans = self
             .read(|core| {
                 let plans =
-                    crate::modes::planner::plan_all(core.sysfs(), core.store(), &core.settings())?;
+                    crate::mode::planner::plan_all(core.sysfs(), core.store(), &core.settings())?;
                 // A group program (bind, unbind) moves every member: one task per IOMMU group.
                 let mut groups_taken = BTreeSet::new();
                 let mut wanted = Vec::new();
@@ -370,7 +369,7 @@ impl Engine {
                         (Decision::Leave { .. }, _) => {}
                     }
                 }
-                Ok::<_, crate::modes::planner::ModeError>(wanted)
+                Ok::<_, crate::mode::planner::ModeError>(wanted)
             })
             .await;
         let wanted = match plans {
@@ -387,7 +386,7 @@ impl Engine {
         let mut started = Vec::new();
         for address in wanted {
             // The policy's target, decided again inside the task from the state it holds.
-            let job = jobs::ModeJob::new(address, None);
+            let job = job::ModeJob::new(address, None);
             match self.start_task(Box::new(job), requested_by).await {
                 Ok(t) => started.push(t),
                 Err(e) => tracing::warn!(

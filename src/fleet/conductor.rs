@@ -178,7 +178,7 @@ pub fn compare(stored: &[StoredRow], report: &[Judged<'_>]) -> Changes {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::claims::Snapshot;
+    use crate::claim::Snapshot;
     use crate::fleet::record::tests::device;
     use crate::fleet::record::Report;
 

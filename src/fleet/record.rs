@@ -6,7 +6,7 @@
 //! ([`super::conductor::verdict`]), not the host's. What only the host can know (a local claim,
 //! a task at work) comes as `local_reason`.
 
-use crate::claims::Snapshot;
+use crate::claim::Snapshot;
 use crate::model::device::{Device, Role, State};
 use crate::model::pci::PciAddress;
 use crate::store::ClaimRecord;
@@ -75,7 +75,7 @@ fn local_reason(snapshot: &Snapshot, d: &Device) -> Option<String> {
     if d.state != State::Usable || !d.managed {
         return None;
     }
-    crate::claims::unavailable(snapshot, d.address).map(|r| r.to_string())
+    crate::claim::unavailable(snapshot, d.address).map(|r| r.to_string())
 }
 
 fn record(d: &Device, local_reason: Option<String>) -> Record {
@@ -104,7 +104,7 @@ fn record(d: &Device, local_reason: Option<String>) -> Record {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::claims::Held;
+    use crate::claim::Held;
     use crate::model::device::{Kind, Mode};
     use crate::model::pci::ClassCode;
 

@@ -14,7 +14,7 @@ use super::credentials;
 use super::db::{self, HostMeta, Reservation};
 use super::record::Report;
 use super::FleetError;
-use crate::claims::{Owner, Requirements};
+use crate::claim::{Owner, Requirements};
 use crate::config::FleetSettings;
 use crate::engine::Engine;
 use crate::model::pci::PciAddress;

@@ -10,7 +10,7 @@
 //! checks the digest and keeps or drops the file (dropping the temporary file removes it).
 
 use crate::config::ImageSettings;
-use crate::store::images::MAX_IMAGE_SIZE;
+use crate::store::image::MAX_IMAGE_SIZE;
 use futures_util::StreamExt;
 use reqwest::Url;
 use sha2::{Digest, Sha256};

@@ -18,7 +18,7 @@
 
 use super::state::State;
 use super::MetricsError;
-use crate::hooks::Operation;
+use crate::hook::Operation;
 use crate::model::task::TaskKind;
 use crate::pool::client::PoolError;
 use crate::store::{TaskRecord, TaskState};

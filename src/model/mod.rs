@@ -9,6 +9,6 @@ pub mod device;
 pub mod event;
 pub mod image_source;
 pub mod pci;
-pub mod pooled;
+pub mod pool;
 pub mod task;
 pub mod text;

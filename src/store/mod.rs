@@ -11,22 +11,22 @@
 //! writer, SQLite serialises writers anyway, and one connection keeps the per-connection settings
 //! (`synchronous`, `foreign_keys`, `busy_timeout`) in one place.
 
-mod claims;
+mod claim;
 mod device_row;
 mod event_feed;
-pub mod images;
+pub mod image;
 pub mod lock;
-mod migrations;
+mod schema;
 mod original_drivers;
-mod pooled;
+mod pool;
 mod task_state;
-mod tasks;
+mod task;
 
-pub use claims::{ClaimChange, ClaimDetails, ClaimRecord};
-pub use images::{ImageError, ImageRecord, ImageState, NewImage};
-pub use pooled::{NewPooled, PooledStep};
+pub use claim::{ClaimChange, ClaimDetails, ClaimRecord};
+pub use image::{ImageError, ImageRecord, ImageState, NewImage};
+pub use pool::{NewPooled, PooledStep};
+pub use task::{TaskRecord, REFUSED_BY};
 pub use task_state::TaskState;
-pub use tasks::{TaskRecord, REFUSED_BY};
 
 use crate::model::device::{Device, State};
 use crate::model::event::EventKind;
@@ -41,7 +41,7 @@ use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// The schema version this build creates and understands: the number of migration steps.
-pub const SCHEMA_VERSION: u32 = migrations::MIGRATIONS.len() as u32;
+pub const SCHEMA_VERSION: u32 = schema::MIGRATIONS.len() as u32;
 const _: () = assert!(
     SCHEMA_VERSION >= 1,
     "the schema needs at least one migration"
@@ -175,7 +175,7 @@ pub enum StoreError {
     InvalidArgument { reason: String },
     /// Nothing matching a claim's requirements can be claimed now; says why.
     #[error("{0}")]
-    Unclaimable(crate::claims::Unavailable),
+    Unclaimable(crate::claim::Unavailable),
     #[error("no claim {0}")]
     NoSuchClaim(i64),
     #[error("claim {0} is already released")]
@@ -183,9 +183,9 @@ pub enum StoreError {
     /// The database refused a claim that would hold a function twice (or a PF beside its VFs).
     #[error("the claim conflicts with another claim: {0}")]
     ClaimConflict(String),
-    /// The claim's state does not allow the step (see [`crate::claims::lifecycle::next`]).
+    /// The claim's state does not allow the step (see [`crate::claim::lifecycle::next`]).
     #[error(transparent)]
-    ClaimStep(crate::claims::lifecycle::Refusal),
+    ClaimStep(crate::claim::lifecycle::Refusal),
 }
 
 /// What [`Store::open_with`] does with a database file that is there but empty.
@@ -353,7 +353,7 @@ impl Store {
             .map_err(|source| open_error(&path, source))?;
 
         // Identify the file before changing anything in it, so that a refused file stays as is.
-        let found = migrations::user_version(&conn).map_err(|source| open_error(&path, source))?;
+        let found = schema::user_version(&conn).map_err(|source| open_error(&path, source))?;
         check_identity(&conn, &path, found)?;
         if existed && found == 0 && empty == Existing::Refuse {
             return Err(StoreError::Empty { path });
@@ -388,12 +388,10 @@ impl Store {
             .map_err(|source| open_error(&path, source))?;
 
         let (before, after) =
-            migrations::migrate(&mut conn, migrations::MIGRATIONS).map_err(|e| {
-                StoreError::Migration {
-                    path: path.clone(),
-                    version: e.version,
-                    source: e.source,
-                }
+            schema::migrate(&mut conn, schema::MIGRATIONS).map_err(|e| StoreError::Migration {
+                path: path.clone(),
+                version: e.version,
+                source: e.source,
             })?;
         if before != after {
             tracing::info!(path = %path.display(), from = before, to = after, "migrated state database");
@@ -418,8 +416,7 @@ impl Store {
 
     /// The schema version recorded in the file (`PRAGMA user_version`).
     pub fn schema_version(&self) -> Result<u32, StoreError> {
-        migrations::user_version(&self.lock())
-            .map_err(|e| self.sqlite("read the schema version", e))
+        schema::user_version(&self.lock()).map_err(|e| self.sqlite("read the schema version", e))
     }
 
     /// Every device present, ordered by address.
@@ -785,7 +782,7 @@ fn check_identity(conn: &Connection, path: &Path, version: u32) -> Result<(), St
     let application_id: i32 = conn
         .pragma_query_value(None, "application_id", |row| row.get(0))
         .map_err(|source| open_error(path, source))?;
-    if version > 0 && application_id != migrations::APPLICATION_ID {
+    if version > 0 && application_id != schema::APPLICATION_ID {
         return Err(foreign(format!(
             "schema version {version} with application id {application_id:#x}"
         )));

@@ -90,7 +90,7 @@ fn filter(filter: &FleetFilter) -> Result<db::Filter, String> {
     let f = &filter.requirements;
     let (vendor_id, device_id) = match &f.id {
         Some(id) => {
-            let (v, d) = vfiod::claims::Requirements::parse_id(id)?;
+            let (v, d) = vfiod::claim::Requirements::parse_id(id)?;
             (Some(v), d)
         }
         None => (None, None),
@@ -206,7 +206,7 @@ async fn command(client: &mut tokio_postgres::Client, command: FleetCommand) -> 
             timeout,
             json,
         } => {
-            vfiod::claims::Owner::new(Some(&vm), None, 0, false)?;
+            vfiod::claim::Owner::new(Some(&vm), None, 0, false)?;
             let who = requester();
             let Some(r) = db::reserve(client, &filter(&f)?, &vm, &who)
                 .await

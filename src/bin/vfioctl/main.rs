@@ -7,24 +7,24 @@
 
 use clap::{Parser, Subcommand};
 
-mod claims;
-mod devices;
-mod events;
+mod claim;
+mod device;
+mod event;
 #[cfg(feature = "fleet")]
 mod fleet;
 mod hook;
-mod images;
+mod image;
 mod pool;
-mod tasks;
+mod task;
 
-use claims::unknown_object;
-use claims::Requirements;
-use events::{format_time, format_time_ms};
+use claim::unknown_object;
+use claim::Requirements;
+use event::{format_time, format_time_ms};
 use hook::{hook, HookCommand};
-use images::{FpgaCommand, ImageCommand};
+use image::{FpgaCommand, ImageCommand};
 use pool::PoolCommand;
 use std::process::ExitCode;
-use tasks::{start_and_follow, TaskCommand};
+use task::{start_and_follow, TaskCommand};
 use vfiod::client::exit::Failure;
 use vfiod::client::{self, ClientError};
 use vfiod::dbus::BusTarget;
@@ -445,17 +445,17 @@ async fn run(args: Args) -> Result<(), Failure> {
         | Command::Reload { .. }
         | Command::Rescan { .. }
         | Command::Show { .. }
-        | Command::Status { .. }) => devices::run(&conn, command).await?,
-        command @ Command::Events { .. } => events::run(&conn, command).await?,
-        command @ Command::Task(_) => tasks::run(&conn, command).await?,
+        | Command::Status { .. }) => device::run(&conn, command).await?,
+        command @ Command::Events { .. } => event::run(&conn, command).await?,
+        command @ Command::Task(_) => task::run(&conn, command).await?,
         command @ (Command::Attach { .. }
         | Command::Claim { .. }
         | Command::Claims { .. }
         | Command::Detach { .. }
         | Command::Find { .. }
         | Command::Migrate { .. }
-        | Command::Release { .. }) => claims::run(&conn, command).await?,
-        command @ (Command::Fpga(_) | Command::Image(_)) => images::run(&conn, command).await?,
+        | Command::Release { .. }) => claim::run(&conn, command).await?,
+        command @ (Command::Fpga(_) | Command::Image(_)) => image::run(&conn, command).await?,
         command @ Command::Pool(_) => pool::run(&conn, command).await?,
         Command::Hook(_) => unreachable!("vfioctl hook is run before connecting"),
         Command::Completions { .. } | Command::Man => {

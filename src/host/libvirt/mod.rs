@@ -12,11 +12,11 @@
 //!   ([`LibvirtEvent`]) and libvirt's event loop (through `virt`'s raw bindings, `unsafe`:
 //!   the `virt` crate does not wrap event callbacks).
 
-mod events;
+mod event;
 mod worker;
 pub mod xml;
 
-pub use events::{CloseReason, DomainEvent, DomainEventKind, LibvirtEvent};
+pub use event::{CloseReason, DomainEvent, DomainEventKind, LibvirtEvent};
 pub use worker::{migrate, Affect, Definition, DomainDefinitions, DomainInfo, Libvirt, Migration};
 pub use xml::{assigned_functions, domain_devices, hostdev_xml, hostdevs, Hostdev};
 

@@ -13,7 +13,7 @@
 //!   connects (that would socket-activate libvirtd, which at boot waits for vfiod) and
 //!   [`Libvirt::running_domains`] answers "none".
 
-use super::events::{self, CloseReason, EventLoop, LibvirtEvent};
+use super::event::{self, CloseReason, EventLoop, LibvirtEvent};
 use super::{
     local_daemon_running, needs_running_daemon, Cause, DomainDevices, DomainQuery, LibvirtError,
     ANSWER_TIMEOUT,
@@ -665,7 +665,7 @@ impl Worker {
 struct Session {
     conn: Connect,
     generation: u64,
-    domain_events: Option<events::DomainCallbacks>,
+    domain_events: Option<event::DomainCallbacks>,
     close_callback: bool,
 }
 
@@ -694,14 +694,14 @@ impl Session {
         {
             tracing::debug!("no keepalive on {uri}: {}", e.message());
         }
-        match events::register_close(&session.conn, move |reason| {
+        match event::register_close(&session.conn, move |reason| {
             let _ = tx.send(Msg::Closed { generation, reason });
         }) {
             Ok(()) => session.close_callback = true,
             Err(e) => tracing::debug!("no close callback on {uri}: {}", e.message()),
         }
         if let Some(events) = events {
-            let callbacks = events::register_domain_events(&session.conn, events).map_err(|e| {
+            let callbacks = event::register_domain_events(&session.conn, events).map_err(|e| {
                 LibvirtError::Events {
                     uri: uri.to_string(),
                     source: Cause(e),
@@ -717,10 +717,10 @@ impl Drop for Session {
     fn drop(&mut self) {
         // The callbacks hold references on the connection: without this it would stay open.
         if let Some(callbacks) = self.domain_events.take() {
-            events::deregister_domain_events(&self.conn, callbacks);
+            event::deregister_domain_events(&self.conn, callbacks);
         }
         if self.close_callback {
-            events::unregister_close(&self.conn);
+            event::unregister_close(&self.conn);
         }
     }
 }

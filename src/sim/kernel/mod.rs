@@ -12,10 +12,10 @@
 //!
 //! It backs both the tests and `vfiod --simulate`, so it lives in the library.
 
-pub mod models;
+pub mod host_model;
 mod render;
 
-pub use models::{
+pub use host_model::{
     DflSpec, DriverSpec, FunctionSpec, GroupSpec, HostModel, InterfaceSpec, MountSpec, SriovSpec,
     REFERENCE_FPGA_AFU, REFERENCE_FPGA_INTERFACE,
 };

@@ -15,7 +15,7 @@
 //! - `number.rs`: libvirt's reading of numbers.
 //! - `limits.rs`: the bounds that keep any input's parse linear ([`MAX_WORK`]).
 
-mod devices;
+mod device;
 mod limits;
 mod metadata;
 mod number;
@@ -84,7 +84,7 @@ pub fn parse_domain(xml: &str) -> Result<DomainXml, String> {
     with_domain(xml, |domain| {
         let name = name(domain).ok_or("the domain has no <name>")?;
         let uuid = uuid(domain)?;
-        let devices = devices::read(domain)?;
+        let devices = device::read(domain)?;
         let metadata = metadata::read(domain)?;
         Ok(DomainXml {
             name,
@@ -107,13 +107,13 @@ pub fn assigned_functions(xml: &str) -> Result<Vec<PciAddress>, String> {
 /// The PCI hostdevs of a domain definition ([`DomainXml::hostdevs`]), without requiring a
 /// `<name>` or reading the metadata. Pure.
 pub fn hostdevs(xml: &str) -> Result<Vec<Hostdev>, String> {
-    with_domain(xml, |domain| Ok(devices::read(domain)?.hostdevs))
+    with_domain(xml, |domain| Ok(device::read(domain)?.hostdevs))
 }
 
 /// A domain's name and the host PCI functions its definition assigns. Pure.
 pub fn domain_devices(xml: &str) -> Result<DomainDevices, String> {
     with_domain(xml, |domain| {
-        let functions = devices::read(domain)?
+        let functions = device::read(domain)?
             .hostdevs
             .into_iter()
             .map(|h| h.source)
