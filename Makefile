@@ -38,7 +38,8 @@ CARGO_TARGET_DIR ?= target
 RELEASE     := $(CARGO_TARGET_DIR)/release
 
 INSTALL     ?= install
-# One file per interface, kept equal to what the daemon serves by tests/dbus_interfaces.rs.
+# One file per interface, kept equal to what the daemon serves by
+# tests/simulated/dbus_interfaces.rs.
 INTERFACES  := $(wildcard dbus/interfaces/org.vfiod.Vfiod1.*.xml)
 # The man pages, under MANDIR.
 MANPAGES    := man1/vfioctl.1 man1/vfiod-pool.1 man5/vfiod.toml.5 man8/vfiod.8

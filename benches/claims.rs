@@ -28,7 +28,8 @@ use vfiod::sim::bus::PrivateBus;
 use vfiod::sim::kernel::{HostModel, SimKernel};
 use zbus::proxy::CacheProperties;
 
-/// The NIC split into 40 VFs on vfio-pci, its VFs selected with it (as tests/claims.rs has it).
+/// The NIC split into 40 VFs on vfio-pci, its VFs selected with it (as
+/// tests/simulated/claims.rs has it).
 const CONFIG: &str = r#"
 scenario = "public"
 poll_interval = 3600

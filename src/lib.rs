@@ -1,8 +1,9 @@
 //! vfiod: a host daemon that manages PCI accelerators for libvirt/QEMU virtual machines.
 //!
 //! The map, one folder per concept, listed from the bottom of the dependency graph up (a module
-//! uses only those above it in this list; `tests/architecture.rs` keeps it so). Pure decisions
-//! (policy, plans, the task state machine) take no I/O; host, store and dbus are the edges.
+//! uses only those above it in this list; `tests/library/architecture.rs` keeps it so). Pure
+//! decisions (policy, plans, the task state machine) take no I/O; host, store and dbus are the
+//! edges.
 //! docs/architecture.md is the longer map: the layers (decide, carry out, record, show) and, for
 //! each feature, the file of each layer.
 

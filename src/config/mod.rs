@@ -40,7 +40,8 @@
 //!
 //! # Module graph
 //!
-//! Sibling modules use each other in one direction only (no cycle: `tests/architecture.rs`):
+//! Sibling modules use each other in one direction only (no cycle:
+//! `tests/library/architecture.rs`):
 //!
 //! ```text
 //!  pipeline   mod.rs (load, settle)   uses every module

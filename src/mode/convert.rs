@@ -322,7 +322,7 @@ pub fn apply(
     Err(Box::new(Failed { error, rollback }))
 }
 
-/// For the kill-9 test (`tests/kill.rs`), only in builds with the `test-hooks` feature:
+/// For the kill-9 test (`tests/kill/tasks.rs`), only in builds with the `test-hooks` feature:
 /// `VFIOD_TEST_KILL_AT_STEP=k` makes the daemon kill itself (SIGKILL, no cleanup) just before step
 /// k of a program. Release builds carry neither the code nor the variable's name.
 #[cfg(feature = "test-hooks")]

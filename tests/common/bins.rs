@@ -2,7 +2,7 @@
 //! (`CARGO_BIN_EXE_*`) only when it is the test's own package's, but builds every one into the
 //! same directory as `vfiod`. `cargo test` at the top of the tree builds them all (every package
 //! is a default member, and examples are built with the tests); a run limited to a package or a
-//! test (`-p vfiod`, `--test pooled`) needs them built first.
+//! test (`-p vfiod`, `--test pool`) needs them built first.
 
 use std::path::{Path, PathBuf};
 

@@ -282,6 +282,53 @@ pub fn eventually_blocking<T>(
     }
 }
 
+/// Set, to a test's name, only in the process [`helper_process`] starts: that test then acts as
+/// the helper process its own run needs, instead of running its checks.
+pub const HELPER_ENV: &str = "VFIOD_TEST_HELPER";
+
+/// The name libtest knows the test `test` of module `module_path` (`module_path!()`) by, as
+/// `--exact` wants it: the module's path without the crate's name, `jobs::a_job_...`.
+pub fn test_name(module_path: &str, test: &str) -> String {
+    match module_path.split_once("::") {
+        Some((_krate, module)) => format!("{module}::{test}"),
+        None => test.to_string(),
+    }
+}
+
+/// Whether this process is the helper process of test `name` (started by [`helper_process`]).
+pub fn is_helper(name: &str) -> bool {
+    std::env::var_os(HELPER_ENV).is_some_and(|v| v == name)
+}
+
+/// This test binary again, running only test `name` (`--exact`, one thread) with [`HELPER_ENV`]
+/// set to it, so that the test acts as its own helper process. A test that needs a process of
+/// its own (to be killed, or alone with its threads) is its own helper: no ignored helper test
+/// that passes doing nothing when run without the variable.
+pub fn helper_process(name: &str) -> std::process::Command {
+    let mut c = std::process::Command::new(std::env::current_exe().expect("this test binary"));
+    c.args(["--exact", name, "--nocapture", "--test-threads", "1"])
+        .env(HELPER_ENV, name);
+    c
+}
+
+/// Runs test `name` as its own helper process ([`helper_process`]) to its end, and fails unless
+/// it ran and passed there.
+pub fn run_in_own_process(name: &str) {
+    let out = helper_process(name)
+        .output()
+        .expect("run the helper process");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success() && text.contains("test result: ok. 1 passed;"),
+        "{name} in a process of its own ({}):\n{text}",
+        out.status
+    );
+}
+
 /// Runs the built `vfioctl` against `bus`: (success, stdout and stderr together).
 pub fn vfioctl(bus: &str, args: &[&str]) -> (bool, String) {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_vfioctl"))

@@ -78,7 +78,7 @@ pub fn assert_root() {
     assert!(
         nix::unistd::geteuid().is_root(),
         "this test needs root (polkitd in a private mount namespace, callers with other uids): \
-         run it as root, e.g. `sudo cargo test --features test-hooks --test authz -- --ignored`"
+         run it as root, e.g. `sudo cargo test --test polkit -- --ignored`"
     );
 }
 

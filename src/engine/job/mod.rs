@@ -36,10 +36,10 @@ pub use migrate::MigrateJob;
 pub use mode::ModeJob;
 pub use program::FpgaJob;
 
-/// For the crash tests (`tests/kill_claims.rs`), only in builds with the `test-hooks` feature:
+/// For the crash tests (`tests/kill/claims.rs`), only in builds with the `test-hooks` feature:
 /// `VFIOD_TEST_KILL_AT=<point>` makes the daemon kill itself (SIGKILL, no cleanup) when a job
 /// reaches `point` ("attach:attaching", "attach:in-libvirt", "detach:asked", and for
-/// `tests/kill.rs` "program:writing"; "program:downloading" before an image is downloaded
+/// `tests/kill/tasks.rs` "program:writing"; "program:downloading" before an image is downloaded
 /// again). Release builds
 /// carry neither the code nor the variable's name.
 #[cfg(feature = "test-hooks")]

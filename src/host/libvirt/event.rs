@@ -12,7 +12,7 @@
 //! registered here through its raw bindings: the crate's largest `unsafe` code (callbacks and
 //! the ownership of their senders across the C boundary), kept to these few functions. The
 //! crate's other `unsafe` blocks are one call each; docs/architecture.md lists every file with
-//! `unsafe` code (and `tests/architecture.rs` keeps that list true).
+//! `unsafe` code (and `tests/library/architecture.rs` keeps that list true).
 
 use super::Cause;
 use std::ffi::{c_char, c_int, c_void, CStr};
