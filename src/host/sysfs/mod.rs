@@ -8,6 +8,7 @@
 mod function;
 pub mod dfl;
 pub mod hostuse;
+pub mod reset;
 mod writer;
 
 pub use crate::model::pci::config_is_all_ones;
