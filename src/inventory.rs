@@ -241,6 +241,32 @@ pub fn broken(address: PciAddress, previous: Option<&Device>, error: &SysfsError
     }
 }
 
+/// The records with what cleaning holds applied (see [`crate::model::clean`]): a function held
+/// for a clean is `cleaning`, a quarantined one `broken` with the quarantine's reason. What the
+/// kernel says first: a function the host uses stays `protected` and one that cannot be read
+/// stays `broken` with that reason (it is cleaned, or its quarantine shown, when that ends).
+pub fn with_holds(
+    mut devices: Vec<Device>,
+    holds: &[crate::model::clean::CleanHold],
+) -> Vec<Device> {
+    use crate::model::clean::HoldState;
+    let holds: BTreeMap<PciAddress, &crate::model::clean::CleanHold> =
+        holds.iter().map(|h| (h.address, h)).collect();
+    for d in &mut devices {
+        let Some(h) = holds.get(&d.address) else {
+            continue;
+        };
+        if d.state != State::Usable {
+            continue;
+        }
+        (d.state, d.state_reason) = match h.state {
+            HoldState::Pending => (State::Cleaning, h.reason.clone()),
+            HoldState::Quarantined => (State::Broken, format!("quarantined: {}", h.reason)),
+        };
+    }
+    devices
+}
+
 /// Reads every function under the sysfs root and classifies it. `previous` is what the store
 /// holds, used to keep a broken device's identity. Only a failure to list the bus is an error:
 /// a single unreadable function becomes a broken record.
@@ -409,6 +435,7 @@ pub fn diff(
                         (_, State::Broken) => EventKind::Broken,
                         (State::Broken, _) => EventKind::Recovered,
                         (_, State::Protected) => EventKind::Protected,
+                        (_, State::Cleaning) | (State::Cleaning, _) => EventKind::Clean,
                         _ => EventKind::Unprotected,
                     };
                     let why = if d.state_reason.is_empty() {

@@ -157,6 +157,11 @@ impl Server {
             // Each task refreshes after it ends; one more pass settles the counts.
             engine.refresh().await?;
         }
+        // Functions a claim's end held for a clean that a stopped vfiod did not finish.
+        let cleans = engine.start_cleans().await;
+        if !cleans.is_empty() {
+            tracing::info!("start-up: {} clean(s) resumed", cleans.len());
+        }
         engine.flush().await;
         // Open before the name is taken, so that a hook that finds vfiod finds both doors. Not
         // fatal: without it the hook asks on the bus, as it did before there was one.

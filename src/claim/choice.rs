@@ -13,6 +13,7 @@
 //! 3. the lowest address (the same request on the same state gets the same device).
 
 use super::requirements::Requirements;
+use crate::model::clean::{CleanHold, HoldState};
 use crate::model::device::{Device, Kind, Role, State};
 use crate::model::pci::PciAddress;
 use std::collections::{BTreeMap, HashMap};
@@ -27,6 +28,9 @@ pub struct Snapshot {
     pub held: Vec<Held>,
     /// Every function an active task holds (its device and its scope), with the task's id.
     pub busy: Vec<(PciAddress, i64)>,
+    /// Every function held out of the pool for a clean (from its claim's end until the clean
+    /// succeeds) or quarantined by one.
+    pub cleaning: Vec<CleanHold>,
 }
 
 /// One function of an active claim.
@@ -94,6 +98,10 @@ pub enum Reason {
     Busy {
         task_id: i64,
     },
+    /// Its claim ended and it is being cleaned before it returns to the pool.
+    Cleaning(String),
+    /// A clean found it unhealthy: out of the pool until an operator clears it.
+    Quarantined(String),
     /// A function of its IOMMU group is not claimable.
     GroupMate {
         mate: PciAddress,
@@ -117,6 +125,8 @@ impl Reason {
                 "claimed"
             }
             Reason::Busy { .. } => "busy with a task",
+            Reason::Cleaning(_) => "being cleaned",
+            Reason::Quarantined(_) => "quarantined",
             Reason::GroupMate { reason, .. } => reason.category(),
             Reason::OtherKind { .. } => "grouped with a device of another kind",
         }
@@ -150,6 +160,13 @@ impl fmt::Display for Reason {
                 write!(f, "has its VF {vf} held by claim {claim_id}")
             }
             Reason::Busy { task_id } => write!(f, "is busy: task {task_id} is working on it"),
+            Reason::Cleaning(why) => {
+                write!(f, "is being cleaned before it returns to the pool ({why})")
+            }
+            Reason::Quarantined(why) => write!(
+                f,
+                "is quarantined ({why}); an operator clears it with `vfioctl task reset`"
+            ),
             Reason::GroupMate { mate, reason } => {
                 write!(f, "shares its IOMMU group with {mate}, which {reason}")
             }
@@ -255,6 +272,7 @@ struct Index<'a> {
     /// PF address -> the claimed VFs of that PF (address, claim).
     held_vfs: HashMap<PciAddress, Vec<(PciAddress, i64)>>,
     busy: HashMap<PciAddress, i64>,
+    cleaning: HashMap<PciAddress, &'a CleanHold>,
     groups: HashMap<u32, Vec<&'a Device>>,
 }
 
@@ -290,6 +308,7 @@ impl<'a> Index<'a> {
             held,
             held_vfs,
             busy,
+            cleaning: s.cleaning.iter().map(|h| (h.address, h)).collect(),
             groups,
         }
     }
@@ -299,7 +318,16 @@ impl<'a> Index<'a> {
         match d.state {
             State::Broken => return Some(Reason::Broken(d.state_reason.clone())),
             State::Protected => return Some(Reason::Protected(d.state_reason.clone())),
+            State::Cleaning => return Some(Reason::Cleaning(d.state_reason.clone())),
             State::Usable => {}
+        }
+        // The hold, not the device's state: a pass records the state only after the hold's
+        // transaction, and the claim must not slip in between.
+        if let Some(h) = self.cleaning.get(&d.address) {
+            return Some(match h.state {
+                HoldState::Pending => Reason::Cleaning(h.reason.clone()),
+                HoldState::Quarantined => Reason::Quarantined(h.reason.clone()),
+            });
         }
         if !d.managed {
             return Some(Reason::NotManaged);

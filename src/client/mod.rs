@@ -40,6 +40,8 @@ pub trait Manager {
     #[zbus(property)]
     fn broken_count(&self) -> zbus::Result<u32>;
     #[zbus(property)]
+    fn cleaning_count(&self) -> zbus::Result<u32>;
+    #[zbus(property)]
     fn config_sources(&self) -> zbus::Result<Vec<String>>;
     /// Not cached: the daemon does not signal it (see `dbus::manager`).
     #[zbus(property(emits_changed_signal = "false"))]
@@ -98,6 +100,7 @@ pub trait Device {
     fn reset_task(&self) -> zbus::Result<()>;
     fn program(&self, image: &str, options: Dict) -> zbus::Result<zbus::OwnedObjectPath>;
     fn verify(&self, image: &str, options: Dict) -> zbus::Result<zbus::OwnedObjectPath>;
+    fn clean(&self, options: Dict) -> zbus::Result<zbus::OwnedObjectPath>;
 }
 
 /// `Device.SetMode`'s options: `num_vfs` when a count is asked for (0 or none: the
@@ -352,6 +355,45 @@ pub struct DeviceView {
     /// What a live migration of its VM does to it: yes, detach, no.
     #[serde(default)]
     pub migratable: String,
+    /// How its resets have gone in its cleans between tenants; null when never cleaned.
+    #[serde(default)]
+    pub reset_health: Option<ResetHealthView>,
+}
+
+/// `Device.ResetHealth` as `vfioctl show` prints it; times in Unix milliseconds, null when not
+/// known.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResetHealthView {
+    /// The reset method that worked last.
+    pub method: Option<String>,
+    pub duration_ms: Option<i64>,
+    /// The last clean that succeeded.
+    pub ok_ms: Option<i64>,
+    pub failure: Option<String>,
+    pub failure_ms: Option<i64>,
+    pub failures_in_row: u32,
+    pub cleans: u32,
+}
+
+impl ResetHealthView {
+    /// From the property's dictionary; `None` when it is empty (never cleaned).
+    pub fn from_dict(d: &Dict) -> Option<ResetHealthView> {
+        if d.is_empty() {
+            return None;
+        }
+        let e = Entry(d);
+        let text = |k: &str| d.contains_key(k).then(|| e.str(k));
+        let time = |k: &str| d.contains_key(k).then(|| e.i64(k));
+        Some(ResetHealthView {
+            method: text("method"),
+            duration_ms: time("duration_ms"),
+            ok_ms: time("ok_ms"),
+            failure: text("failure"),
+            failure_ms: time("failure_ms"),
+            failures_in_row: e.u32("failures_in_row"),
+            cleans: e.u32("cleans"),
+        })
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -506,6 +548,10 @@ pub fn view_from_properties(
             (p.as_str() != "/").then(|| p.as_str().to_string())
         },
         vm: None,
+        // Absent from a vfiod before cleaning existed.
+        reset_health: prop::<Dict>(p, path, "ResetHealth")
+            .ok()
+            .and_then(|d| ResetHealthView::from_dict(&d)),
     })
 }
 
@@ -673,5 +719,22 @@ pub fn render_details(d: &DeviceView) -> String {
             (None, _) => "none".into(),
         },
     );
+    if let Some(h) = &d.reset_health {
+        kv(
+            "last reset:",
+            match (&h.method, h.duration_ms) {
+                (Some(m), Some(ms)) => format!("{m}, {ms} ms"),
+                (Some(m), None) => m.clone(),
+                _ => "none worked yet".into(),
+            },
+        );
+        kv(
+            "cleans:",
+            format!("{} ok, {} failed in a row", h.cleans, h.failures_in_row),
+        );
+        if let Some(f) = &h.failure {
+            kv("last failure:", f.clone());
+        }
+    }
     s
 }

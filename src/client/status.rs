@@ -18,6 +18,8 @@ pub struct StatusView {
     pub usable: u32,
     pub protected: u32,
     pub broken: u32,
+    /// Being cleaned after a claim ended.
+    pub cleaning: u32,
     pub config_sources: Vec<String>,
     /// Null when vfiod is configured without libvirt (`libvirt_uri = ""`, `--simulate`).
     pub libvirt: Option<LibvirtView>,
@@ -123,6 +125,7 @@ pub async fn read(conn: &Connection) -> Result<StatusView, ClientError> {
         usable: m.usable_count().await?,
         protected: m.protected_count().await?,
         broken: m.broken_count().await?,
+        cleaning: m.cleaning_count().await?,
         config_sources: m.config_sources().await?,
         libvirt,
         tasks_in_error: tasks_in_error(&devices),
@@ -166,8 +169,16 @@ pub fn render(s: &StatusView, time: impl Fn(i64) -> String) -> String {
     }
     out.push_str(&format!("vfiod {}  scenario {}\n", s.version, s.scenario));
     out.push_str(&format!(
-        "devices: {} ({} usable, {} protected, {} broken)\n",
-        s.devices, s.usable, s.protected, s.broken
+        "devices: {} ({} usable, {} protected, {} broken{})\n",
+        s.devices,
+        s.usable,
+        s.protected,
+        s.broken,
+        if s.cleaning > 0 {
+            format!(", {} cleaning", s.cleaning)
+        } else {
+            String::new()
+        }
     ));
     match &s.libvirt {
         None => out.push_str("libvirt: off in this configuration\n"),
@@ -255,6 +266,7 @@ mod tests {
             usable: 6,
             protected: 2,
             broken: 1,
+            cleaning: 0,
             config_sources: vec![],
             libvirt: None,
             tasks_in_error: vec![],

@@ -85,6 +85,7 @@
 mod bounded;
 mod claim;
 mod fleet;
+mod clean;
 mod fpga;
 mod hook;
 mod image;
@@ -102,7 +103,8 @@ mod select;
 mod selector;
 
 pub use bounded::{MAX_DRIVER_BYTES, MAX_KEYWORD_BYTES, MAX_PATH_BYTES};
-pub use claim::{ClaimSettings, MAX_DETACH_TIMEOUT_SECONDS, MAX_LEASE_SECONDS};
+pub use claim::{ClaimSettings, CleanMode, MAX_DETACH_TIMEOUT_SECONDS, MAX_LEASE_SECONDS};
+pub use clean::CleanRule;
 pub use daemon::{Scenario, DEFAULT_LIBVIRT_URI};
 pub(crate) use error::Quoted;
 pub use error::{ConfigError, FileRefusal};
@@ -156,6 +158,9 @@ pub struct Settings {
     pub images: ImageSettings,
     /// `[[fpga]]`: how FPGA devices are programmed, in file order; the first match applies.
     pub fpga: Vec<FpgaRule>,
+    /// `[[clean]]`: what cleaning a device runs besides its reset, in file order; the first
+    /// match applies.
+    pub clean: Vec<CleanRule>,
     /// `[[pool]]`: the remote device pools, names unique.
     pub pools: Vec<PoolSettings>,
     /// What the pools know this host as (`host_name`; default: the machine's host name).
@@ -185,6 +190,7 @@ impl Default for Settings {
             hooks: HookSettings::default(),
             images: ImageSettings::default(),
             fpga: Vec::new(),
+            clean: Vec::new(),
             pools: Vec::new(),
             host_name: daemon.host_name,
             fleet: None,
@@ -347,6 +353,32 @@ impl Settings {
         self.pools.iter().find(|p| p.name == name)
     }
 
+    /// The `[[clean]]` entry for a device: the first that matches it.
+    pub fn clean_rule(
+        &self,
+        address: PciAddress,
+        vendor: u16,
+        device: u16,
+        class: ClassCode,
+    ) -> Option<&CleanRule> {
+        self.clean
+            .iter()
+            .find(|r| r.selector.matches(address, vendor, device, class))
+    }
+
+    /// Whether the end of a claim on this device cleans it before it returns to the pool:
+    /// under `[claims] clean = "reset"`, or when a `[[clean]]` entry names it.
+    pub fn cleans_at_claim_end(
+        &self,
+        address: PciAddress,
+        vendor: u16,
+        device: u16,
+        class: ClassCode,
+    ) -> bool {
+        self.claims.clean == CleanMode::Reset
+            || self.clean_rule(address, vendor, device, class).is_some()
+    }
+
     /// How the device is programmed: the first `[[fpga]]` entry that matches it, else `dfl`.
     pub fn fpga_backend(
         &self,
@@ -392,6 +424,9 @@ fn settle(inputs: &Inputs) -> Result<Settings, Vec<ConfigError>> {
     let fpga = found.array(inputs.entries(|f| &f.fpga), |e| {
         fpga::validate(e.into_iter())
     });
+    let clean = found.array(inputs.entries(|f| &f.clean), |e| {
+        clean::validate(e.into_iter())
+    });
     let pools = found.array(inputs.entries(|f| &f.pool), |e| {
         pool::validate(e.into_iter())
     });
@@ -405,11 +440,12 @@ fn settle(inputs: &Inputs) -> Result<Settings, Vec<ConfigError>> {
         Some(hooks),
         Some(images),
         Some(fpga),
+        Some(clean),
         Some(pools),
         Some(fleet),
         Some(metrics),
     ) = (
-        daemon, select, protect, claims, hooks, images, fpga, pools, fleet, metrics,
+        daemon, select, protect, claims, hooks, images, fpga, clean, pools, fleet, metrics,
     )
     else {
         return Err(found.errors);
@@ -428,6 +464,7 @@ fn settle(inputs: &Inputs) -> Result<Settings, Vec<ConfigError>> {
         hooks,
         images,
         fpga,
+        clean,
         pools,
         host_name: daemon.host_name,
         fleet,

@@ -12,6 +12,7 @@
 
 use super::bounded::{Int, Keyword, PathText};
 use super::claim::RawClaims;
+use super::clean::RawClean;
 use super::error::{bound_message, ConfigError, Key};
 use super::fleet::RawFleet;
 use super::fpga::RawFpga;
@@ -48,6 +49,8 @@ pub(crate) struct RawFile {
     pub images: Option<Spanned<RawImages>>,
     #[serde(default)]
     pub fpga: Vec<Spanned<RawFpga>>,
+    #[serde(default)]
+    pub clean: Vec<Spanned<RawClean>>,
     #[serde(default)]
     pub pool: Vec<Spanned<RawPool>>,
     pub fleet: Option<Spanned<RawFleet>>,

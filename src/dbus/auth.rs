@@ -177,6 +177,7 @@ pub fn action_for_task(kind: TaskKind) -> &'static str {
         | TaskKind::Rebind
         | TaskKind::Bind
         | TaskKind::Unbind
+        | TaskKind::Clean
         | TaskKind::Test => ACTION_MODE,
     }
 }

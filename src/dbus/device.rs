@@ -4,7 +4,7 @@ use super::auth::{Check, Detail, ACTION_MODE, ACTION_PROGRAM};
 use super::error::Error;
 use super::view::DeviceEntry;
 use super::wire::{Dict, Query};
-use crate::engine::job::{FpgaJob, ModeJob};
+use crate::engine::job::{CleanJob, FpgaJob, ModeJob};
 use crate::model::device::Device;
 use crate::model::pci::PciAddress;
 use std::collections::HashMap;
@@ -46,10 +46,21 @@ impl DeviceObject {
         header: &zbus::message::Header<'_>,
         conn: &zbus::Connection,
     ) -> Result<zbus::OwnedObjectPath, Error> {
+        self.start_as(|_| job, check, header, conn).await
+    }
+
+    /// As [`Self::start`], with a job made for the caller's identity.
+    async fn start_as(
+        &self,
+        job: impl FnOnce(&str) -> Box<dyn crate::engine::Job>,
+        check: Check,
+        header: &zbus::message::Header<'_>,
+        conn: &zbus::Connection,
+    ) -> Result<zbus::OwnedObjectPath, Error> {
         let o = &self.objects;
         o.authorizer.check(conn, header, &check).await?;
         let who = o.requesters.of(conn, header).await;
-        let started = o.engine.start_task(job, &who).await;
+        let started = o.engine.start_task(job(&who), &who).await;
         // A refusal was recorded too (a task created, then refused and reset): the caller must
         // find the device idle again when the error reaches it, as it finds a new task's object.
         o.engine.flush().await;
@@ -80,6 +91,13 @@ pub fn claim_path_of(claim: Option<i64>) -> zbus::OwnedObjectPath {
     )
 }
 
+fn reset_health_of(e: &DeviceEntry) -> Dict {
+    e.health
+        .as_ref()
+        .map(super::wire::reset_health)
+        .unwrap_or_default()
+}
+
 fn last_result_of(e: &DeviceEntry) -> String {
     e.last.as_ref().map_or(String::new(), |t| {
         format!(
@@ -104,6 +122,9 @@ pub fn changed_task_properties(
     }
     if current_task_of(old) != current_task_of(new) {
         out.insert("CurrentTask", v(current_task_of(new).into()));
+    }
+    if old.health != new.health {
+        out.insert("ResetHealth", v(reset_health_of(new).into()));
     }
     if last_result_of(old) != last_result_of(new) {
         out.insert("LastResult", v(last_result_of(new).into()));
@@ -415,8 +436,41 @@ impl DeviceObject {
         self.start(Box::new(job), check, &header, conn).await
     }
 
+    /// Cleans the device and the rest of its IOMMU group as at the end of a claim: reset,
+    /// health check, the `[[clean]]` command; out of the pool from the start of its run until it
+    /// succeeds, quarantined when it fails. Options: none yet. Returns the task once prepared;
+    /// refused with InUse when a claim, a running domain or an open VFIO group holds it, Busy,
+    /// NotManaged, Protected. Authorized as `org.vfiod.vfiod1.mode` (verb `Clean`).
+    async fn clean(
+        &self,
+        options: Dict,
+        #[zbus(header)] header: zbus::message::Header<'_>,
+        #[zbus(connection)] conn: &zbus::Connection,
+    ) -> Result<zbus::OwnedObjectPath, Error> {
+        Query::new(options, NO_OPTIONS)?;
+        let check = Check::on_device(ACTION_MODE, "Clean", self.address);
+        let address = self.address;
+        self.start_as(
+            |who| Box::new(CleanJob::on_demand(address, who)),
+            check,
+            &header,
+            conn,
+        )
+        .await
+    }
+
+    /// How the device's resets have gone (its cleans between tenants): `method` s (the reset
+    /// that worked last), `duration_ms` x, `ok_ms` x (the last clean that succeeded, Unix ms),
+    /// `failure` s and `failure_ms` x (the last failure), `failures_in_row` u, `cleans` u;
+    /// empty when it was never cleaned.
+    #[zbus(property)]
+    fn reset_health(&self) -> zbus::fdo::Result<Dict> {
+        Ok(reset_health_of(&self.entry()?))
+    }
+
     /// Clears a task left in error, after the operator has looked at the device; recorded with
-    /// the caller's identity.
+    /// the caller's identity. Resetting a failed clean clears its quarantine: the device is
+    /// cleaned again and returns to the pool when that succeeds.
     async fn reset_task(
         &self,
         #[zbus(header)] header: zbus::message::Header<'_>,

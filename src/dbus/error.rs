@@ -103,6 +103,7 @@ impl From<JobError> for Error {
             JobError::Invalid { .. } => Error::InvalidArgument(chain),
             JobError::Broken { .. } | JobError::Hardware { .. } => Error::HardwareFailed(chain),
             JobError::InUse { .. } => Error::InUse(chain),
+            JobError::Cleaning { .. } => Error::Busy(chain),
             JobError::Unavailable { .. }
             | JobError::Libvirt { .. }
             | JobError::Plan { .. }

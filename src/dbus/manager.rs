@@ -151,6 +151,12 @@ impl Manager {
         self.objects.view.counts().broken
     }
 
+    /// Devices being cleaned after a claim ended (state `cleaning`).
+    #[zbus(property)]
+    fn cleaning_count(&self) -> u32 {
+        self.objects.view.counts().cleaning
+    }
+
     /// The libvirt connection: `uri`, `state` ("connected": and the claims reconciled with
     /// libvirt's domains since; "connecting"; "disconnected", with `reason`), `since_ms`.
     /// Empty when no `libvirt_uri` is configured. Not signalled: read it when needed.

@@ -121,11 +121,13 @@ async fn apply(
     match change {
         DeviceChange::Added(d) => {
             let path = device_path(d.address);
-            let (active, last) = tasks.map_or((None, None), |t| (t.active, t.last));
+            let (active, last, health) =
+                tasks.map_or((None, None, None), |t| (t.active, t.last, t.health));
             objects.view.put_device(DeviceView {
                 device: d.clone(),
                 active,
                 last,
+                health,
             });
             // A stale object (should not happen) is replaced rather than kept.
             server.remove::<Strict<DeviceObject>, _>(&path).await.ok();
@@ -281,7 +283,8 @@ async fn counts_changed(objects: &Objects) -> zbus::Result<()> {
     m.device_count_changed(em).await?;
     m.usable_count_changed(em).await?;
     m.protected_count_changed(em).await?;
-    m.broken_count_changed(em).await
+    m.broken_count_changed(em).await?;
+    m.cleaning_count_changed(em).await
 }
 
 async fn settings_changed(objects: &Objects) -> zbus::Result<()> {

@@ -25,6 +25,8 @@ pub struct DeviceEntry {
     pub task: Option<TaskRecord>,
     /// Its most recent finished task.
     pub last: Option<TaskRecord>,
+    /// How its resets have gone, when it was ever cleaned.
+    pub health: Option<crate::model::clean::ResetHealth>,
 }
 
 #[derive(Default)]
@@ -164,6 +166,7 @@ impl View {
                 State::Usable => c.usable += 1,
                 State::Protected => c.protected += 1,
                 State::Broken => c.broken += 1,
+                State::Cleaning => c.cleaning += 1,
             }
         }
         c
@@ -175,6 +178,7 @@ impl View {
             device: view.device,
             task: view.active,
             last: view.last,
+            health: view.health,
         };
         self.write().devices.insert(entry.device.address, entry)
     }
@@ -198,6 +202,7 @@ impl View {
         if let Some(entry) = self.write().devices.get_mut(&t.address) {
             entry.task = t.active;
             entry.last = t.last;
+            entry.health = t.health;
         }
     }
 
@@ -304,6 +309,7 @@ mod tests {
             device: device(),
             active: Some(task(5, TaskState::Prepare)),
             last: Some(task(2, TaskState::Success)),
+            health: None,
         });
         let e = view.device(address).unwrap();
         assert_eq!(
@@ -324,6 +330,7 @@ mod tests {
             address,
             active: Some(task(6, TaskState::Error)),
             last: Some(task(5, TaskState::Success)),
+            health: None,
         });
         assert_eq!(view.device(address).unwrap().task.unwrap().id, 6);
         let mut reset = task(6, TaskState::Error);
@@ -351,6 +358,7 @@ mod tests {
             device,
             active: Some(task(12, TaskState::Error)),
             last: Some(task(2, TaskState::Success)),
+            health: None,
         });
         let gone = view.prunable_tasks(3);
         // Finished and shown by nobody: 1, 3..=10 (2 is a last result); the 3 newest stay.

@@ -64,6 +64,31 @@ pub fn fleet(settings: &crate::config::Settings, last: Option<std::time::SystemT
     ])
 }
 
+/// `Device.ResetHealth`: only what is known (D-Bus has no null).
+pub fn reset_health(h: &crate::model::clean::ResetHealth) -> Dict {
+    let mut d = Dict::from([
+        ("failures_in_row".into(), v(h.failures_in_row)),
+        ("cleans".into(), v(h.cleans)),
+    ]);
+    let text = [("method", &h.method), ("failure", &h.failure)];
+    for (key, value) in text {
+        if let Some(value) = value {
+            d.insert(key.into(), v(value.as_str()));
+        }
+    }
+    let times = [
+        ("duration_ms", h.duration_ms),
+        ("ok_ms", h.ok_ms),
+        ("failure_ms", h.failure_ms),
+    ];
+    for (key, value) in times {
+        if let Some(value) = value {
+            d.insert(key.into(), v(value));
+        }
+    }
+    d
+}
+
 /// `Manager.GetTasks` entry.
 pub fn task(t: &TaskRecord) -> Dict {
     Dict::from([

@@ -116,6 +116,7 @@ impl Core {
             Some(tx),
         )
         .map_err(|e| EngineError::Internal(format!("cannot start the libvirt worker: {e}")))?;
+        store.set_clean_policy(crate::store::CleanPolicy::of(&settings));
         Ok(Core {
             sysfs,
             store,
@@ -188,7 +189,10 @@ impl Core {
             .into_iter()
             .map(|d| (d.address, d))
             .collect();
-        let scanned = inventory::scan(&self.sysfs, &settings, &previous)?;
+        let scanned = inventory::with_holds(
+            inventory::scan(&self.sysfs, &settings, &previous)?,
+            &self.store.clean_holds()?,
+        );
         let (changes, mut new_events) = inventory::diff(&previous, &scanned);
         if changes.is_empty() && new_events.is_empty() {
             return Ok(Pass::default());
@@ -276,6 +280,8 @@ impl Core {
                 }
                 warn_about_drivers(&effective);
                 *self.settings.write().unwrap_or_else(|p| p.into_inner()) = Arc::clone(&effective);
+                self.store
+                    .set_clean_policy(crate::store::CleanPolicy::of(&effective));
                 self.store.record_event(NewEvent::new(
                     None,
                     EventKind::Config,
@@ -311,6 +317,7 @@ impl Core {
             address,
             active: self.store.blocking_task(address)?,
             last: self.store.last_result(address)?,
+            health: self.store.reset_health(address)?,
         })
     }
 
@@ -339,6 +346,7 @@ impl Core {
                     device,
                     active: t.active,
                     last: t.last,
+                    health: t.health,
                 })
             })
             .collect()

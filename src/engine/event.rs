@@ -2,6 +2,7 @@
 //! any other consumer could). The engine decides what each event concerns (which devices a task
 //! covers, their task state afterwards), so a consumer needs no store of its own.
 
+use crate::model::clean::ResetHealth;
 use crate::model::device::Device;
 use crate::model::pci::PciAddress;
 use crate::store::{DeviceChange, TaskRecord};
@@ -14,6 +15,9 @@ pub struct DeviceTasks {
     pub address: PciAddress,
     pub active: Option<TaskRecord>,
     pub last: Option<TaskRecord>,
+    /// How its resets have gone (its cleans between tenants), when it was ever cleaned: a clean
+    /// task's end changes it.
+    pub health: Option<ResetHealth>,
 }
 
 /// One device as a consumer first sees it: its record and its task state.
@@ -22,6 +26,7 @@ pub struct DeviceView {
     pub device: Device,
     pub active: Option<TaskRecord>,
     pub last: Option<TaskRecord>,
+    pub health: Option<ResetHealth>,
 }
 
 #[derive(Debug)]

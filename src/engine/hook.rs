@@ -213,10 +213,20 @@ impl Engine {
         let functions: Vec<PciAddress> = parsed.assigned.iter().map(|(f, _)| *f).collect();
         let auto_claim = self.settings().hooks.auto_claim;
         let guard = self.settings().hooks.guard_host_devices;
+        // A domain that starts again at once (`virsh destroy`, then `virsh start`) finds its
+        // functions still being cleaned after the claim its stop ended: it waits for them
+        // rather than failing, within most of the hook's deadline.
+        let budget = Duration::from_millis(u64::from(self.settings().hooks.deadline_ms) * 3 / 4);
+        self.wait_for_cleans(&functions, budget).await;
         let (n, u, fs) = (name.clone(), uuid.clone(), functions.clone());
         let decided = self
             .read(move |core| {
-                let snapshot = core.store().claim_snapshot()?;
+                let mut snapshot = core.store().claim_snapshot()?;
+                // What the holds say, even before a pass has recorded it as the state.
+                snapshot.devices = crate::inventory::with_holds(
+                    std::mem::take(&mut snapshot.devices),
+                    &snapshot.cleaning,
+                );
                 let claims = core.store().active_claim_records()?;
                 let domain = DomainId {
                     name: &n,
@@ -308,6 +318,36 @@ impl Engine {
             Verdict::pass("")
         } else {
             Verdict::pass(format!("claimed {} for {name}", claimed.join(", ")))
+        }
+    }
+
+    /// Waits, at most `within`, until none of `functions` is held for a clean that is still to
+    /// come (a quarantine is not waited for: it lasts until an operator clears it).
+    async fn wait_for_cleans(self: &Arc<Self>, functions: &[PciAddress], within: Duration) {
+        use crate::model::clean::HoldState;
+        let deadline = tokio::time::Instant::now() + within;
+        let mut changes = self.subscribe_changes();
+        loop {
+            let fs = functions.to_vec();
+            let pending = self
+                .read(move |core| {
+                    core.store().clean_holds().map(|holds| {
+                        holds
+                            .iter()
+                            .any(|h| h.state == HoldState::Pending && fs.contains(&h.address))
+                    })
+                })
+                .await;
+            if !matches!(pending, Ok(Ok(true))) {
+                return;
+            }
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            if left.is_zero() {
+                return;
+            }
+            // A clean's end is a task change; the poll covers a wake-up lost in between.
+            let _ =
+                tokio::time::timeout(left.min(Duration::from_millis(100)), changes.changed()).await;
         }
     }
 

@@ -10,6 +10,7 @@
 
 mod attachments;
 mod claim;
+mod clean;
 pub mod context;
 mod hook;
 mod migration;
@@ -54,6 +55,8 @@ pub struct Engine {
     publishing: Arc<Mutex<()>>,
     /// Claim changes waiting for their shared commit (see [`claims`]).
     claims: Arc<Mutex<claim::ClaimQueue>>,
+    /// Cleans that were refused, and when each may be tried again (see [`clean`]).
+    clean_retries: clean::Retries,
     /// Claims made for domains migrating here, attached once they run (see [`migration`]).
     incoming: migration::Incoming,
     /// The pools' clients and the queue of pooled steps (see [`pooled`]).
@@ -79,6 +82,7 @@ impl Engine {
             watches: Mutex::new(HashMap::new()),
             publishing: Arc::new(Mutex::new(())),
             claims: Arc::default(),
+            clean_retries: clean::Retries::default(),
             incoming: migration::Incoming::default(),
             pools: pool::Pools::default(),
             changes: Arc::new(watch::channel(0).0),

@@ -11,7 +11,8 @@ use crate::store::NewEvent;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// How often lapsed claims are looked for: a lease is honoured to within this.
+/// How often lapsed claims are looked for (a lease is honoured to within this), and cleans that
+/// could not start are tried again.
 const LEASE_CHECK: Duration = Duration::from_secs(1);
 
 /// What one turn of the loop does.
@@ -21,6 +22,7 @@ enum Work {
     LibvirtClosed,
     Tick,
     Leases,
+    Clean,
     Reload,
     UeventsClosed,
 }
@@ -80,6 +82,7 @@ impl Engine {
         let mut interval = self.settings().poll_interval;
         let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let clean_wanted = self.store().clean_wanted();
         let mut leases = tokio::time::interval(LEASE_CHECK);
         leases.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -114,6 +117,7 @@ impl Engine {
                     None => Work::LibvirtClosed,
                 },
                 _ = tick.tick() => Work::Tick,
+                _ = clean_wanted.notified() => Work::Clean,
                 _ = leases.tick() => Work::Leases,
                 _ = async {
                     match hup.as_mut() {
@@ -136,6 +140,12 @@ impl Engine {
                                 crate::error_chain(&e)
                             );
                         }
+                        // Cleans refused a moment ago (a VFIO group still closing) start once
+                        // they may.
+                        self.start_cleans().await;
+                    }
+                    Work::Clean => {
+                        self.start_cleans().await;
                     }
                     Work::Libvirt(ev) => self.libvirt_event(ev).await,
                     Work::LibvirtClosed => libvirt = None,

@@ -160,6 +160,7 @@ pub(crate) mod tests {
                 claim_id: 7,
             }],
             busy: vec![],
+            cleaning: vec![],
         };
         let r = Report::build(&snapshot, &[]);
         let addrs: Vec<_> = r.records.iter().map(|r| r.address.to_string()).collect();

@@ -290,6 +290,13 @@ pub fn prepare(
         if d.state == State::Broken {
             problems.push(format!("{f} is broken ({})", d.state_reason));
         }
+        if d.state == State::Cleaning {
+            problems.push(format!(
+                "{f} is still being cleaned after its last claim ({}); start the domain again \
+                 once it is done",
+                d.state_reason
+            ));
+        }
         let holder = claims
             .iter()
             .find(|c| c.state.holds() && c.functions.contains(f));

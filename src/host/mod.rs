@@ -4,12 +4,13 @@
 //! worker thread that owns the libvirt connection (which running domains use which functions,
 //! domain XML, hostdev attach and detach, domain lifecycle events), bounded and reconnecting;
 //! [`modules`] tells which driver names a loaded driver, a module or the kernel provides;
-//! [`download`] fetches FPGA images over HTTP(S) (async, unlike the others); [`image_source`]
+//! [`exec`] runs an operator's command (no shell, bounded, output kept); [`download`] fetches FPGA images over HTTP(S) (async, unlike the others); [`image_source`]
 //! reads an image from a descriptor a caller passed or a path root named, within deadlines and
 //! never blocked by a FIFO or a pipe that stays open. Each is small, blocking, and tested for
 //! real (the simulated kernel, a real libvirtd, real pipes and FIFOs).
 
 pub mod download;
+pub mod exec;
 pub mod image_source;
 pub mod libvirt;
 pub mod modules;

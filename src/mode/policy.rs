@@ -53,6 +53,9 @@ pub fn decide(device: &Device, rule: Option<&DeviceRule>, scenario: Scenario) ->
     match device.state {
         State::Broken => return leave(format!("broken: {}", device.state_reason)),
         State::Protected => return leave(format!("protected: {}", device.state_reason)),
+        // Its mode waits for the clean: the reset and the check must see the device as the
+        // last tenant left it, and the next pass applies the policy.
+        State::Cleaning => return leave(format!("being cleaned: {}", device.state_reason)),
         State::Usable => {}
     }
     // Before the rule: a VF has no mode of its own, and whether it is selected is its PF's

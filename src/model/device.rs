@@ -50,14 +50,18 @@ pub enum State {
     /// The host itself uses it (boot disk, an interface that is up, listed in `protected`), or it
     /// shares an IOMMU group with such a device: vfiod never touches it.
     Protected,
-    /// Its information can no longer be read completely, or its config space reads all-ones.
+    /// Its information can no longer be read completely, or its config space reads all-ones;
+    /// or a clean found it unhealthy and quarantined it until an operator clears it.
     Broken,
+    /// A claim on it ended and it is being cleaned (reset, health check, the operator's
+    /// command): out of the pool until that succeeds.
+    Cleaning,
 }
 
 text_enum!(Kind, Gpu => "gpu", Fpga => "fpga", Crypto => "crypto", Nvme => "nvme", Nic => "nic", Other => "other");
 text_enum!(Role, Pf => "pf", Vf => "vf", Function => "function");
 text_enum!(Mode, Pf => "pf", Vf => "vf", None => "none");
-text_enum!(State, Usable => "usable", Protected => "protected", Broken => "broken");
+text_enum!(State, Usable => "usable", Protected => "protected", Broken => "broken", Cleaning => "cleaning");
 
 /// One PCI function as the inventory last saw it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -118,7 +122,12 @@ mod tests {
         ] {
             assert_eq!(k.as_str().parse::<Kind>().unwrap(), k);
         }
-        for s in [State::Usable, State::Protected, State::Broken] {
+        for s in [
+            State::Usable,
+            State::Protected,
+            State::Broken,
+            State::Cleaning,
+        ] {
             assert_eq!(s.as_str().parse::<State>().unwrap(), s);
         }
         let err = "gpgpu".parse::<Kind>().unwrap_err();

@@ -33,9 +33,13 @@ pub enum EventKind {
     /// A pooled claim's step: leased, prepare-move, quiesced, resumed, released, forgotten, or a
     /// pool call that failed.
     Pool,
+    /// Cleaning between tenants: a function held for a clean, cleaned and back in the pool,
+    /// quarantined, or released from quarantine.
+    Clean,
 }
 
 text_enum!(EventKind as "event kind",
     Added => "added", Removed => "removed", Changed => "changed", Broken => "broken",
     Recovered => "recovered", Protected => "protected", Unprotected => "unprotected",
-    Config => "config", Aer => "aer", Task => "task", Claim => "claim", Image => "image", Pool => "pool");
+    Config => "config", Aer => "aer", Task => "task", Claim => "claim", Image => "image", Pool => "pool",
+    Clean => "clean");

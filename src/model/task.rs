@@ -33,6 +33,8 @@ pub enum TaskKind {
     Attach,
     /// A claim's hostdevs out of their libvirt domain, waiting for the guest to let go.
     Detach,
+    /// Clean a device between tenants: reset, health check, the operator's command.
+    Clean,
     /// The test suite's own job (phases that sleep, told to fail); the daemon never creates one.
     Test,
 }
@@ -41,4 +43,4 @@ text_enum!(TaskKind as "task kind",
     Check => "check", Split => "split", Restore => "restore", Resplit => "resplit",
     Rebind => "rebind", Bind => "bind", Unbind => "unbind", Program => "program",
     Verify => "verify", Migrate => "migrate", Attach => "attach", Detach => "detach",
-    Test => "test");
+    Clean => "clean", Test => "test");

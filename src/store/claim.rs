@@ -388,6 +388,9 @@ impl Store {
             format!("{}: {what}", released.subject()),
             now,
         )?;
+        // In the same transaction: nothing can claim a function between its claim's end and
+        // its clean.
+        self.hold_released(conn, action, &released, now)?;
         Ok(released)
     }
 
@@ -514,6 +517,7 @@ impl Store {
             devices: self.devices_in(conn)?,
             held: self.held_in(conn, action)?,
             busy: self.busy_in(conn, action)?,
+            cleaning: self.clean_holds_in(conn, action)?,
         })
     }
 

@@ -12,6 +12,7 @@
 //! (`synchronous`, `foreign_keys`, `busy_timeout`) in one place.
 
 mod claim;
+mod clean;
 mod device_row;
 mod event_feed;
 pub mod image;
@@ -23,6 +24,7 @@ mod task_state;
 mod task;
 
 pub use claim::{ClaimChange, ClaimDetails, ClaimRecord};
+pub use clean::{CleanOutcome, CleanPolicy, FunctionClean};
 pub use image::{ImageError, ImageRecord, ImageState, NewImage};
 pub use pool::{NewPooled, PooledStep};
 pub use task::{TaskRecord, REFUSED_BY};
@@ -255,6 +257,8 @@ pub struct Counts {
     pub usable: u32,
     pub protected: u32,
     pub broken: u32,
+    /// Being cleaned after a claim ended: out of the pool until that succeeds.
+    pub cleaning: u32,
 }
 
 /// Which events a read keeps: all given conditions hold.
@@ -280,6 +284,10 @@ pub struct Store {
     path: PathBuf,
     /// Bumped after a use of the connection that inserted rows (`event_feed`).
     events: tokio::sync::watch::Sender<u64>,
+    /// Which functions a claim's end holds out of the pool for a clean (see `clean`).
+    clean_policy: Mutex<clean::CleanPolicy>,
+    /// Woken when a write held functions for a clean: the engine's cleaner starts their tasks.
+    clean_wanted: std::sync::Arc<tokio::sync::Notify>,
 }
 
 /// The functions the configuration selected, as the daemon last recorded them, read without a
@@ -400,6 +408,8 @@ impl Store {
             conn: Mutex::new(conn),
             path,
             events: tokio::sync::watch::channel(0).0,
+            clean_policy: Mutex::new(clean::CleanPolicy::none()),
+            clean_wanted: std::sync::Arc::default(),
         })
     }
 
@@ -444,6 +454,14 @@ impl Store {
     /// The device at `address`, if present.
     pub fn device(&self, address: PciAddress) -> Result<Option<Device>, StoreError> {
         let conn = self.lock();
+        self.device_in(&conn, address)
+    }
+
+    fn device_in(
+        &self,
+        conn: &Connection,
+        address: PciAddress,
+    ) -> Result<Option<Device>, StoreError> {
         let action = "read a device";
         let mut stmt = conn
             .prepare_cached(&format!("{} WHERE address = ?1", device_row::SELECT))
@@ -605,29 +623,40 @@ impl Store {
         .map_err(|e| self.sqlite(action, e))
     }
 
-    /// How many devices are present, and how many are usable, protected and broken.
+    /// How many devices are present, and how many are usable, protected, broken and cleaning.
     pub fn counts(&self) -> Result<Counts, StoreError> {
         let action = "count devices";
         let conn = self.lock();
-        let raw: [i64; 4] = conn
+        let raw: [i64; 5] = conn
             .query_row(
                 "SELECT count(*), coalesce(sum(state = ?1), 0), coalesce(sum(state = ?2), 0), \
-                 coalesce(sum(state = ?3), 0) FROM devices",
+                 coalesce(sum(state = ?3), 0), coalesce(sum(state = ?4), 0) FROM devices",
                 params![
                     State::Usable.as_str(),
                     State::Protected.as_str(),
-                    State::Broken.as_str()
+                    State::Broken.as_str(),
+                    State::Cleaning.as_str()
                 ],
-                |row| Ok([row.get(0)?, row.get(1)?, row.get(2)?, row.get(3)?]),
+                |row| {
+                    Ok([
+                        row.get(0)?,
+                        row.get(1)?,
+                        row.get(2)?,
+                        row.get(3)?,
+                        row.get(4)?,
+                    ])
+                },
             )
             .map_err(|e| self.sqlite(action, e))?;
         // Counts of rows cannot be negative, and four billion PCI functions do not exist.
-        let [total, usable, protected, broken] = raw.map(|n| u32::try_from(n).unwrap_or(u32::MAX));
+        let [total, usable, protected, broken, cleaning] =
+            raw.map(|n| u32::try_from(n).unwrap_or(u32::MAX));
         Ok(Counts {
             total,
             usable,
             protected,
             broken,
+            cleaning,
         })
     }
 

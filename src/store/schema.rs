@@ -25,6 +25,7 @@ pub(super) const MIGRATIONS: &[&str] = &[
     V5_IMAGES,
     V6_IMAGE_SOURCE,
     V7_POOLED,
+    V8_CLEANING,
 ];
 
 /// Version 1: the inventory, its history, and the tables claims, tasks and driver restore will
@@ -267,6 +268,31 @@ CREATE TABLE pooled_claims (
 -- One standing claim per session on this host (history rows aside).
 CREATE UNIQUE INDEX pooled_claims_one_per_session
     ON pooled_claims (pool, session) WHERE state NOT IN ('released', 'forgotten');
+";
+
+/// Version 8: cleaning between tenants (issue 23). `cleaning` holds a function out of the pool
+/// from the end of its claim until a clean succeeds (`pending`), or until an operator clears a
+/// quarantine (`quarantined`); a row is written in the transaction that ends the claim, so no
+/// claim can take the function in between. `reset_health` is each function's reset history; it
+/// outlives the function (a VF comes back with the same address).
+const V8_CLEANING: &str = "
+CREATE TABLE cleaning (
+    address  TEXT PRIMARY KEY,
+    state    TEXT NOT NULL,
+    reason   TEXT NOT NULL,
+    claim_id INTEGER,
+    since_ms INTEGER NOT NULL
+);
+CREATE TABLE reset_health (
+    address         TEXT PRIMARY KEY,
+    method          TEXT,
+    duration_ms     INTEGER,
+    ok_ms           INTEGER,
+    failure         TEXT,
+    failure_ms      INTEGER,
+    failures_in_row INTEGER NOT NULL DEFAULT 0 CHECK (failures_in_row >= 0),
+    cleans          INTEGER NOT NULL DEFAULT 0 CHECK (cleans >= 0)
+);
 ";
 
 /// Why [`migrate`] stopped: the step that failed (1-based target version) and SQLite's error.

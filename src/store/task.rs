@@ -563,6 +563,12 @@ impl Store {
                 next.message
             );
             self.task_event(conn, action, &next, message, now)?;
+            // Resetting a failed clean is how an operator clears its quarantine.
+            if task.kind == crate::model::task::TaskKind::Clean {
+                let mut functions = vec![task.address];
+                functions.extend(self.scope_of(conn, action, task.id)?);
+                self.release_quarantine_in(conn, action, &functions, by, now)?;
+            }
             Ok(next)
         })
     }

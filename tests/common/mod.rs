@@ -409,3 +409,19 @@ pub async fn connect(address: &str) -> zbus::Connection {
         .await
         .expect("client connection")
 }
+
+/// Waits until `address` is back in the pool after the clean its claim's end started (issue 23:
+/// `cleaning` until the reset and the health check pass, then `usable` and idle), and returns
+/// the clean's result as the device shows it (`LastResult`).
+pub async fn cleaned(client: &zbus::Connection, address: &str) -> String {
+    eventually_async(
+        Duration::from_secs(30),
+        &format!("{address} is cleaned and back in the pool"),
+        || async move {
+            let d = vfiod::client::show_device(client, address).await.ok()?;
+            (d.state == "usable" && d.task_state == "idle" && d.last_result.contains("clean"))
+                .then_some(d.last_result)
+        },
+    )
+    .await
+}

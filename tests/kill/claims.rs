@@ -334,7 +334,10 @@ fn claims_survive_sigkill_and_the_reconcile_repairs_them() {
     h.ok(&["detach", &b, "--wait"]);
     assert!(h.claims().is_empty(), "{case}");
     assert!(!h.config().contains("ua-vfiod-"), "{case}");
-    assert!(h.free_vfs().contains(&b_addr), "{case}");
+    h.wait(
+        &format!("{case}: b_addr cleaned and back in the pool"),
+        || h.free_vfs().contains(&b_addr).then_some(()),
+    );
 
     // 3. Killed during the attach before libvirt was asked: the attach did not complete, and
     // the rule for that releases the claim.
@@ -365,7 +368,10 @@ fn claims_survive_sigkill_and_the_reconcile_repairs_them() {
         "{case}: {events:?}"
     );
     assert!(!h.config().contains("ua-vfiod-"), "{case}");
-    assert!(h.free_vfs().contains(&c_addr), "{case}: back in the pool");
+    h.wait(
+        &format!("{case}: c_addr cleaned and back in the pool"),
+        || h.free_vfs().contains(&c_addr).then_some(()),
+    );
     h.interrupted_and_reset(&c, &c_addr, "attach", case);
 
     // 4. Killed during the detach, once libvirt's configuration no longer has the hostdev and
@@ -392,8 +398,13 @@ fn claims_survive_sigkill_and_the_reconcile_repairs_them() {
                 && e.contains("detach from vm1 completed")),
         "{case}: {events:?}"
     );
-    assert!(h.free_vfs().contains(&e_addr), "{case}: back in the pool");
+    h.wait(
+        &format!("{case}: e_addr cleaned and back in the pool"),
+        || h.free_vfs().contains(&e_addr).then_some(()),
+    );
     assert!(!h.config().contains("ua-vfiod-"), "{case}");
     h.interrupted_and_reset(&e, &e_addr, "detach", case);
-    assert_eq!(h.free_vfs().len(), 4, "every VF is free again");
+    h.wait("every VF is cleaned and free again", || {
+        (h.free_vfs().len() == 4).then_some(())
+    });
 }

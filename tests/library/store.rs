@@ -199,7 +199,8 @@ fn inventory_passes_persist_across_reopen() {
                 total: 3,
                 usable: 2,
                 protected: 1,
-                broken: 0
+                broken: 0,
+                cleaning: 0,
             }
         );
         // A change keeps the time the device first appeared and moves its last-seen time.
@@ -264,7 +265,8 @@ fn inventory_passes_persist_across_reopen() {
             total: 2,
             usable: 0,
             protected: 1,
-            broken: 1
+            broken: 1,
+            cleaning: 0,
         }
     );
     let mut expected: Vec<_> = first.into_iter().chain(second).collect();
@@ -633,7 +635,8 @@ fn an_undecodable_row_names_its_address_and_column() {
             total: 1,
             usable: 0,
             protected: 0,
-            broken: 0
+            broken: 0,
+            cleaning: 0,
         }
     );
 

@@ -93,6 +93,15 @@ async fn findable(h: &Harness, address: &str) -> bool {
         == 1
 }
 
+/// Waits until `address` is findable again: its claim ended, and its clean (issue 23) brought
+/// it back to the pool.
+async fn back_in_pool(h: &Harness, address: &str, what: &str) {
+    eventually_async(Duration::from_secs(30), what, || async {
+        findable(h, address).await.then_some(())
+    })
+    .await;
+}
+
 fn claim_events(h: &Harness, address: &str) -> Vec<String> {
     h.store()
         .events(Some(addr(address)), 0, 200)
@@ -121,7 +130,7 @@ async fn an_attach_libvirt_refuses_releases_the_claim() {
     assert_eq!(name, "org.vfiod.Vfiod1.Error.AttachFailed", "{message}");
     assert!(message.contains("no domain ghost"), "{message}");
     assert!(!active_paths(&h).await.contains(&path.to_string()));
-    assert!(findable(&h, &c.address).await, "the VF is back in the pool");
+    back_in_pool(&h, &c.address, "the VF is back in the pool").await;
     let events = claim_events(&h, &c.address);
     assert!(
         events
@@ -150,7 +159,7 @@ async fn an_attach_libvirt_refuses_releases_the_claim() {
         "{message}"
     );
     assert!(!active_paths(&h).await.contains(&again.to_string()));
-    assert!(findable(&h, &c.address).await);
+    back_in_pool(&h, &c.address, "the VF is back in the pool").await;
     let live = d.virsh_at(&d.qemu_uri(), &["dumpxml", "vm1"]);
     assert!(
         !live.contains("ua-vfiod-"),
@@ -256,7 +265,7 @@ async fn a_config_attach_and_detach_and_a_detach_that_fails() {
     .await;
     let _: () = detached;
     assert!(!active_paths(&h).await.contains(&path.to_string()));
-    assert!(findable(&h, &c.address).await);
+    back_in_pool(&h, &c.address, "the VF is back in the pool").await;
     let config = d.virsh_at(&d.qemu_uri(), &["dumpxml", "--inactive", "vm1"]);
     assert!(!config.contains(&alias), "{config}");
     let events = claim_events(&h, &c.address);
@@ -461,7 +470,7 @@ async fn the_reconcile_ends_a_run_claim_of_a_domain_that_stopped_unheard() {
             .then_some(())
     })
     .await;
-    assert!(findable(&h, &vf).await, "the VF is back in the pool");
+    back_in_pool(&h, &vf, "the VF is back in the pool").await;
     let events = claim_events(&h, &vf);
     assert!(
         events

@@ -288,7 +288,8 @@ async fn a_batch_of_claim_changes_is_decided_in_order_and_fails_change_by_change
         .collect();
     assert_eq!(active, vec![a.id, c.id], "the failed changes left nothing");
 
-    // A release and a claim of the same VF in one batch: the claim sees the release.
+    // A release and a claim of the same VF in one batch: the claim sees the release, and the
+    // hold its end put on the VF for its clean (issue 23): nothing slips in between.
     let mut r = store
         .change_claims(vec![
             ClaimChange::Release {
@@ -296,11 +297,21 @@ async fn a_batch_of_claim_changes_is_decided_in_order_and_fails_change_by_change
                 by: "test".into(),
                 why: "batch".into(),
             },
-            claim(this_vf, "b"),
+            claim(this_vf.clone(), "b"),
         ])
         .into_iter();
     r.next().unwrap().expect("release");
-    let b = r.next().unwrap().expect("b gets the VF a released");
+    let refused = r
+        .next()
+        .unwrap()
+        .expect_err("the released VF waits for its clean");
+    assert!(refused.to_string().contains("being cleaned"), "{refused}");
+    common::cleaned(&h.client, &vf.to_string()).await;
+    let b = store
+        .change_claims(vec![claim(this_vf, "b")])
+        .pop()
+        .unwrap()
+        .expect("b gets the VF a released, once clean");
     assert_eq!(b.address, vf);
     let history: Vec<String> = store
         .events(Some(vf), 0, 100)
@@ -398,7 +409,17 @@ async fn a_claim_holds_the_whole_iommu_group_until_released() {
     assert_eq!(claim_events.len(), 2, "{claim_events:?}");
     assert!(claim_events[0].contains("with 0000:17:00.1"));
     assert!(claim_events[1].contains("released"));
-    // Free again: the next claim gets it.
+    // Cleaned as one group (its functions list no reset of their own: the bus below their
+    // root port is reset through reset_subordinate), then free again: the next claim gets it.
+    let result = common::cleaned(&h.client, "0000:17:00.0").await;
+    assert!(result.contains("reset_subordinate"), "{result}");
+    assert_eq!(
+        vfiod::client::show_device(&h.client, "0000:17:00.1")
+            .await
+            .unwrap()
+            .state,
+        "usable"
+    );
     assert_eq!(
         m.find_devices(dict(&[("kind", Variant::from("gpu"))]))
             .await
@@ -694,9 +715,10 @@ async fn a_claimed_device_that_breaks_stays_claimed_and_is_reported() {
     assert_eq!(name, "org.vfiod.Vfiod1.Error.NoDeviceAvailable");
     assert!(message.contains("broken"), "{message}");
     assert!(m.find_devices(one()).await.unwrap().is_empty());
-    // Healthy again: back in the pool.
+    // Healthy again: cleaned (its claim ended while it was unreadable), then back in the pool.
     h.kernel.set_config_all_ones(addr(vf), false).unwrap();
     h.manager().await.rescan().await.unwrap();
+    common::cleaned(&h.client, vf).await;
     assert_eq!(m.find_devices(one()).await.unwrap().len(), 1);
     m.claim(one(), vm("db2")).await.unwrap();
 }

@@ -76,6 +76,18 @@ pub(crate) async fn run(conn: &zbus::Connection, command: Command) -> Result<(),
                 .map_err(|e| describe(e.into()))?;
             start_and_follow(conn, path, wait, json).await?;
         }
+        Command::Clean {
+            address,
+            wait,
+            json,
+        } => {
+            let d = client::device(conn, &address).await.map_err(describe)?;
+            let path = d
+                .clean(Default::default())
+                .await
+                .map_err(|e| describe(e.into()))?;
+            start_and_follow(conn, path, wait, json).await?;
+        }
         Command::Metrics => print!("{}", client::metrics::text(conn).await.map_err(describe)?),
         Command::Reload { json } => {
             let m = client::manager(conn).await.map_err(describe)?;
@@ -97,6 +109,7 @@ pub(crate) async fn run(conn: &zbus::Connection, command: Command) -> Result<(),
                     "usable": count(m.usable_count().await)?,
                     "protected": count(m.protected_count().await)?,
                     "broken": count(m.broken_count().await)?,
+                    "cleaning": count(m.cleaning_count().await)?,
                 }))?;
             } else {
                 println!("rescan done");

@@ -76,7 +76,7 @@ enum Command {
         #[arg(value_parser = spelling)]
         address: Option<String>,
         /// Only events of this kind: added, removed, changed, broken, recovered, protected,
-        /// unprotected, config, aer, task, claim, image, pool.
+        /// unprotected, config, aer, task, claim, image, pool, clean.
         #[arg(long)]
         kind: Option<String>,
         /// How many entries (1..=10000).
@@ -117,6 +117,19 @@ enum Command {
         /// VFs for vf mode (default: the configuration's num_vfs, else all).
         #[arg(long)]
         vfs: Option<u32>,
+        /// Show progress until the task ends; exit non-zero if it fails.
+        #[arg(long)]
+        wait: bool,
+        /// Print the task (at its end with --wait) as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Clean a device between tenants as at the end of a claim, as a task (needs
+    /// authorization): reset, health check, the configured [[clean]] command. It is out of the
+    /// pool until that succeeds; a failure quarantines it until `vfioctl task reset`.
+    Clean {
+        #[arg(value_parser = spelling)]
+        address: String,
         /// Show progress until the task ends; exit non-zero if it fails.
         #[arg(long)]
         wait: bool,
@@ -281,6 +294,7 @@ impl Command {
             | Command::Claims { json }
             | Command::Claim { json, .. }
             | Command::Mode { json, .. }
+            | Command::Clean { json, .. }
             | Command::Attach { json, .. }
             | Command::Detach { json, .. }
             | Command::Release { json, .. }
@@ -441,6 +455,7 @@ async fn run(args: Args) -> Result<(), Failure> {
         command @ (Command::List { .. }
         | Command::Metrics
         | Command::Mode { .. }
+        | Command::Clean { .. }
         | Command::Plan { .. }
         | Command::Reload { .. }
         | Command::Rescan { .. }

@@ -20,10 +20,11 @@
 //!   rollback after a failed run: back to what prepare read
 //! ```
 //!
-//! The kinds of job, one module each below. A new kind of job is a new module here that
+//! The kinds of job, one module each below (`clean`: a device between tenants). A new kind of job is a new module here that
 //! implements [`Job`]; the engine needs no change.
 
 pub mod attach;
+pub mod clean;
 pub mod detach;
 pub mod guard;
 pub mod migrate;
@@ -31,6 +32,7 @@ pub mod mode;
 pub mod program;
 
 pub use attach::AttachJob;
+pub use clean::CleanJob;
 pub use detach::DetachJob;
 pub use migrate::MigrateJob;
 pub use mode::ModeJob;
@@ -166,6 +168,9 @@ pub enum JobError {
     Invalid { address: PciAddress, reason: String },
     #[error("{address} is broken: {reason}")]
     Broken { address: PciAddress, reason: String },
+    /// Its claim ended and it is being cleaned: come back when that is done.
+    #[error("{address} is being cleaned before it returns to the pool ({reason}); try again when its clean is done")]
+    Cleaning { address: PciAddress, reason: String },
     /// A VM has the device or one of the functions the job would change.
     #[error("{address} is in use: {}", .users.join("; "))]
     InUse {
@@ -211,6 +216,7 @@ impl JobError {
             crate::model::device::State::Usable => Ok(()),
             crate::model::device::State::Protected => Err(JobError::Protected { address, reason }),
             crate::model::device::State::Broken => Err(JobError::Broken { address, reason }),
+            crate::model::device::State::Cleaning => Err(JobError::Cleaning { address, reason }),
         }
     }
 

@@ -19,6 +19,7 @@ use crate::engine::job::{Admission, Job, JobError, JobFailure, Phase, Progress};
 use crate::fpga::image::Format;
 use crate::fpga::program::{self, ImageFacts};
 use crate::host::download::{self, Downloader};
+use crate::host::exec;
 use crate::host::sysfs::dfl;
 use crate::mode::convert;
 use crate::mode::plan::{Plan, Snapshot};
@@ -31,9 +32,6 @@ use crate::store::image::sha256_of;
 use crate::store::{ImageRecord, ImageState};
 use std::io::Read;
 use std::time::{Duration, Instant};
-
-/// The most output of an exec backend kept with the task's result.
-const MAX_OUTPUT: usize = 16 << 10;
 
 /// Program or verify `image` on `address`.
 pub struct FpgaJob {
@@ -327,7 +325,7 @@ impl Job for FpgaJob {
             FpgaBackend::Exec {
                 argv,
                 timeout_seconds,
-            } => run_command(
+            } => exec::run_command(
                 &program::command(argv, &address.to_string(), &image.path.to_string_lossy()),
                 Duration::from_secs(u64::from(*timeout_seconds)),
             )
@@ -479,78 +477,4 @@ fn verify_now(
         ),
         None => program::verify(&image.name, &image.afu_ids, None).map_err(JobFailure::new),
     }
-}
-
-/// Runs `argv` with no shell and no standard input, within `timeout`; its exit status is the
-/// verdict. Returns (or fails with) a summary and its output (at most [`MAX_OUTPUT`] bytes).
-fn run_command(argv: &[String], timeout: Duration) -> Result<String, String> {
-    use std::os::unix::process::CommandExt;
-    use std::process::{Command, Stdio};
-    let Some((program, args)) = argv.split_first() else {
-        return Err("the exec backend's command is empty".into());
-    };
-    let mut child = Command::new(program)
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0)
-        .spawn()
-        .map_err(|e| format!("cannot run {program}: {e}"))?;
-    let mut out = child.stdout.take().expect("piped");
-    let mut err = child.stderr.take().expect("piped");
-    let readers = [
-        std::thread::spawn(move || {
-            let mut b = Vec::new();
-            let _ = (&mut out).take(MAX_OUTPUT as u64 * 4).read_to_end(&mut b);
-            b
-        }),
-        std::thread::spawn(move || {
-            let mut b = Vec::new();
-            let _ = (&mut err).take(MAX_OUTPUT as u64 * 4).read_to_end(&mut b);
-            b
-        }),
-    ];
-    let start = Instant::now();
-    let status = loop {
-        match child.try_wait() {
-            Ok(Some(s)) => break Some(s),
-            Ok(None) if start.elapsed() >= timeout => {
-                // The whole process group: a vendor tool's helpers too.
-                let _ = nix::sys::signal::killpg(
-                    nix::unistd::Pid::from_raw(child.id() as i32),
-                    nix::sys::signal::Signal::SIGKILL,
-                );
-                let _ = child.wait();
-                break None;
-            }
-            Ok(None) => std::thread::sleep(Duration::from_millis(50)),
-            Err(e) => return Err(format!("waiting for {program}: {e}")),
-        }
-    };
-    let mut output = String::new();
-    for r in readers {
-        output.push_str(&String::from_utf8_lossy(&r.join().unwrap_or_default()));
-    }
-    let output = tail(output.trim(), MAX_OUTPUT);
-    match status {
-        None => Err(format!(
-            "{program} did not finish within {}s and was killed; output: {output}",
-            timeout.as_secs()
-        )),
-        Some(s) if s.success() => Ok(format!("{program} succeeded; output: {output}")),
-        Some(s) => Err(format!("{program} failed ({s}); output: {output}")),
-    }
-}
-
-/// The last `max` bytes of `s`, on a character boundary.
-fn tail(s: &str, max: usize) -> String {
-    if s.len() <= max {
-        return s.to_string();
-    }
-    let mut start = s.len() - max;
-    while !s.is_char_boundary(start) {
-        start += 1;
-    }
-    format!("...{}", &s[start..])
 }
