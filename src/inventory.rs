@@ -242,9 +242,10 @@ pub fn broken(address: PciAddress, previous: Option<&Device>, error: &SysfsError
 }
 
 /// The records with what cleaning holds applied (see [`crate::model::clean`]): a function held
-/// for a clean is `cleaning`, a quarantined one `broken` with the quarantine's reason. What the
-/// kernel says first: a function the host uses stays `protected` and one that cannot be read
-/// stays `broken` with that reason (it is cleaned, or its quarantine shown, when that ends).
+/// for a clean is `cleaning`, a quarantined one `broken` with the quarantine's reason (which
+/// says more than the kernel's: a device a reset left reading all-ones is both). A function the
+/// host uses stays `protected`, and a held one that cannot be read stays `broken` with that
+/// reason until it reads again.
 pub fn with_holds(
     mut devices: Vec<Device>,
     holds: &[crate::model::clean::CleanHold],
@@ -256,13 +257,15 @@ pub fn with_holds(
         let Some(h) = holds.get(&d.address) else {
             continue;
         };
-        if d.state != State::Usable {
-            continue;
+        match (h.state, d.state) {
+            (HoldState::Pending, State::Usable) => {
+                (d.state, d.state_reason) = (State::Cleaning, h.reason.clone());
+            }
+            (HoldState::Quarantined, State::Usable | State::Broken) => {
+                (d.state, d.state_reason) = (State::Broken, format!("quarantined: {}", h.reason));
+            }
+            _ => {}
         }
-        (d.state, d.state_reason) = match h.state {
-            HoldState::Pending => (State::Cleaning, h.reason.clone()),
-            HoldState::Quarantined => (State::Broken, format!("quarantined: {}", h.reason)),
-        };
     }
     devices
 }

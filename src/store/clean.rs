@@ -329,7 +329,8 @@ impl Store {
 
     /// Inside the transaction that resets a clean's task: an operator cleared it, so each of
     /// `addresses` that is quarantined is held for a new clean, with its failures in a row
-    /// forgotten; it returns to the pool only when that clean succeeds. Returns those released.
+    /// forgotten; it returns to the pool only when that clean succeeds. One that was held but
+    /// not quarantined keeps its count. Returns those released.
     pub(super) fn release_quarantine_in(
         &self,
         conn: &Connection,
@@ -353,10 +354,14 @@ impl Store {
                     ])
                 })
                 .map_err(|e| self.sqlite(action, e))?;
-            conn.prepare_cached("UPDATE reset_health SET failures_in_row = 0 WHERE address = ?1")
+            if changed > 0 {
+                // Only a quarantine's end forgets the failures: a failed clean that was not
+                // quarantined counts on, so that the next failure in a row quarantines.
+                conn.prepare_cached(
+                    "UPDATE reset_health SET failures_in_row = 0 WHERE address = ?1",
+                )
                 .and_then(|mut stmt| stmt.execute([address.to_string()]))
                 .map_err(|e| self.sqlite(action, e))?;
-            if changed > 0 {
                 insert_event(
                     conn,
                     &NewEvent::new(

@@ -411,16 +411,26 @@ pub async fn connect(address: &str) -> zbus::Connection {
 }
 
 /// Waits until `address` is back in the pool after the clean its claim's end started (issue 23:
-/// `cleaning` until the reset and the health check pass, then `usable` and idle), and returns
-/// the clean's result as the device shows it (`LastResult`).
-pub async fn cleaned(client: &zbus::Connection, address: &str) -> String {
+/// held out of the pool, `cleaning`, until the reset and the health check pass; then `usable`
+/// and idle), and returns the clean's result as the device shows it (`LastResult`). The hold is
+/// written with the claim's end, so a clean still to come is never mistaken for a done one.
+pub async fn cleaned(h: &Harness, address: &str) -> String {
+    let store = h.store();
+    let client = &h.client;
+    let a = addr(address);
     eventually_async(
         Duration::from_secs(30),
         &format!("{address} is cleaned and back in the pool"),
-        || async move {
-            let d = vfiod::client::show_device(client, address).await.ok()?;
-            (d.state == "usable" && d.task_state == "idle" && d.last_result.contains("clean"))
-                .then_some(d.last_result)
+        || {
+            let store = std::sync::Arc::clone(&store);
+            async move {
+                if store.clean_hold(a).ok()?.is_some() {
+                    return None;
+                }
+                let d = vfiod::client::show_device(client, address).await.ok()?;
+                (d.state == "usable" && d.task_state == "idle" && d.last_result.contains("clean"))
+                    .then_some(d.last_result)
+            }
         },
     )
     .await

@@ -306,7 +306,7 @@ async fn a_batch_of_claim_changes_is_decided_in_order_and_fails_change_by_change
         .unwrap()
         .expect_err("the released VF waits for its clean");
     assert!(refused.to_string().contains("being cleaned"), "{refused}");
-    common::cleaned(&h.client, &vf.to_string()).await;
+    common::cleaned(&h, &vf.to_string()).await;
     let b = store
         .change_claims(vec![claim(this_vf, "b")])
         .pop()
@@ -411,7 +411,7 @@ async fn a_claim_holds_the_whole_iommu_group_until_released() {
     assert!(claim_events[1].contains("released"));
     // Cleaned as one group (its functions list no reset of their own: the bus below their
     // root port is reset through reset_subordinate), then free again: the next claim gets it.
-    let result = common::cleaned(&h.client, "0000:17:00.0").await;
+    let result = common::cleaned(&h, "0000:17:00.0").await;
     assert!(result.contains("reset_subordinate"), "{result}");
     assert_eq!(
         vfiod::client::show_device(&h.client, "0000:17:00.1")
@@ -718,7 +718,7 @@ async fn a_claimed_device_that_breaks_stays_claimed_and_is_reported() {
     // Healthy again: cleaned (its claim ended while it was unreadable), then back in the pool.
     h.kernel.set_config_all_ones(addr(vf), false).unwrap();
     h.manager().await.rescan().await.unwrap();
-    common::cleaned(&h.client, vf).await;
+    common::cleaned(&h, vf).await;
     assert_eq!(m.find_devices(one()).await.unwrap().len(), 1);
     m.claim(one(), vm("db2")).await.unwrap();
 }

@@ -9,6 +9,7 @@
 mod common;
 
 mod claims;
+mod clean;
 mod dbus_api;
 mod dbus_interfaces;
 mod fpga;
