@@ -338,23 +338,48 @@ fn every_method_failing_is_reported_and_the_list_put_back() {
     assert_eq!(h.kernel.reset_count(addr(DATA_NVME)), Some(0));
 }
 
-/// A method the kernel refuses in `reset_method` (not supported) is an attempt that failed,
-/// with no reset written for it; an operator's order is kept too.
+/// Only the methods `reset_method` lists are used: one an operator took out (or the function
+/// does not support) is a failed attempt with nothing written for it, and the operator's
+/// order is put back. None of the order listed: none available, nothing written.
 #[test]
-fn a_method_the_kernel_does_not_take_is_skipped() {
+fn a_method_not_listed_is_never_used() {
     let h = Host::reference();
-    h.set(DATA_NVME, "reset_method", "bus flr");
-    let r = reset_function(&h.sysfs, addr(DATA_NVME), &names(&["pm", "flr"]), TIMEOUT);
-    assert_eq!(r.attempts[0].method, "pm");
-    let why = r.attempts[0].outcome.as_ref().unwrap_err();
-    assert!(why.contains("os error 22"), "EINVAL: {why}");
-    assert_eq!(worked(&r), "flr");
+    h.set(DATA_NVME, "reset_method", "bus");
+    h.kernel.take_write_log();
+    let r = reset_function(
+        &h.sysfs,
+        addr(DATA_NVME),
+        &names(&["flr", "pm", "bus"]),
+        TIMEOUT,
+    );
+    assert_eq!(
+        r.attempts
+            .iter()
+            .map(|a| (a.method.as_str(), a.outcome.is_ok()))
+            .collect::<Vec<_>>(),
+        [("flr", false), ("pm", false), ("bus", true)]
+    );
+    assert_eq!(
+        r.attempts[0].outcome,
+        Err("not enabled: reset_method reads \"bus\"".into())
+    );
+    assert_eq!(worked(&r), "bus");
     assert_eq!(
         h.attr(DATA_NVME, "reset_method"),
-        "bus flr",
-        "the operator's order"
+        "bus",
+        "the operator's list"
     );
-    assert_eq!(h.kernel.resets(addr(DATA_NVME)), names(&["flr"]));
+    assert_eq!(h.kernel.resets(addr(DATA_NVME)), names(&["bus"]));
+    let log = h.kernel.take_write_log();
+    assert!(
+        log.iter().all(|(_, v)| v != "flr" && v != "pm"),
+        "a method not listed was written: {log:?}"
+    );
+
+    let r = reset_function(&h.sysfs, addr(DATA_NVME), &names(&["flr"]), TIMEOUT);
+    assert!(r.none_available && r.worked.is_none(), "{r:#?}");
+    assert_eq!(r.not_restored, None);
+    assert!(h.kernel.take_write_log().is_empty());
 }
 
 /// A reset that hangs is abandoned at the timeout and reported hung; nothing more is tried or
@@ -453,10 +478,13 @@ fn no_reset_method_is_none_available_and_writes_nothing() {
     assert!(r.attempts.is_empty() && r.worked.is_none() && !r.hung);
     assert!(h.kernel.take_write_log().is_empty());
 
+    // Resets disabled by an operator: not even an explicit order overrides that.
     h.set(DATA_NVME, "reset_method", "\n");
     h.kernel.take_write_log();
     let r = h.reset(DATA_NVME, TIMEOUT);
     assert!(r.none_available, "{r:#?}");
+    let r = reset_function(&h.sysfs, addr(DATA_NVME), &names(&["flr"]), TIMEOUT);
+    assert!(r.none_available && r.attempts.is_empty(), "{r:#?}");
     assert!(h.kernel.take_write_log().is_empty());
     assert_eq!(h.kernel.reset_count(addr(DATA_NVME)), Some(0));
 }

@@ -2,7 +2,8 @@
 //!
 //! [`reset_function`] tries a function's reset methods one at a time: it writes one method to
 //! `reset_method`, checks the kernel took it, writes `1` to `reset`, and stops at the first
-//! that works; then it puts back the list it read first, whatever happened. [`reset_group`]
+//! that works; then it puts back the list it read first, whatever happened. It uses only the
+//! methods that list holds: what an operator took out of it (or an empty list) stays unused. [`reset_group`]
 //! resets the whole bus below the claim's bridge through `reset_subordinate`, only when every
 //! function on that bus is the claim's. Each reset write is bounded by the caller's timeout
 //! (the writer's bounded writes, `Sysfs::write`): a reset that hangs is abandoned, its thread
@@ -166,8 +167,11 @@ fn hung(timeout: Duration) -> String {
 }
 
 /// Resets one function, trying each method of `order` alone, in order, until one works (see
-/// the module's header). On a kernel without `reset_method` but with `reset`, `order` is not
-/// used: one plain reset, method [`DEFAULT_METHOD`]. Each write is bounded by `timeout`.
+/// the module's header). Only methods `reset_method` lists are tried: one it does not list is
+/// a failed attempt with nothing written, and an empty list (resets disabled) or no listed
+/// method in `order` is `none_available`. On a kernel without `reset_method` but with `reset`,
+/// `order` is not used: one plain reset, method [`DEFAULT_METHOD`]. Each write is bounded by
+/// `timeout`.
 pub fn reset_function(
     sysfs: &Sysfs,
     address: PciAddress,
@@ -194,14 +198,29 @@ pub fn reset_function(
             report.record(DEFAULT_METHOD, outcome, timeout);
             return report;
         }
-        Some(_) if order.is_empty() => {
+        // An empty list is an operator's "never reset this function".
+        Some(l) if l.is_empty() || order.is_empty() => {
             report.none_available = true;
             return report;
         }
         Some(l) => l,
     };
     let reset_method = sysfs.device_attr(address, "reset_method");
+    let mut wrote = false;
     for method in order {
+        // A method not in the list is one the kernel does not offer or an operator took out
+        // (one that hangs this device, say): never used, nothing written for it.
+        if !original.contains(method) {
+            report.attempts.push(Attempt {
+                method: method.clone(),
+                outcome: Err(format!(
+                    "not enabled: reset_method reads {:?}",
+                    original.join(" ")
+                )),
+            });
+            continue;
+        }
+        wrote = true;
         // One method alone, so that the kernel tries only it and the report can say which
         // worked. The kernel refuses a name it does not support (EINVAL, list unchanged); the
         // list is read back anyway, so that the reset never runs a method other than this
@@ -233,6 +252,10 @@ pub fn reset_function(
         if report.record(method, outcome, timeout) || report.hung {
             break;
         }
+    }
+    if !wrote {
+        report.none_available = true;
+        return report;
     }
     if report.hung {
         report.not_restored = Some(format!(
