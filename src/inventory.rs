@@ -255,6 +255,11 @@ pub fn with_holds(
         holds.iter().map(|h| (h.address, h)).collect();
     for d in &mut devices {
         let Some(h) = holds.get(&d.address) else {
+            // A record from before its clean ended (the pass after it has not run yet): the
+            // hold is the truth.
+            if d.state == State::Cleaning {
+                (d.state, d.state_reason) = (State::Usable, String::new());
+            }
             continue;
         };
         match (h.state, d.state) {
@@ -538,6 +543,77 @@ fn changed_fields(o: &Device, n: &Device) -> Vec<String> {
 mod tests {
     use super::*;
     use std::path::Path;
+
+    #[test]
+    fn holds_show_as_cleaning_or_quarantined_over_what_the_kernel_says() {
+        use crate::model::clean::{CleanHold, HoldState};
+        let hold = |state| CleanHold {
+            address: a("0000:01:00.1"),
+            state,
+            reason: "claim 3 ended".into(),
+            claim_id: Some(3),
+            since_ms: 0,
+        };
+        let table = [
+            (
+                State::Usable,
+                Some(HoldState::Pending),
+                State::Cleaning,
+                "claim 3 ended",
+            ),
+            (
+                State::Usable,
+                Some(HoldState::Quarantined),
+                State::Broken,
+                "quarantined: claim 3 ended",
+            ),
+            // A device a reset left all-ones: the quarantine says more than the kernel.
+            (
+                State::Broken,
+                Some(HoldState::Quarantined),
+                State::Broken,
+                "quarantined: claim 3 ended",
+            ),
+            // Unreadable: it stays broken with the kernel's reason until it reads again.
+            (
+                State::Broken,
+                Some(HoldState::Pending),
+                State::Broken,
+                "EIO",
+            ),
+            // The host's use wins: vfiod never touches it.
+            (
+                State::Protected,
+                Some(HoldState::Pending),
+                State::Protected,
+                "EIO",
+            ),
+            (
+                State::Protected,
+                Some(HoldState::Quarantined),
+                State::Protected,
+                "EIO",
+            ),
+            (State::Usable, None, State::Usable, "EIO"),
+            // A record from before its clean ended: the hold is gone, so is the state.
+            (State::Cleaning, None, State::Usable, ""),
+        ];
+        for (kernel, held, want, reason) in table {
+            let unread = SysfsError::Parse {
+                path: "x".into(),
+                value: String::new(),
+                reason: "fixture".into(),
+            };
+            let mut d = broken(a("0000:01:00.1"), None, &unread);
+            d.managed = true;
+            d.state = kernel;
+            d.state_reason = "EIO".into();
+            let holds: Vec<CleanHold> = held.map(hold).into_iter().collect();
+            let out = with_holds(vec![d], &holds).pop().unwrap();
+            assert_eq!(out.state, want, "{kernel:?} + {held:?}");
+            assert_eq!(out.state_reason, reason, "{kernel:?} + {held:?}");
+        }
+    }
 
     fn a(s: &str) -> PciAddress {
         s.parse().unwrap()

@@ -318,11 +318,11 @@ impl<'a> Index<'a> {
         match d.state {
             State::Broken => return Some(Reason::Broken(d.state_reason.clone())),
             State::Protected => return Some(Reason::Protected(d.state_reason.clone())),
-            State::Cleaning => return Some(Reason::Cleaning(d.state_reason.clone())),
-            State::Usable => {}
+            // The hold below says, not the record: a pass records the state only after the
+            // hold's transaction (the claim must not slip in between), and after the clean's
+            // end (the device must not wait for it).
+            State::Cleaning | State::Usable => {}
         }
-        // The hold, not the device's state: a pass records the state only after the hold's
-        // transaction, and the claim must not slip in between.
         if let Some(h) = self.cleaning.get(&d.address) {
             return Some(match h.state {
                 HoldState::Pending => Reason::Cleaning(h.reason.clone()),
@@ -704,6 +704,16 @@ mod tests {
         );
     }
 
+    fn hold(address: PciAddress, state: HoldState, reason: &str) -> CleanHold {
+        CleanHold {
+            address,
+            state,
+            reason: reason.into(),
+            claim_id: Some(7),
+            since_ms: 0,
+        }
+    }
+
     #[test]
     fn broken_protected_unselected_and_busy_are_never_chosen() {
         let base = host();
@@ -713,7 +723,8 @@ mod tests {
             ..Default::default()
         };
         type Change<'a> = Box<dyn Fn(&mut Snapshot) + 'a>;
-        let cases: Vec<(Change, &str)> = vec![
+        let cases: Vec<(Change, &str)> =
+            vec![
             (
                 Box::new(|s| {
                     let d = s.devices.iter_mut().find(|d| d.address == target).unwrap();
@@ -741,6 +752,29 @@ mod tests {
                 Box::new(|s| s.busy.push((target, 42))),
                 "0000:3b:02.1 matches address=0000:3b:02.1 but is busy: task 42 is working on it",
             ),
+            // Held for a clean: refused by the hold even while its record still says usable
+            // (a pass records the state after the hold's transaction).
+            (
+                Box::new(|s| s.cleaning.push(hold(target, HoldState::Pending, "claim 7 ended"))),
+                "but is being cleaned before it returns to the pool (claim 7 ended)",
+            ),
+            (
+                Box::new(|s| {
+                    let d = s.devices.iter_mut().find(|d| d.address == target).unwrap();
+                    d.state = State::Cleaning;
+                    d.state_reason = "a record older than its hold".into();
+                    s.cleaning.push(hold(target, HoldState::Pending, "claim 7 ended"))
+                }),
+                "but is being cleaned before it returns to the pool (claim 7 ended)",
+            ),
+            (
+                Box::new(|s| {
+                    s.cleaning
+                        .push(hold(target, HoldState::Quarantined, "the reset hung"))
+                }),
+                "but is quarantined (the reset hung); an operator clears it with `vfioctl task \
+                 reset`",
+            ),
             (
                 Box::new(|s| s.busy.push((a("0000:3b:00.0"), 43))),
                 // The PF's task covers its VFs.
@@ -753,7 +787,11 @@ mod tests {
             let e = choose(&s, &only).unwrap_err();
             assert!(e.to_string().contains(wanted), "{e} / {wanted}");
             assert!(candidates(&s, &vf()).iter().all(|c| *c != target));
-            assert_eq!(e.busy_task().is_some(), wanted.contains("task"), "{wanted}");
+            assert_eq!(
+                e.busy_task().is_some(),
+                wanted.contains("busy: task"),
+                "{wanted}"
+            );
             let policy = if wanted.contains("used by the host") {
                 Some(Policy::Protected)
             } else if wanted.contains("not selected") {

@@ -541,6 +541,38 @@ mod tests {
     }
 
     #[test]
+    fn version_8_holds_a_function_once_and_counts_no_negative_failures() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        migrate(&mut conn, &MIGRATIONS[..7]).unwrap();
+        assert_eq!(migrate(&mut conn, &MIGRATIONS[..8]).unwrap(), (7, 8));
+        let hold = |address: &str| {
+            conn.execute(
+                "INSERT INTO cleaning (address, state, reason, claim_id, since_ms) \
+                 VALUES (?1, 'pending', 'claim 1 ended', 1, 1)",
+                [address],
+            )
+        };
+        hold("0000:01:00.1").unwrap();
+        assert!(hold("0000:01:00.1").is_err(), "one hold per function");
+        conn.execute(
+            "INSERT INTO reset_health (address) VALUES ('0000:01:00.1')",
+            [],
+        )
+        .unwrap();
+        let (failures, cleans): (i64, i64) = conn
+            .query_row(
+                "SELECT failures_in_row, cleans FROM reset_health",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .unwrap();
+        assert_eq!((failures, cleans), (0, 0));
+        assert!(conn
+            .execute("UPDATE reset_health SET failures_in_row = -1", [])
+            .is_err());
+    }
+
+    #[test]
     fn version_7_holds_one_standing_claim_per_pooled_session() {
         let mut conn = Connection::open_in_memory().unwrap();
         migrate(&mut conn, &MIGRATIONS[..6]).unwrap();

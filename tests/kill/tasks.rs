@@ -307,3 +307,73 @@ fn killed_while_downloading_an_image_then_restarted() {
     assert!(ok && out.trim() == "[]", "{out}");
     drop(second);
 }
+
+/// SIGKILL while a device is being cleaned (the `clean:resetting` kill point, before its reset):
+/// after the restart the clean is `error: interrupted`, the device is still held out of the
+/// pool (`cleaning`, not claimable), and after `vfioctl task reset` it is cleaned and claimable.
+#[test]
+fn killed_while_cleaning_then_restarted() {
+    const NVME: &str = "0000:d8:00.0";
+    const NVME_CONFIG: &str =
+        "scenario = \"private\"\npoll_interval = 3600\n[[select]]\nid = \"144d:a824\"\n";
+    let dir = common::fast_tempdir();
+    std::fs::write(dir.path().join("vfiod.toml"), NVME_CONFIG).unwrap();
+    let bus = PrivateBus::start(&dir.path().join("bus"), "").unwrap();
+    let addr = bus.address().to_string();
+
+    let mut first = vfiod_with(dir.path(), &addr, None, Some("clean:resetting"));
+    wait_ready(&addr);
+    let (ok, out) = vfioctl(
+        &addr,
+        &["claim", "--address", NVME, "--vm", "tenant1", "--json"],
+    );
+    assert!(ok, "{out}");
+    let claim: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let (ok, out) = vfioctl(&addr, &["release", &claim["id"].to_string()]);
+    assert!(ok, "{out}");
+    let status = common::eventually_blocking(Duration::from_secs(60), "vfiod is killed", || {
+        first.0.try_wait().unwrap()
+    });
+    assert_eq!(status.signal(), Some(9), "{status:?}");
+
+    let second = vfiod(dir.path(), &addr, None);
+    wait_ready(&addr);
+    let show = || {
+        let (_, out) = vfioctl(&addr, &["show", NVME, "--json"]);
+        serde_json::from_str::<serde_json::Value>(&out).unwrap()
+    };
+    let shown = show();
+    assert_eq!(
+        (shown["state"].as_str(), shown["task_state"].as_str()),
+        (Some("cleaning"), Some("error")),
+        "{shown}"
+    );
+    assert!(
+        shown["last_result"].as_str().unwrap_or("").is_empty()
+            || !shown["last_result"].as_str().unwrap().contains("success"),
+        "{shown}"
+    );
+    let (ok, tasks) = vfioctl(&addr, &["task", "list", "--json"]);
+    assert!(ok, "{tasks}");
+    let tasks: Vec<serde_json::Value> = serde_json::from_str(&tasks).unwrap();
+    let clean = tasks.iter().find(|t| t["kind"] == "clean").unwrap();
+    assert_eq!(clean["state"], "error", "{clean}");
+    assert!(
+        clean["result"].as_str().unwrap().contains("interrupted"),
+        "{clean}"
+    );
+    // Not claimable while held.
+    let (ok, out) = vfioctl(&addr, &["claim", "--address", NVME, "--vm", "tenant2"]);
+    assert!(!ok, "{out}");
+
+    assert!(vfioctl(&addr, &["task", "reset", NVME]).0);
+    common::eventually_blocking(Duration::from_secs(30), "cleaned, then claimable", || {
+        let s = show();
+        (s["state"] == "usable" && s["task_state"] == "idle").then_some(())
+    });
+    let shown = show();
+    assert_eq!(shown["reset_health"]["cleans"], 1, "{shown}");
+    let (ok, out) = vfioctl(&addr, &["claim", "--address", NVME, "--vm", "tenant2"]);
+    assert!(ok, "{out}");
+    drop(second);
+}

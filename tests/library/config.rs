@@ -173,6 +173,7 @@ fn shipped_default_sets_every_key_and_its_examples_are_valid() {
     assert_eq!(settings.select.len(), 2, "{uncommented}");
     assert_eq!(settings.protect.len(), 1, "{uncommented}");
     assert_eq!(settings.fpga.len(), 1, "{uncommented}");
+    assert_eq!(settings.clean.len(), 1, "{uncommented}");
     assert!(settings.metrics.textfile.is_some(), "{uncommented}");
 }
 
@@ -623,4 +624,78 @@ fn check_config_reports_every_error() {
         lines[lines.len() - 1],
         format!("vfiod: {} errors in the configuration", lines.len() - 1)
     );
+}
+
+/// `[claims] clean` and `reset_timeout`, and `[[clean]]` entries: their defaults, what each
+/// applies to, and every wrong entry named with its place and reason.
+#[test]
+fn cleaning_settings_and_their_errors() {
+    use vfiod::config::CleanMode;
+    use vfiod::model::pci::ClassCode;
+    let parse = |t: &str| Settings::from_toml_str(t, Path::new("t.toml"));
+    let d = parse("").unwrap();
+    assert_eq!(d.claims.clean, CleanMode::Reset, "safe by default");
+    assert_eq!(d.claims.reset_timeout_seconds, 75);
+    assert!(d.clean.is_empty());
+    let a: vfiod::model::pci::PciAddress = "0000:3b:00.0".parse().unwrap();
+    assert!(d.cleans_at_claim_end(a, 0x8086, 0x1572, ClassCode(0x020000)));
+
+    let s = parse(
+        "[claims]\nclean = \"none\"\nreset_timeout = 5\n\
+         [[clean]]\nid = \"8086:1572\"\ncommand = \"/usr/bin/scrub {address} {group}\"\n\
+         [[clean]]\nclass = \"0x03\"\nreset = false\ncommand = \"/usr/bin/gpu-scrub {address}\"\ntimeout_seconds = 30\n",
+    )
+    .unwrap();
+    assert_eq!(s.claims.clean, CleanMode::None);
+    assert_eq!(s.claims.reset_timeout_seconds, 5);
+    let nic = s
+        .clean_rule(a, 0x8086, 0x1572, ClassCode(0x020000))
+        .unwrap();
+    assert!(nic.reset);
+    assert_eq!(
+        nic.argv.as_deref().unwrap(),
+        ["/usr/bin/scrub", "{address}", "{group}"]
+    );
+    assert_eq!(nic.timeout_seconds, 600);
+    let gpu = s
+        .clean_rule(a, 0x10de, 0x1db6, ClassCode(0x030200))
+        .unwrap();
+    assert_eq!((gpu.reset, gpu.timeout_seconds), (false, 30));
+    // Under clean = "none" only what an entry names is cleaned.
+    assert!(s.cleans_at_claim_end(a, 0x8086, 0x1572, ClassCode(0x020000)));
+    assert!(!s.cleans_at_claim_end(a, 0x1b36, 0x0010, ClassCode(0x010802)));
+
+    for (text, says) in [
+        (
+            "[claims]\nclean = \"scrub\"\n",
+            "`claims.clean`: unknown value \"scrub\" (reset, none)",
+        ),
+        ("[claims]\nreset_timeout = 0\n", "claims.reset_timeout"),
+        ("[claims]\nreset_timeout = 601\n", "out of range"),
+        ("[[clean]]\ncommand = \"/bin/x\"\n", "needs at least one of"),
+        (
+            "[[clean]]\nclass = \"0x03\"\ncommand = \"x {address}\"\n",
+            "absolute path",
+        ),
+        (
+            "[[clean]]\nclass = \"0x03\"\ncommand = \"  \"\n",
+            "the command is empty",
+        ),
+        (
+            "[[clean]]\nclass = \"0x03\"\nreset = false\n",
+            "reset = false needs a command",
+        ),
+        (
+            "[[clean]]\nclass = \"0x03\"\ncommand = \"/bin/x\"\ntimeout_seconds = 0\n",
+            "out of range",
+        ),
+        (
+            "[[clean]]\nclass = \"0x03\"\nwipe = true\n",
+            "unknown field",
+        ),
+    ] {
+        let err = vfiod::error_chain(&parse(text).unwrap_err());
+        assert!(err.contains(says), "{text}: {err}");
+        assert!(err.contains("t.toml:"), "the place is named: {err}");
+    }
 }

@@ -21,5 +21,6 @@ mod reset;
 mod simkernel;
 mod store;
 mod store_claims;
+mod store_clean;
 mod store_empty;
 mod store_tasks;

@@ -217,6 +217,79 @@ async fn the_lifecycle_of_a_domain_claims_binds_attaches_and_releases() {
     );
 }
 
+/// A domain stopped and started again at once (`virsh destroy; virsh start`) finds its VF
+/// still being cleaned after the claim its stop ended: `prepare` waits for the clean (within
+/// its deadline) instead of failing, and the VF was reset in between. A clean that outlasts the
+/// deadline refuses the start in one line that says why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_domain_started_again_at_once_waits_for_its_devices_clean() {
+    use vfiod::sim::kernel::{FaultAction, FaultTarget};
+    // The daemon and the hook read one file on a host: one deadline (3 s) for both.
+    let daemon = format!("{CONFIG}[hooks]\ndeadline_ms = 3000\nnotify_deadline_ms = 1000\n");
+    let h = Harness::start_with(&daemon, vfiod::sim::kernel::HostModel::reference()).await;
+    let config = h.dir.path().join("hook.toml");
+    let state = h.dir.path().join("state");
+    std::fs::write(
+        &config,
+        format!("state_dir = \"{}\"\n{daemon}", state.display()),
+    )
+    .unwrap();
+    let bus = h.bus.address().to_string();
+    let xml = domain_xml("vm1", &[VF0]);
+    for op in ["prepare", "started"] {
+        let r = hook(&bus, &config, &["vm1", op, "begin", "-"], &xml);
+        assert_eq!(r.code, 0, "{op}: {}", r.stderr);
+    }
+    // The reset takes 800 ms: the clean is still running when the domain starts again.
+    h.kernel.inject(
+        FaultTarget::DeviceAttr(addr(VF0), "reset".into()),
+        FaultAction::Delay(Duration::from_millis(800)),
+        Some(1),
+    );
+    for op in ["stopped", "release"] {
+        let r = hook(&bus, &config, &["vm1", op, "end", "-"], &xml);
+        assert_eq!(r.code, 0, "{op}: {}", r.stderr);
+    }
+    let r = hook(&bus, &config, &["vm1", "prepare", "begin", "-"], &xml);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(
+        r.took >= Duration::from_millis(300),
+        "it waited: {:?}",
+        r.took
+    );
+    assert_eq!(h.kernel.resets(addr(VF0)), ["flr"], "cleaned in between");
+    assert_eq!(claims_now(&h).await.len(), 1);
+    for op in ["stopped", "release"] {
+        let r = hook(&bus, &config, &["vm1", op, "end", "-"], &xml);
+        assert_eq!(r.code, 0, "{op}: {}", r.stderr);
+    }
+    common::cleaned(&h, VF0).await;
+
+    // A reset slower than the hook's deadline (3 s here): refused, and said why.
+    for op in ["prepare", "started"] {
+        let r = hook(&bus, &config, &["vm1", op, "begin", "-"], &xml);
+        assert_eq!(r.code, 0, "{op}: {}", r.stderr);
+    }
+    h.kernel.inject(
+        FaultTarget::DeviceAttr(addr(VF0), "reset".into()),
+        FaultAction::Delay(Duration::from_secs(5)),
+        Some(1),
+    );
+    for op in ["stopped", "release"] {
+        let r = hook(&bus, &config, &["vm1", op, "end", "-"], &xml);
+        assert_eq!(r.code, 0, "{op}: {}", r.stderr);
+    }
+    let r = hook(&bus, &config, &["vm1", "prepare", "begin", "-"], &xml);
+    assert_eq!(r.code, 1, "{}", r.stderr);
+    assert!(
+        r.stderr.contains(&format!("{VF0} is still being cleaned")),
+        "{}",
+        r.stderr
+    );
+    assert!(claims_now(&h).await.is_empty(), "nothing claimed");
+    common::cleaned(&h, VF0).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn persistent_claims_outlive_the_run_and_auto_claim_can_be_off() {
     let (h, config, bus) = harness().await;
