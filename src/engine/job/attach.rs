@@ -154,7 +154,7 @@ impl Job for AttachJob {
         lifecycle::affect(&self.flags, true, true).map_err(invalid)?;
         for f in &self.claim.functions {
             let d = cx.store.device(*f)?.ok_or(JobError::NoSuchDevice(*f))?;
-            JobError::unless_usable(&d)?;
+            JobError::unless_usable(cx, &d)?;
         }
         Ok(Admission {
             kind: TaskKind::Attach,

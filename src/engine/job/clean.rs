@@ -158,7 +158,18 @@ impl Job for CleanJob {
         match device.state {
             // vfiod never touches what the host uses; a function it cannot read cannot be
             // checked (its hold waits until it reads again).
-            State::Protected | State::Broken => JobError::unless_usable(&device)?,
+            State::Protected => {
+                return Err(JobError::Protected {
+                    address: self.address,
+                    reason: device.state_reason,
+                })
+            }
+            State::Broken => {
+                return Err(JobError::Broken {
+                    address: self.address,
+                    reason: device.state_reason,
+                })
+            }
             State::Usable | State::Cleaning => {}
         }
         if !device.managed {

@@ -209,14 +209,33 @@ pub enum JobError {
 }
 
 impl JobError {
-    /// The refusal of a job on a device that is not usable (protected, broken), else nothing.
-    pub fn unless_usable(device: &crate::model::device::Device) -> Result<(), JobError> {
+    /// The refusal of a job on a device that is not usable (protected, broken, being cleaned),
+    /// else nothing. Whether it is being cleaned is its hold's to say (`store::clean`): its
+    /// record may be older than the end of its clean.
+    pub fn unless_usable(
+        cx: &JobContext,
+        device: &crate::model::device::Device,
+    ) -> Result<(), JobError> {
+        use crate::model::device::State;
         let (address, reason) = (device.address, device.state_reason.clone());
         match device.state {
-            crate::model::device::State::Usable => Ok(()),
-            crate::model::device::State::Protected => Err(JobError::Protected { address, reason }),
-            crate::model::device::State::Broken => Err(JobError::Broken { address, reason }),
-            crate::model::device::State::Cleaning => Err(JobError::Cleaning { address, reason }),
+            State::Usable => {}
+            State::Protected => return Err(JobError::Protected { address, reason }),
+            State::Broken => return Err(JobError::Broken { address, reason }),
+            State::Cleaning => {}
+        }
+        match cx.store.clean_hold(address)? {
+            Some(h) if h.state == crate::model::clean::HoldState::Pending => {
+                Err(JobError::Cleaning {
+                    address,
+                    reason: h.reason,
+                })
+            }
+            Some(h) => Err(JobError::Broken {
+                address,
+                reason: format!("quarantined: {}", h.reason),
+            }),
+            None => Ok(()),
         }
     }
 

@@ -81,7 +81,7 @@ impl Job for ModeJob {
             .device(address)?
             .ok_or(JobError::NoSuchDevice(address))?;
         let invalid = |reason: String| JobError::Invalid { address, reason };
-        JobError::unless_usable(&device)?;
+        JobError::unless_usable(cx, &device)?;
         if device.role == Role::Vf {
             return Err(invalid(format!(
                 "a VF follows its PF; change the mode of {}",

@@ -119,7 +119,7 @@ impl Job for FpgaJob {
     fn admit(&mut self, cx: &JobContext) -> Result<Admission, JobError> {
         let address = self.address;
         let device = self.device(cx)?;
-        JobError::unless_usable(&device)?;
+        JobError::unless_usable(cx, &device)?;
         if device.parent_pf.is_some() {
             return Err(self.invalid("a VF is programmed through its PF"));
         }
