@@ -110,7 +110,6 @@ fn main() {
 
     let (cleaned, bare) = client_rt.block_on(async {
         let conn = zbus::connection::Builder::address(bus.address())
-            .unwrap()
             .build()
             .await
             .unwrap();
@@ -130,7 +129,6 @@ fn main() {
                 .expect("claim");
             let claim = ClaimProxy::builder(&conn)
                 .path(path)
-                .unwrap()
                 .build()
                 .await
                 .unwrap();
