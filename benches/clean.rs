@@ -127,11 +127,7 @@ fn main() {
                 .claim(find.clone(), owner.clone())
                 .await
                 .expect("claim");
-            let claim = ClaimProxy::builder(&conn)
-                .path(path)
-                .build()
-                .await
-                .unwrap();
+            let claim = ClaimProxy::builder(&conn).path(path).build().await.unwrap();
             let released = Instant::now();
             claim.release().await.expect("release");
             loop {

@@ -281,14 +281,18 @@ fn step_result(done: &[vfiod::engine::PooledOutcome]) -> Result<(), String> {
 
 fn main() -> ExitCode {
     // The demo prints its own steps; the daemons' log would drown them (VFIOD_LOG overrides).
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("VFIOD_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+    use tracing_subscriber::prelude::*;
+    tracing_subscriber::registry()
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(std::io::stderr)
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+                .with_target(false),
         )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_target(false)
+        .with(vfiod::log_filter(
+            std::env::var("VFIOD_LOG").ok().as_deref(),
+            "warn",
+        ))
         .init();
     // Two daemons and a pool in one process: the descriptor limit as vfiod raises it.
     if let Err(e) = vfiod::server::raise_fd_limit() {

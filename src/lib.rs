@@ -39,3 +39,17 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
     }
     s
 }
+
+/// The log filter of `VFIOD_LOG` (`value`): a level ("debug") or levels per target
+/// ("vfiod=debug,zbus=warn"), as tracing's `Targets` reads them; `default` when unset. A value
+/// that does not parse is said once on stderr, and `default` applies.
+pub fn log_filter(value: Option<&str>, default: &str) -> tracing_subscriber::filter::Targets {
+    let fallback = || default.parse().unwrap_or_default();
+    match value {
+        None => fallback(),
+        Some(v) => v.parse().unwrap_or_else(|e| {
+            eprintln!("vfiod: VFIOD_LOG={v:?} is not a log filter ({e}); logging at {default}");
+            fallback()
+        }),
+    }
+}

@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
+use tracing_subscriber::filter::Targets;
 
 use clap::{Args, Parser, Subcommand};
 use vfiod_pool::driver::{self, DriverConfig};
@@ -139,14 +140,25 @@ struct DriveArgs {
 }
 
 fn init_logging() {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("VFIOD_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+    use tracing_subscriber::prelude::*;
+    // Levels per target ("info", "vfiod_pool=debug"): tracing's Targets, not EnvFilter and its
+    // regex engine. A value that does not parse is said once, and the default applies.
+    let default = || "info".parse::<Targets>().expect("a level parses");
+    let filter = match std::env::var("VFIOD_LOG") {
+        Ok(v) => v.parse::<Targets>().unwrap_or_else(|e| {
+            eprintln!("vfiod-pool: VFIOD_LOG={v:?} is not a log filter ({e}); logging at info");
+            default()
+        }),
+        Err(_) => default(),
+    };
+    tracing_subscriber::registry()
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(std::io::stderr)
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+                .with_target(false),
         )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_target(false)
+        .with(filter)
         .init();
 }
 
