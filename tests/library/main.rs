@@ -1,8 +1,8 @@
 //! Tests of the library that need no bus, no daemon and no service: the configuration, the
 //! simulated kernel and what runs on it (conversions, the DFL card, the inventory, the planner),
-//! the domain XML parser (with libvirt's in-process test driver), the SQLite store, the pool
-//! client against hostile HTTP servers on loopback, the man pages as the built binaries print
-//! them, and the module map. One binary because they need nothing but a temporary directory.
+//! the domain XML parser (with libvirt's in-process test driver), a host's recording and its
+//! replay, the SQLite store, the pool client against hostile HTTP servers on loopback, the man
+//! pages as the built binaries print them, and the module map. One binary because they need nothing but a temporary directory.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -16,6 +16,7 @@ mod inventory;
 mod man_pages;
 mod planner;
 mod pool_client_limits;
+mod record;
 mod simkernel;
 mod store;
 mod store_claims;
