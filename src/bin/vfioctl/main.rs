@@ -247,12 +247,13 @@ enum Command {
     /// Pooled devices: the remote pools, their devices, and the sessions leased to VMs here.
     #[command(subcommand)]
     Pool(PoolCommand),
-    /// Record what vfiod reads of this host into a tarball for a bug report: the PCI
-    /// functions' sysfs attributes and links, the first 256 bytes of their config space, IOMMU
-    /// groups, DFL regions, the mounted block devices and the interfaces that are up, with a
-    /// manifest. It leaves out BARs and ROMs, other processes and the host name (the manifest
-    /// lists all it leaves out). `vfiod --simulate --replay FILE` serves it back. Needs no daemon;
-    /// run as root to read every attribute.
+    /// Record what vfiod reads of this host into a tarball for a bug report (no daemon needed).
+    ///
+    /// The PCI functions' sysfs attributes and links, the first 256 bytes of their config
+    /// space, IOMMU groups, DFL regions, the mounted block devices and the interfaces that are
+    /// up, with a manifest. It leaves out BARs and ROMs, other processes and the host name (the
+    /// manifest lists all it leaves out). `vfiod --simulate --replay FILE` serves it back. Run as
+    /// root to read every attribute.
     Record {
         /// Where to write the tarball ("-": standard output). Default:
         /// vfiod-recording-<UTC time>.tar.gz in the current directory.
