@@ -662,8 +662,9 @@ fn boot_state(kernel: &Arc<SimKernel>, seen: &SeenHost, notes: &mut Vec<String>)
             );
         }
     }
+    let present: BTreeSet<PciAddress> = kernel.addresses().into_iter().collect();
     for f in seen.functions.iter().filter(|f| is_vf(f)) {
-        if kernel.driver_of(f.address).is_none() && !kernel.addresses().contains(&f.address) {
+        if !present.contains(&f.address) {
             notes.push(format!(
                 "cannot reproduce the recording: VF {} did not appear",
                 f.address

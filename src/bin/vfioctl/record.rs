@@ -41,14 +41,23 @@ pub fn run(root: &Path, output: Option<PathBuf>, force: bool, with_hostname: boo
     let output = output.unwrap_or_else(|| default_name(&m.recorded_at));
     let (written, size) = if output == Path::new("-") {
         let stdout = std::io::stdout().lock();
+        let to_stdout = |e: record::RecordError| match e {
+            record::RecordError::Write { source, .. } => record::RecordError::Write {
+                path: "standard output".into(),
+                source,
+            },
+            other => other,
+        };
         match recording
             .write_tar_gz(std::io::BufWriter::new(stdout))
             .and_then(|mut w| {
                 w.flush().map_err(|source| record::RecordError::Write {
-                    path: "<stdout>".into(),
+                    path: "standard output".into(),
                     source,
                 })
-            }) {
+            })
+            .map_err(to_stdout)
+        {
             Ok(()) => ("standard output".to_string(), None),
             Err(e) => {
                 eprintln!("vfioctl: {}", error_chain(&e));
