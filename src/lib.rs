@@ -11,6 +11,7 @@ pub mod model; // PciAddress, class codes, the device record, task and event kin
 pub mod fpga; // FPGA image headers (gbs, xclbin) and image legality: pure code
 pub mod config; // settings from vfiod.toml and conf.d drop-ins, validated once at load
 pub mod claim; // which device a claim gets: requirements, what is claimable, the choice
+pub mod clean; // cleaning a device between tenants, decided: which reset, whether it came back healthy
 pub mod store; // SQLite state store (WAL), schema migrations: the single source of truth
 pub mod host; // the machine's edges: sysfs (one root, bounded writes), uevents, libvirt
 pub mod pool; // pooled accelerators: the pool protocol and client, and a pooled session through a live migration, decided

@@ -271,7 +271,15 @@ async fn pressure_then_answers_within_a_second(secs: u64) {
         // waits; not the bus's descriptor limit, which this bus does not share with vfiod).
         // What the issue asks is checked below: vfiod answers within 1 s once the pressure
         // ends, nothing is marked broken, nothing leaks.
-        match tokio::time::timeout(CALL_BOUND, nic.set_mode("vf", 1 + (waves % 4) as u32)).await {
+        match tokio::time::timeout(
+            CALL_BOUND,
+            nic.set_mode(
+                "vf",
+                vfiod::client::mode_options(Some(1 + (waves % 4) as u32)),
+            ),
+        )
+        .await
+        {
             Err(_) => {
                 lost += 1;
                 eprintln!("wave {waves}: SetMode had no answer within {CALL_BOUND:?}");

@@ -146,11 +146,13 @@ async fn random_call(conn: &zbus::Connection, rng: &Rng, config_path: &Path) {
         match which {
             0 | 1 => {
                 let d = client::device(conn, target).await.ok()?;
-                let _ = d.set_mode("vf", rng.below(5) as u32).await;
+                let _ = d
+                    .set_mode("vf", vfiod::client::mode_options(Some(rng.below(5) as u32)))
+                    .await;
             }
             2 => {
                 let d = client::device(conn, target).await.ok()?;
-                let _ = d.set_mode("pf", 0).await;
+                let _ = d.set_mode("pf", vfiod::client::mode_options(None)).await;
             }
             3 | 4 => {
                 let d = client::device(conn, target).await.ok()?;

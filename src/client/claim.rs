@@ -14,8 +14,21 @@ pub use crate::dbus::claim::INTERFACE;
 )]
 pub trait Claim {
     fn release(&self) -> zbus::Result<()>;
-    fn attach(&self, domain: &str, flags: &[&str]) -> zbus::Result<()>;
+    fn attach(&self, domain: &str, options: crate::dbus::wire::Dict) -> zbus::Result<()>;
     fn detach(&self) -> zbus::Result<()>;
+}
+
+/// `Claim.Attach`'s options for `flags` (`live`, `config`): each one named is true, and when
+/// only one is named the other is false (`--live` alone attaches to the running domain only).
+/// None: no options, the daemon decides from the domain's state.
+pub fn attach_options(flags: &[&str]) -> crate::dbus::wire::Dict {
+    if flags.is_empty() {
+        return crate::dbus::wire::Dict::new();
+    }
+    ["live", "config"]
+        .into_iter()
+        .map(|f| (f.to_string(), crate::dbus::variant(flags.contains(&f))))
+        .collect()
 }
 
 /// How far an attach or detach had come when the client stopped waiting.
@@ -51,7 +64,7 @@ pub async fn change(
     let claim = ClaimProxy::builder(conn).path(path.clone()).build().await?;
     let call = async {
         match what {
-            Change::Attach { domain, flags } => claim.attach(domain, flags).await,
+            Change::Attach { domain, flags } => claim.attach(domain, attach_options(flags)).await,
             Change::Detach => claim.detach().await,
         }
     };

@@ -93,11 +93,21 @@ pub trait Manager {
     default_service = "org.vfiod.Vfiod1"
 )]
 pub trait Device {
-    fn set_mode(&self, mode: &str, num_vfs: u32) -> zbus::Result<zbus::OwnedObjectPath>;
+    fn set_mode(&self, mode: &str, options: Dict) -> zbus::Result<zbus::OwnedObjectPath>;
     fn apply(&self) -> zbus::Result<zbus::OwnedObjectPath>;
     fn reset_task(&self) -> zbus::Result<()>;
-    fn program(&self, image: &str) -> zbus::Result<zbus::OwnedObjectPath>;
-    fn verify(&self, image: &str) -> zbus::Result<zbus::OwnedObjectPath>;
+    fn program(&self, image: &str, options: Dict) -> zbus::Result<zbus::OwnedObjectPath>;
+    fn verify(&self, image: &str, options: Dict) -> zbus::Result<zbus::OwnedObjectPath>;
+}
+
+/// `Device.SetMode`'s options: `num_vfs` when a count is asked for (0 or none: the
+/// configuration's or the device's).
+pub fn mode_options(num_vfs: Option<u32>) -> Dict {
+    num_vfs
+        .filter(|n| *n > 0)
+        .map(|n| ("num_vfs".to_string(), crate::dbus::variant(n)))
+        .into_iter()
+        .collect()
 }
 
 #[zbus::proxy(

@@ -159,16 +159,18 @@ impl ClaimObject {
 
     /// Attaches the claim's functions to libvirt domain `domain` (a name or UUID; the claim's VM)
     /// as `<hostdev managed='no'>`, after binding them to vfio-pci, and returns when done (as a
-    /// task on the device meanwhile). `flags`: `live`, `config`; none means both when the domain
-    /// runs, `config` when it does not. A failure releases the claim: `AttachFailed` with
-    /// libvirt's message. Authorized as `org.vfiod.vfiod1.claim` with the device and the VM.
+    /// task on the device meanwhile). Options: `live` b, `config` b (attach to the running
+    /// domain, to its persistent configuration); neither means both when the domain runs,
+    /// `config` when it does not. A failure releases the claim: `AttachFailed` with libvirt's
+    /// message. Authorized as `org.vfiod.vfiod1.claim` with the device and the VM.
     async fn attach(
         &self,
         domain: String,
-        flags: Vec<String>,
+        options: super::wire::Dict,
         #[zbus(header)] header: zbus::message::Header<'_>,
         #[zbus(connection)] conn: &zbus::Connection,
     ) -> Result<(), Error> {
+        let flags = attach_flags(options)?;
         let who = self
             .authorize("Attach", Some(&domain), &header, conn)
             .await?;
@@ -209,5 +211,63 @@ impl ClaimObject {
             .await?;
         o.engine.flush().await;
         Ok(())
+    }
+}
+
+/// The options `Claim.Attach` takes.
+pub const ATTACH_OPTIONS: &[&str] = &["live", "config"];
+
+/// `Claim.Attach`'s options as the engine's flags. Neither given: none (the engine picks from
+/// the domain's state). One given: it says yes or no to its own target and the other target is
+/// the opposite (`live: false` alone is a config-only attach). Both false ask for nothing:
+/// refused.
+fn attach_flags(options: super::wire::Dict) -> Result<Vec<String>, Error> {
+    let q = super::wire::Query::new(options, ATTACH_OPTIONS)?;
+    flags_of(q.bool("live")?, q.bool("config")?)
+}
+
+fn flags_of(live: Option<bool>, config: Option<bool>) -> Result<Vec<String>, Error> {
+    if live.is_none() && config.is_none() {
+        return Ok(Vec::new());
+    }
+    let live = live.unwrap_or(config == Some(false));
+    let config = config.unwrap_or(!live);
+    if !live && !config {
+        return Err(Error::InvalidArgument(
+            "live and config are both false: nothing to attach to".into(),
+        ));
+    }
+    Ok([("live", live), ("config", config)]
+        .into_iter()
+        .filter(|(_, set)| *set)
+        .map(|(flag, _)| flag.to_string())
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::flags_of;
+
+    #[test]
+    fn attach_options_become_the_engines_flags() {
+        let (t, f) = (Some(true), Some(false));
+        // live, config -> the flags, or None when refused.
+        type Row = (Option<bool>, Option<bool>, Option<&'static [&'static str]>);
+        let table: &[Row] = &[
+            (None, None, Some(&[])),
+            (t, None, Some(&["live"])),
+            (f, None, Some(&["config"])),
+            (None, t, Some(&["config"])),
+            (None, f, Some(&["live"])),
+            (t, t, Some(&["live", "config"])),
+            (t, f, Some(&["live"])),
+            (f, t, Some(&["config"])),
+            (f, f, None),
+        ];
+        for (live, config, want) in table {
+            let got = flags_of(*live, *config).ok();
+            let want = want.map(|w| w.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+            assert_eq!(got, want, "live {live:?} config {config:?}");
+        }
     }
 }

@@ -3,6 +3,7 @@
 use super::auth::{Check, Detail, ACTION_MODE, ACTION_PROGRAM};
 use super::error::Error;
 use super::view::DeviceEntry;
+use super::wire::{Dict, Query};
 use crate::engine::job::{FpgaJob, ModeJob};
 use crate::model::device::Device;
 use crate::model::pci::PciAddress;
@@ -11,6 +12,11 @@ use zbus::interface;
 use zbus::{OwnedVariant, Variant};
 
 pub const INTERFACE: &str = "org.vfiod.Vfiod1.Device";
+
+/// The options `SetMode` takes.
+pub const SET_MODE_OPTIONS: &[&str] = &["num_vfs"];
+/// The options of a method that takes none yet: every key is unknown (InvalidArgument).
+const NO_OPTIONS: &[&str] = &[];
 
 /// The D-Bus face of one PCI function: its address and handles on the engine and the view; its
 /// properties are read from the view, so the object itself never changes.
@@ -311,18 +317,21 @@ impl DeviceObject {
         Ok(claim_path_of(self.objects.view.holder(self.address)))
     }
 
-    /// Puts the device in `mode` ("pf" or "vf"; `num_vfs` 0 = as many as the configuration or
-    /// the device allows). Returns the task once it is prepared; it reports progress as it runs.
-    /// Refused with Busy when a task holds the device, NotManaged, Protected, InUse, or
-    /// InvalidArgument.
+    /// Puts the device in `mode` ("pf" or "vf"). Options: `num_vfs` u (mode vf only; absent
+    /// or 0 = as many as the configuration or the device allows). Returns the task once it is
+    /// prepared; it reports progress as it runs. Refused with Busy when a task holds the device,
+    /// NotManaged, Protected, InUse, or InvalidArgument (an unknown option included).
     async fn set_mode(
         &self,
         mode: &str,
-        num_vfs: u32,
+        options: Dict,
         #[zbus(header)] header: zbus::message::Header<'_>,
         #[zbus(connection)] conn: &zbus::Connection,
     ) -> Result<zbus::OwnedObjectPath, Error> {
         use crate::mode::policy::{Target, VFIO_PCI};
+        let num_vfs = Query::new(options, SET_MODE_OPTIONS)?
+            .u32("num_vfs")?
+            .unwrap_or(0);
         let settings = self.objects.engine.settings();
         let d = self.device()?;
         let rule = settings.rule_for(d.address, d.vendor_id, d.device_id, d.class);
@@ -373,13 +382,16 @@ impl DeviceObject {
     /// Writes catalog image `image` into the FPGA as a `program` task (phases download, write,
     /// verify); replies with the task once it is prepared, or with the refusal: an image that
     /// is not legal for the device (InvalidArgument saying why), Busy, InUse (a claimed VF of
-    /// a card in VF mode). Authorized as `org.vfiod.vfiod1.program`.
+    /// a card in VF mode). Options: none yet (an unknown key is InvalidArgument). Authorized as
+    /// `org.vfiod.vfiod1.program`.
     async fn program(
         &self,
         image: &str,
+        options: Dict,
         #[zbus(header)] header: zbus::message::Header<'_>,
         #[zbus(connection)] conn: &zbus::Connection,
     ) -> Result<zbus::OwnedObjectPath, Error> {
+        Query::new(options, NO_OPTIONS)?;
         let check =
             Check::on_device(ACTION_PROGRAM, "Program", self.address).with(Detail::Image, image);
         let job = FpgaJob::program(self.address, image);
@@ -387,13 +399,16 @@ impl DeviceObject {
     }
 
     /// Checks what the FPGA reports (its port's AFU id) against image `image`, as a `verify`
-    /// task. Authorized as `org.vfiod.vfiod1.program`.
+    /// task. Options: none yet (an unknown key is InvalidArgument). Authorized as
+    /// `org.vfiod.vfiod1.program`.
     async fn verify(
         &self,
         image: &str,
+        options: Dict,
         #[zbus(header)] header: zbus::message::Header<'_>,
         #[zbus(connection)] conn: &zbus::Connection,
     ) -> Result<zbus::OwnedObjectPath, Error> {
+        Query::new(options, NO_OPTIONS)?;
         let check =
             Check::on_device(ACTION_PROGRAM, "Verify", self.address).with(Detail::Image, image);
         let job = FpgaJob::verify(self.address, image);

@@ -1,4 +1,5 @@
-//! PCI identities: the `PciAddress` newtype and class-code helpers.
+//! PCI identities: the `PciAddress` newtype, class-code helpers, and what a config-space
+//! header that reads all-ones means.
 //!
 //! Addresses are the kernel's `DDDD:BB:SS.F` form. The D-Bus object name uses libvirt's nodedev
 //! spelling (`pci_DDDD_BB_SS_F`) so that an operator can match vfiod's objects to `virsh nodedev-*`.
@@ -150,9 +151,26 @@ impl fmt::Display for ClassCode {
     }
 }
 
+/// True when a config-space header reads all-ones: the device is gone or its link is down.
+/// Only the first 64 bytes matter; a VF legitimately reads 0xffff as its vendor/device ids, so
+/// checking just the ids would misreport every VF.
+pub fn config_is_all_ones(header: &[u8]) -> bool {
+    let n = header.len().min(64);
+    n >= 16 && header[..n].iter().all(|&b| b == 0xff)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn all_ones_header() {
+        assert!(config_is_all_ones(&[0xff; 256]));
+        let mut vf = [0xffu8; 64];
+        vf[8] = 0x02; // a VF: ids read 0xffff but class/revision are real
+        assert!(!config_is_all_ones(&vf));
+        assert!(!config_is_all_ones(&[0xff; 4]));
+    }
 
     #[test]
     fn parses_and_prints_addresses() {

@@ -9,7 +9,11 @@ use zbus::OwnedObjectPath;
     default_service = "org.vfiod.Vfiod1"
 )]
 pub trait Device {
-    fn set_mode(&self, mode: &str, num_vfs: u32) -> zbus::Result<OwnedObjectPath>;
+    fn set_mode(
+        &self,
+        mode: &str,
+        options: vfiod::dbus::wire::Dict,
+    ) -> zbus::Result<OwnedObjectPath>;
     fn apply(&self) -> zbus::Result<OwnedObjectPath>;
     fn reset_task(&self) -> zbus::Result<()>;
     #[zbus(property)]

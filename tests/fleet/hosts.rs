@@ -820,7 +820,7 @@ async fn a_database_outage_leaves_the_hosts_alone_and_the_fleet_catches_up() {
         let t = Instant::now();
         let device = vfiod::client::device(&h.client, NIC).await.unwrap();
         let path = device
-            .set_mode("vf", 3)
+            .set_mode("vf", vfiod::client::mode_options(Some(3)))
             .await
             .expect("a mode change during the outage");
         let task = vfiod::client::task(&h.client, path).await.unwrap();

@@ -112,7 +112,10 @@ async fn an_attach_libvirt_refuses_releases_the_claim() {
     let path = claim_vf(&h, "ghost").await;
     let c = claim::claim_view(&h.client, path.as_str()).await.unwrap();
     let (name, message) = refusal(
-        proxy(&h, &path).await.attach("ghost", &[]).await,
+        proxy(&h, &path)
+            .await
+            .attach("ghost", claim::attach_options(&[]))
+            .await,
         "attach to a domain that does not exist",
     );
     assert_eq!(name, "org.vfiod.Vfiod1.Error.AttachFailed", "{message}");
@@ -134,7 +137,10 @@ async fn an_attach_libvirt_refuses_releases_the_claim() {
     // A live hostdev the session driver cannot assign (no such host device, no VFIO here).
     let started = std::time::Instant::now();
     let (name, message) = refusal(
-        proxy(&h, &again).await.attach("vm1", &["live"]).await,
+        proxy(&h, &again)
+            .await
+            .attach("vm1", claim::attach_options(&["live"]))
+            .await,
         "live attach libvirt cannot do",
     );
     assert!(started.elapsed() < SLOW);
@@ -161,19 +167,30 @@ async fn refusals_before_the_attach_change_nothing() {
     for (domain, flags, error, says) in [
         (
             "vm2",
-            vec!["config"],
+            claim::attach_options(&["config"]),
             "InvalidArgument",
             "is for VM vm1, not vm2",
         ),
         (
             "vm1",
-            vec!["hot"],
+            dict(&[("hot", Variant::from(true))]),
             "InvalidArgument",
-            "unknown attach flag \"hot\"",
+            "unknown query key \"hot\"",
         ),
-        ("", vec![], "InvalidArgument", "the domain must be named"),
+        (
+            "vm1",
+            dict(&[("live", false.into()), ("config", false.into())]),
+            "InvalidArgument",
+            "nothing to attach to",
+        ),
+        (
+            "",
+            Default::default(),
+            "InvalidArgument",
+            "the domain must be named",
+        ),
     ] {
-        let (name, message) = refusal(p.attach(domain, &flags).await, domain);
+        let (name, message) = refusal(p.attach(domain, flags).await, domain);
         assert_eq!(name, format!("org.vfiod.Vfiod1.Error.{error}"), "{message}");
         assert!(message.contains(says), "{message}");
     }
@@ -185,7 +202,10 @@ async fn refusals_before_the_attach_change_nothing() {
 
     // vm1 is defined but stopped: a live attach is refused by the domain's state, which only
     // the attach itself learns; the claim is released by the rule.
-    let (name, message) = refusal(p.attach("vm1", &["live"]).await, "live to a stopped domain");
+    let (name, message) = refusal(
+        p.attach("vm1", claim::attach_options(&["live"])).await,
+        "live to a stopped domain",
+    );
     assert_eq!(name, "org.vfiod.Vfiod1.Error.AttachFailed", "{message}");
     assert!(message.contains("not running"), "{message}");
 }
@@ -197,7 +217,9 @@ async fn a_config_attach_and_detach_and_a_detach_that_fails() {
     let path = claim_vf(&h, "vm1").await;
     let p = proxy(&h, &path).await;
     // A stopped domain: into its configuration (the default then).
-    p.attach("vm1", &[]).await.expect("config attach");
+    p.attach("vm1", claim::attach_options(&[]))
+        .await
+        .expect("config attach");
     let c = claim::claim_view(&h.client, path.as_str()).await.unwrap();
     assert_eq!(c.state, "attached");
     assert_eq!(c.vm_uuid, uuid, "the UUID libvirt has is recorded");
@@ -256,7 +278,7 @@ async fn the_reconcile_repairs_claims_libvirt_disagrees_with() {
     let path = claim_vf(&h, "vm1").await;
     proxy(&h, &path)
         .await
-        .attach("vm1", &["config"])
+        .attach("vm1", claim::attach_options(&["config"]))
         .await
         .unwrap();
     let c = claim::claim_view(&h.client, path.as_str()).await.unwrap();
@@ -462,7 +484,10 @@ async fn without_libvirt_attach_says_so_and_claims_still_work() {
     .await;
     let path = claim_vf(&h, "vm1").await;
     let (name, message) = refusal(
-        proxy(&h, &path).await.attach("vm1", &[]).await,
+        proxy(&h, &path)
+            .await
+            .attach("vm1", claim::attach_options(&[]))
+            .await,
         "attach without libvirt",
     );
     assert_eq!(name, "org.vfiod.Vfiod1.Error.Failed", "{message}");
@@ -572,7 +597,11 @@ async fn undefining_a_stopped_domain_ends_its_attached_claims() {
     define(&d, "vm1", false);
     define(&d, "vm2", false);
     let one = claim_vf(&h, "vm1").await;
-    proxy(&h, &one).await.attach("vm1", &[]).await.unwrap();
+    proxy(&h, &one)
+        .await
+        .attach("vm1", claim::attach_options(&[]))
+        .await
+        .unwrap();
     let m = claim::claims_proxy(&h.client).await.unwrap();
     let two = m
         .claim(
@@ -584,7 +613,11 @@ async fn undefining_a_stopped_domain_ends_its_attached_claims() {
         )
         .await
         .unwrap();
-    proxy(&h, &two).await.attach("vm2", &[]).await.unwrap();
+    proxy(&h, &two)
+        .await
+        .attach("vm2", claim::attach_options(&[]))
+        .await
+        .unwrap();
     let uri = d.qemu_uri();
     d.virsh_at(&uri, &["undefine", "vm1"]);
     d.virsh_at(&uri, &["undefine", "vm2"]);

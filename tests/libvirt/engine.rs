@@ -105,7 +105,12 @@ async fn a_task_guard_asks_libvirt_across_a_libvirtd_restart() {
         zbus::Error::MethodError(n, m, _) => (n.to_string(), m.unwrap_or_default()),
         other => panic!("not a method error: {other}"),
     };
-    let (name, msg) = refusal(device.set_mode("pf", 0).await.unwrap_err());
+    let (name, msg) = refusal(
+        device
+            .set_mode("pf", vfiod::client::mode_options(None))
+            .await
+            .unwrap_err(),
+    );
     assert_eq!(name, "org.vfiod.Vfiod1.Error.InUse", "{msg}");
     assert!(
         msg.contains("0000:3b:02.0 is assigned to running domain web1"),
@@ -114,7 +119,12 @@ async fn a_task_guard_asks_libvirt_across_a_libvirtd_restart() {
 
     d.kill();
     let t = std::time::Instant::now();
-    let (name, msg) = refusal(device.set_mode("pf", 0).await.unwrap_err());
+    let (name, msg) = refusal(
+        device
+            .set_mode("pf", vfiod::client::mode_options(None))
+            .await
+            .unwrap_err(),
+    );
     assert!(
         t.elapsed() < vfiod::host::libvirt::ANSWER_TIMEOUT + Duration::from_secs(5),
         "answered after {:?}",
@@ -150,7 +160,10 @@ async fn a_task_guard_asks_libvirt_across_a_libvirtd_restart() {
         Duration::from_secs(30),
         "the worker reconnects and sees web2",
         || async {
-            match device.set_mode("pf", 0).await {
+            match device
+                .set_mode("pf", vfiod::client::mode_options(None))
+                .await
+            {
                 Err(zbus::Error::MethodError(n, Some(m), _))
                     if n.as_str() == "org.vfiod.Vfiod1.Error.InUse" =>
                 {
@@ -166,7 +179,10 @@ async fn a_task_guard_asks_libvirt_across_a_libvirtd_restart() {
     assert!(h.kernel.take_write_log().is_empty());
 
     d.virsh(&["destroy", "web2"]);
-    let task = device.set_mode("pf", 0).await.unwrap();
+    let task = device
+        .set_mode("pf", vfiod::client::mode_options(None))
+        .await
+        .unwrap();
     let t = vfiod::client::task(&h.client, task).await.unwrap();
     let (state, result) = vfiod::client::wait_task(&t, |_, _| {}).await.unwrap();
     assert_eq!(state, "success", "{result}");

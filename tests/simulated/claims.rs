@@ -361,7 +361,7 @@ async fn a_claim_holds_the_whole_iommu_group_until_released() {
         .await
         .unwrap();
     let nic = vfiod::client::device(&h.client, NIC).await.unwrap();
-    let (name, message) = refusal(nic.set_mode("pf", 0).await);
+    let (name, message) = refusal(nic.set_mode("pf", vfiod::client::mode_options(None)).await);
     assert_eq!(name, "org.vfiod.Vfiod1.Error.InUse", "{message}");
     assert!(message.contains("db"), "{message}");
     claim::release(&h.client, vf_claim).await.unwrap();
@@ -526,7 +526,10 @@ async fn bad_requests_and_unclaimable_devices_get_named_errors() {
         Some(1),
     );
     let nic = vfiod::client::device(&h.client, NIC).await.unwrap();
-    let task = nic.set_mode("vf", 8).await.unwrap();
+    let task = nic
+        .set_mode("vf", vfiod::client::mode_options(Some(8)))
+        .await
+        .unwrap();
     let id: String = task.as_str().rsplit('/').next().unwrap().to_string();
     let (name, message) = refusal(
         m.claim(dict(&[("address", Variant::from("0000:3b:02.0"))]), vm("a"))

@@ -381,9 +381,15 @@ async fn a_failing_drivers_probe_fails_the_split_and_the_inventory_follows_the_r
     let device = vfiod::client::device(&h.client, "0000:af:00.0")
         .await
         .unwrap();
-    let task = vfiod::client::task(&h.client, device.set_mode("vf", 4).await.unwrap())
-        .await
-        .unwrap();
+    let task = vfiod::client::task(
+        &h.client,
+        device
+            .set_mode("vf", vfiod::client::mode_options(Some(4)))
+            .await
+            .unwrap(),
+    )
+    .await
+    .unwrap();
     let task = &task;
     let client = &h.client;
     eventually_async(

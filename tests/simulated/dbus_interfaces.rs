@@ -311,7 +311,10 @@ async fn shipped_interface_xml_is_what_the_daemon_serves() {
     let fpga = vfiod::client::device(&h.client, "0000:af:00.0")
         .await
         .unwrap();
-    let task: OwnedObjectPath = fpga.set_mode("vf", 2).await.unwrap();
+    let task: OwnedObjectPath = fpga
+        .set_mode("vf", vfiod::client::mode_options(Some(2)))
+        .await
+        .unwrap();
     let claim = manager
         .claim(
             dict(&[("kind", Variant::from("gpu"))]),

@@ -115,7 +115,7 @@ async fn program_then_verify_end_to_end() {
         FaultAction::Delay(Duration::from_millis(800)),
         Some(1),
     );
-    let path = d.program("nlb").await.unwrap();
+    let path = d.program("nlb", Default::default()).await.unwrap();
     let t = task(&h, &path).await;
     assert_eq!(t.kind().await.unwrap(), "program");
     let t = &t;
@@ -156,7 +156,7 @@ async fn program_then_verify_end_to_end() {
     );
 
     // Verify: what the port reports against the image.
-    let (state, result) = finish(&h, &d.verify("nlb").await.unwrap()).await;
+    let (state, result) = finish(&h, &d.verify("nlb", Default::default()).await.unwrap()).await;
     assert_eq!(
         (state.as_str(), result.contains("runs image nlb")),
         ("success", true),
@@ -166,7 +166,7 @@ async fn program_then_verify_end_to_end() {
     // holds the device until reset).
     let other = build::gbs(REFERENCE_FPGA_INTERFACE, &["11".repeat(16).as_str()], b"x");
     add(&h, "other", &other, dict(&[])).await;
-    let (state, result) = finish(&h, &d.verify("other").await.unwrap()).await;
+    let (state, result) = finish(&h, &d.verify("other", Default::default()).await.unwrap()).await;
     assert_eq!(state, "error");
     assert!(result.contains(&format!("reports AFU {NLB}")), "{result}");
     d.reset_task().await.unwrap();
@@ -208,7 +208,7 @@ async fn illegal_images_are_refused_in_prepare_and_leave_the_device_idle() {
         ("shell", "configure an exec backend"),
         ("missing", "no image \"missing\""),
     ] {
-        let (name, message) = refusal(d.program(image).await, image);
+        let (name, message) = refusal(d.program(image, Default::default()).await, image);
         assert!(
             name.ends_with("InvalidArgument"),
             "{image}: {name}: {message}"
@@ -216,7 +216,10 @@ async fn illegal_images_are_refused_in_prepare_and_leave_the_device_idle() {
         assert!(message.contains(reason), "{image}: {message}");
         assert_eq!(settled_state(&h, AF).await, "idle", "{image}");
     }
-    let (name, _) = refusal(d.verify("off").await, "verify of a deactivated image");
+    let (name, _) = refusal(
+        d.verify("off", Default::default()).await,
+        "verify of a deactivated image",
+    );
     assert!(name.ends_with("InvalidArgument"));
     assert_eq!(pr_writes(&h), 0, "a refused program reached the card");
     // Refusals inside the task are recorded (as refused and reset), the one before admission
@@ -239,16 +242,22 @@ async fn a_failing_backend_leaves_error_until_reset() {
         FaultAction::Errno(libc::EIO),
         Some(1),
     );
-    let (state, result) = finish(&h, &d.program("nlb").await.unwrap()).await;
+    let (state, result) = finish(&h, &d.program("nlb", Default::default()).await.unwrap()).await;
     assert_eq!(state, "error");
     assert!(
         result.contains("partial reconfiguration through") && result.contains("Input/output error"),
         "{result}"
     );
     assert_eq!(settled_state(&h, AF).await, "error");
-    let (name, message) = refusal(d.program("nlb").await, "a program while in error");
+    let (name, message) = refusal(
+        d.program("nlb", Default::default()).await,
+        "a program while in error",
+    );
     assert!(name.ends_with("Busy"), "{name}: {message}");
-    let (name, _) = refusal(d.verify("nlb").await, "a verify while in error");
+    let (name, _) = refusal(
+        d.verify("nlb", Default::default()).await,
+        "a verify while in error",
+    );
     assert!(name.ends_with("Busy"));
     d.reset_task().await.unwrap();
     assert_eq!(settled_state(&h, AF).await, "idle");
@@ -257,7 +266,7 @@ async fn a_failing_backend_leaves_error_until_reset() {
         reset.iter().any(|t| t.reset_by.is_some()),
         "the reset is recorded with who did it"
     );
-    let (state, result) = finish(&h, &d.program("nlb").await.unwrap()).await;
+    let (state, result) = finish(&h, &d.program("nlb", Default::default()).await.unwrap()).await;
     assert_eq!(state, "success", "{result}");
 }
 
@@ -274,7 +283,10 @@ async fn one_program_at_a_time_per_card_and_two_cards_at_once() {
         );
     }
     let (d1, d2) = (dev(&h, AF).await, dev(&h, AF).await);
-    let (r1, r2) = tokio::join!(d1.program("nlb"), d2.program("nlb"));
+    let (r1, r2) = tokio::join!(
+        d1.program("nlb", Default::default()),
+        d2.program("nlb", Default::default())
+    );
     let (ok, refused) = match (r1, r2) {
         (Ok(p), Err(e)) | (Err(e), Ok(p)) => (p, e),
         (a, b) => panic!("two programs on one card: {a:?} and {b:?}"),
@@ -290,7 +302,10 @@ async fn one_program_at_a_time_per_card_and_two_cards_at_once() {
     // Two cards: both run, at the same time.
     let (da, db) = (dev(&h, AF).await, dev(&h, B1).await);
     let started = std::time::Instant::now();
-    let (ra, rb) = tokio::join!(da.program("nlb"), db.program("nlb"));
+    let (ra, rb) = tokio::join!(
+        da.program("nlb", Default::default()),
+        db.program("nlb", Default::default())
+    );
     let (pa, pb) = (ra.unwrap(), rb.unwrap());
     let (sa, sb) = tokio::join!(finish(&h, &pa), finish(&h, &pb));
     assert_eq!(
@@ -313,7 +328,14 @@ async fn a_card_in_vf_mode_is_refused_when_a_vf_is_claimed_else_restored_program
     let af = common::addr(AF);
     let d = dev(&h, AF).await;
     assert_eq!(
-        finish(&h, &d.set_mode("vf", 2).await.unwrap()).await.0,
+        finish(
+            &h,
+            &d.set_mode("vf", vfiod::client::mode_options(Some(2)))
+                .await
+                .unwrap()
+        )
+        .await
+        .0,
         "success"
     );
     assert_eq!(settled_state(&h, AF).await, "idle");
@@ -339,7 +361,10 @@ async fn a_card_in_vf_mode_is_refused_when_a_vf_is_claimed_else_restored_program
         .await
         .unwrap();
     h.kernel.take_write_log();
-    let (name, message) = refusal(d.program("nlb").await, "program with a claimed VF");
+    let (name, message) = refusal(
+        d.program("nlb", Default::default()).await,
+        "program with a claimed VF",
+    );
     assert!(name.ends_with("InUse"), "{name}: {message}");
     assert!(message.contains("claimed by VM db1"), "{message}");
     assert!(
@@ -350,7 +375,7 @@ async fn a_card_in_vf_mode_is_refused_when_a_vf_is_claimed_else_restored_program
     assert_eq!(settled_state(&h, AF).await, "idle");
 
     client::claim::release(&h.client, claim).await.unwrap();
-    let (state, result) = finish(&h, &d.program("nlb").await.unwrap()).await;
+    let (state, result) = finish(&h, &d.program("nlb", Default::default()).await.unwrap()).await;
     assert_eq!(state, "success", "{result}");
     assert!(
         result.contains("restored to PF mode (from 2 VFs)")
@@ -370,7 +395,7 @@ async fn a_card_in_vf_mode_is_refused_when_a_vf_is_claimed_else_restored_program
         FaultAction::Errno(libc::EIO),
         Some(1),
     );
-    let (state, result) = finish(&h, &d.program("nlb").await.unwrap()).await;
+    let (state, result) = finish(&h, &d.program("nlb", Default::default()).await.unwrap()).await;
     assert_eq!(state, "error");
     assert!(
         result.contains("rollback split again into 2 VFs"),
@@ -419,13 +444,13 @@ async fn the_exec_backend_runs_the_operators_command() {
     )
     .await;
     let d = dev(&h, AF).await;
-    let (state, result) = finish(&h, &d.program("good").await.unwrap()).await;
+    let (state, result) = finish(&h, &d.program("good", Default::default()).await.unwrap()).await;
     assert_eq!(state, "success", "{result}");
     assert!(
         result.contains("succeeded; output: writing") && result.contains("warning"),
         "{result}"
     );
-    let (state, result) = finish(&h, &d.program("shell").await.unwrap()).await;
+    let (state, result) = finish(&h, &d.program("shell", Default::default()).await.unwrap()).await;
     assert_eq!(
         state, "error",
         "the card's port reports another AFU than the xclbin's: {result}"
@@ -437,7 +462,7 @@ async fn the_exec_backend_runs_the_operators_command() {
     );
     assert!(result.contains("reports AFU"), "{result}");
     d.reset_task().await.unwrap();
-    let (state, result) = finish(&h, &d.program("fail").await.unwrap()).await;
+    let (state, result) = finish(&h, &d.program("fail", Default::default()).await.unwrap()).await;
     assert_eq!(state, "error");
     assert!(
         result.contains("failed (exit status: 3)")
@@ -446,7 +471,7 @@ async fn the_exec_backend_runs_the_operators_command() {
         "{result}"
     );
     d.reset_task().await.unwrap();
-    let (state, result) = finish(&h, &d.program("slow").await.unwrap()).await;
+    let (state, result) = finish(&h, &d.program("slow", Default::default()).await.unwrap()).await;
     assert_eq!(state, "error");
     assert!(result.contains("did not finish within 2s"), "{result}");
     assert_eq!(pr_writes(&h), 0, "the exec backend never used the FME");

@@ -622,7 +622,7 @@ async fn the_program_task_downloads_an_image_whose_copy_is_gone() {
     );
 
     let d = vfiod::client::device(&h.client, AF).await.unwrap();
-    let path = d.program("nlb").await.unwrap();
+    let path = d.program("nlb", Default::default()).await.unwrap();
     let t = vfiod::client::task(&h.client, path.clone()).await.unwrap();
     let (state, pct) = eventually_async(Duration::from_secs(20), "the downloading step", || {
         let t = t.clone();
@@ -648,7 +648,7 @@ async fn the_program_task_downloads_an_image_whose_copy_is_gone() {
     std::fs::remove_file(&e.path).unwrap();
     server.route("/nlb.gbs", Route::Body(b"something else".to_vec()));
     h.kernel.take_write_log();
-    let path = d.program("nlb").await.unwrap();
+    let path = d.program("nlb", Default::default()).await.unwrap();
     let t = vfiod::client::task(&h.client, path).await.unwrap();
     let (state, result) = finish(&t).await;
     assert_eq!(state, "error");

@@ -22,7 +22,10 @@ async fn every_object_introspects_as_well_formed_xml() {
     let fpga = vfiod::client::device(&h.client, "0000:af:00.0")
         .await
         .unwrap();
-    let task = fpga.set_mode("vf", 2).await.unwrap();
+    let task = fpga
+        .set_mode("vf", vfiod::client::mode_options(Some(2)))
+        .await
+        .unwrap();
     for (path, interface, members) in [
         (
             vfiod::dbus::ROOT_PATH.to_string(),

@@ -90,7 +90,10 @@ async fn the_program_job_is_refused_by_a_running_domain_and_an_open_vfio_group()
         .await
         .unwrap();
     let d: DeviceProxy = client::device(&h.client, AF).await.unwrap();
-    let task = d.set_mode("vf", 2).await.unwrap();
+    let task = d
+        .set_mode("vf", vfiod::client::mode_options(Some(2)))
+        .await
+        .unwrap();
     let t = client::task(&h.client, task).await.unwrap();
     let t = &t;
     eventually_async(Duration::from_secs(60), "split", || async move {
@@ -111,7 +114,7 @@ async fn the_program_job_is_refused_by_a_running_domain_and_an_open_vfio_group()
     // A QEMU outside libvirt holds the first VF's group: reprogramming would remove the VF.
     qemu_holds(&h, "0000:af:00.1");
     in_use(
-        d.program("nlb").await,
+        d.program("nlb", Default::default()).await,
         "program with a VF's group open",
         "is open by pid 4242 (qemu-system-x86)",
     );
@@ -121,7 +124,7 @@ async fn the_program_job_is_refused_by_a_running_domain_and_an_open_vfio_group()
     h.replace_config(&config(&with_domain));
     h.manager().await.reload().await.unwrap();
     in_use(
-        d.program("nlb").await,
+        d.program("nlb", Default::default()).await,
         "program with a VF assigned to a running domain",
         "0000:af:00.2 is assigned to running domain web1",
     );
@@ -166,7 +169,7 @@ async fn the_attach_job_is_refused_by_an_open_vfio_group_and_another_running_dom
     h.kernel.take_write_log();
     qemu_holds(&h, "0000:3b:02.1");
     in_use(
-        p.attach("web2", &["config"]).await,
+        p.attach("web2", claim::attach_options(&["config"])).await,
         "attach of a VF whose group is open",
         "is open by pid 4242 (qemu-system-x86)",
     );
@@ -182,7 +185,7 @@ async fn the_attach_job_is_refused_by_an_open_vfio_group_and_another_running_dom
         .await
         .unwrap();
     in_use(
-        p.attach("web2", &["config"]).await,
+        p.attach("web2", claim::attach_options(&["config"])).await,
         "attach of a VF another domain has",
         "0000:3b:02.2 is assigned to running domain other",
     );

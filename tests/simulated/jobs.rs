@@ -169,7 +169,12 @@ async fn a_second_request_on_the_device_or_its_scope_is_busy() {
         audio.current_task().await.unwrap(),
         vfiod::dbus::task::task_path(task.id)
     );
-    let (name, message) = error_name(audio.set_mode("pf", 0).await.unwrap_err());
+    let (name, message) = error_name(
+        audio
+            .set_mode("pf", vfiod::client::mode_options(None))
+            .await
+            .unwrap_err(),
+    );
     assert_eq!(name, "org.vfiod.Vfiod1.Error.Busy", "{message}");
     assert!(
         message.contains(&format!("task {} test", task.id)),
@@ -254,7 +259,11 @@ async fn a_failure_or_a_panic_is_rolled_back_and_holds_the_device_until_reset() 
             vfiod::error_chain(&e).contains("until an operator resets it"),
             "{e}"
         );
-        let (name, _) = error_name(fpga.set_mode("vf", 2).await.unwrap_err());
+        let (name, _) = error_name(
+            fpga.set_mode("vf", vfiod::client::mode_options(Some(2)))
+                .await
+                .unwrap_err(),
+        );
         assert_eq!(name, "org.vfiod.Vfiod1.Error.Busy");
 
         fpga.reset_task().await.unwrap();

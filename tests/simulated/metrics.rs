@@ -87,7 +87,9 @@ async fn a_mode_task_and_a_hook_call_show_in_the_metrics_and_the_textfile() {
     let nic = vfiod::client::device(&h.client, "0000:3b:00.0")
         .await
         .unwrap();
-    nic.set_mode("vf", 8).await.unwrap();
+    nic.set_mode("vf", vfiod::client::mode_options(Some(8)))
+        .await
+        .unwrap();
     let m = h.manager().await;
     let (code, _, _) = m.hook("vm1", "started", "begin", "-", XML).await.unwrap();
     assert_eq!(code, 0);

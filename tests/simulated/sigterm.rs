@@ -370,7 +370,10 @@ fn nic_in_files(root: &Path) -> (u32, usize) {
 /// Starts a 64-VF split of the NIC over D-Bus and returns once its task runs.
 async fn split_running(conn: &zbus::Connection) -> zbus::OwnedObjectPath {
     let nic = vfiod::client::device(conn, NIC).await.unwrap();
-    let path = nic.set_mode("vf", 64).await.expect("the split starts");
+    let path = nic
+        .set_mode("vf", vfiod::client::mode_options(Some(64)))
+        .await
+        .expect("the split starts");
     let task = vfiod::client::task(conn, path.clone()).await.unwrap();
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
@@ -432,7 +435,10 @@ async fn sigterm_during_a_running_split() {
     // From PF mode again for the next split.
     if nic_in_files(&root).0 != 0 {
         let nic = vfiod::client::device(&conn, NIC).await.unwrap();
-        let t = nic.set_mode("pf", 0).await.unwrap();
+        let t = nic
+            .set_mode("pf", vfiod::client::mode_options(None))
+            .await
+            .unwrap();
         let t = vfiod::client::task(&conn, t).await.unwrap();
         let (state, result) = vfiod::client::wait_task(&t, |_, _| {}).await.unwrap();
         assert_eq!(state, "success", "{result}");

@@ -119,8 +119,14 @@ fn send(conn: &zbus::Connection, kind: Kind) -> Reply {
             }
             Kind::SetMode(a) => {
                 let path = device_path(a);
-                c.call_method(root, path.as_str(), Some(DEVICE), "SetMode", &("pf", 0u32))
-                    .await
+                c.call_method(
+                    root,
+                    path.as_str(),
+                    Some(DEVICE),
+                    "SetMode",
+                    &("pf", vfiod::dbus::wire::Dict::new()),
+                )
+                .await
             }
             Kind::GetAll(a) => {
                 let path = device_path(a);

@@ -95,6 +95,12 @@ async fn extra_missing_and_wrong_arguments_are_refused_by_name() {
         "SetMode(0, \"pf\")",
         "SetMode",
     );
+    // The options are a{sv}: the old (s, u) signature is refused as any wrong one.
+    assert_invalid_args(
+        call(c, GPU_PATH, DEVICE, "SetMode", &("pf", 0u32)).await,
+        "SetMode(\"pf\", 0)",
+        "SetMode",
+    );
     assert_invalid_args(
         call(c, GPU_PATH, DEVICE, "Apply", &(true,)).await,
         "Apply(true)",
@@ -196,8 +202,15 @@ async fn a_megabyte_argument_gets_a_short_error() {
     let c = &h.client;
     let huge = "v".repeat(1 << 20);
     let (name, message) = refusal(
-        call(c, GPU_PATH, DEVICE, "SetMode", &(huge.as_str(), 0u32)).await,
-        "SetMode(1 MB, 0)",
+        call(
+            c,
+            GPU_PATH,
+            DEVICE,
+            "SetMode",
+            &(huge.as_str(), vfiod::dbus::wire::Dict::new()),
+        )
+        .await,
+        "SetMode(1 MB, {})",
     );
     assert_eq!(
         name, "org.vfiod.Vfiod1.Error.InvalidArgument",

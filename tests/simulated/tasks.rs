@@ -61,7 +61,10 @@ async fn finish(h: &Harness, path: &OwnedObjectPath) -> (String, String, String)
 /// Splits the FPGA (0000:af:00.0) into `vfs` VFs and waits for the task's success.
 async fn split_fpga<'a>(h: &'a Harness, vfs: u32) -> DeviceProxy<'a> {
     let fpga = device(h, "0000:af:00.0").await;
-    let task = fpga.set_mode("vf", vfs).await.unwrap();
+    let task = fpga
+        .set_mode("vf", vfiod::client::mode_options(Some(vfs)))
+        .await
+        .unwrap();
     assert_eq!(finish(h, &task).await.0, "success");
     fpga
 }
@@ -77,7 +80,10 @@ fn error_name(e: zbus::Error) -> (String, String) {
 async fn set_mode_splits_and_restores_with_a_visible_task() {
     let h = Harness::start(STEADY_CONFIG).await;
     let nic = device(&h, "0000:3b:00.0").await;
-    let task = nic.set_mode("vf", 8).await.unwrap();
+    let task = nic
+        .set_mode("vf", vfiod::client::mode_options(Some(8)))
+        .await
+        .unwrap();
     let (state, result, kind) = finish(&h, &task).await;
     assert_eq!(
         (state.as_str(), kind.as_str()),
@@ -113,7 +119,10 @@ async fn set_mode_splits_and_restores_with_a_visible_task() {
         stored[0]
     );
 
-    let task = nic.set_mode("pf", 0).await.unwrap();
+    let task = nic
+        .set_mode("pf", vfiod::client::mode_options(None))
+        .await
+        .unwrap();
     let (state, result, kind) = finish(&h, &task).await;
     assert_eq!(
         (state.as_str(), kind.as_str()),
@@ -128,7 +137,10 @@ async fn set_mode_splits_and_restores_with_a_visible_task() {
 
     // Same mode again: a task that says "unchanged", and no write at all.
     h.kernel.take_write_log();
-    let task = nic.set_mode("pf", 0).await.unwrap();
+    let task = nic
+        .set_mode("pf", vfiod::client::mode_options(None))
+        .await
+        .unwrap();
     let (state, result, _) = finish(&h, &task).await;
     assert_eq!(state, "success");
     assert!(result.contains("unchanged"), "{result}");
@@ -145,7 +157,7 @@ async fn concurrent_requests_one_accepted_the_rest_busy() {
         Some(1),
     );
     let fpga = device(&h, "0000:af:00.0").await;
-    let calls = (0..6).map(|_| fpga.set_mode("vf", 4));
+    let calls = (0..6).map(|_| fpga.set_mode("vf", vfiod::client::mode_options(Some(4))));
     let results = futures_util::future::join_all(calls).await;
     let (ok, busy): (Vec<_>, Vec<_>) = results.into_iter().partition(|r| r.is_ok());
     assert_eq!(ok.len(), 1, "{ok:?} {busy:?}");
@@ -171,7 +183,10 @@ async fn a_failed_task_rolls_back_and_stays_in_error_until_reset() {
         Some(1),
     );
     let fpga = device(&h, "0000:af:00.0").await;
-    let task = fpga.set_mode("vf", 4).await.unwrap();
+    let task = fpga
+        .set_mode("vf", vfiod::client::mode_options(Some(4)))
+        .await
+        .unwrap();
     let (state, result, _) = finish(&h, &task).await;
     assert_eq!(state, "error");
     assert!(
@@ -185,7 +200,11 @@ async fn a_failed_task_rolls_back_and_stays_in_error_until_reset() {
     assert_eq!(h.kernel.num_vfs(pf), Some(0), "not rolled back");
     assert_eq!(fpga.task_state().await.unwrap(), "error");
 
-    let (name, msg) = error_name(fpga.set_mode("vf", 4).await.unwrap_err());
+    let (name, msg) = error_name(
+        fpga.set_mode("vf", vfiod::client::mode_options(Some(4)))
+            .await
+            .unwrap_err(),
+    );
     assert_eq!(name, "org.vfiod.Vfiod1.Error.Busy");
     assert!(msg.contains("error"), "{msg}");
 
@@ -204,7 +223,10 @@ async fn a_failed_task_rolls_back_and_stays_in_error_until_reset() {
         "reset of an idle device"
     );
 
-    let task = fpga.set_mode("vf", 4).await.unwrap();
+    let task = fpga
+        .set_mode("vf", vfiod::client::mode_options(Some(4)))
+        .await
+        .unwrap();
     assert_eq!(finish(&h, &task).await.0, "success");
     assert_eq!(h.kernel.num_vfs(pf), Some(4));
 }
@@ -214,16 +236,31 @@ async fn guards_refuse_with_named_errors_and_change_nothing() {
     let h = Harness::start(STEADY_CONFIG).await;
     h.kernel.take_write_log();
     let boot = device(&h, "0000:3d:00.0").await;
-    let (name, msg) = error_name(boot.set_mode("pf", 0).await.unwrap_err());
+    let (name, msg) = error_name(
+        boot.set_mode("pf", vfiod::client::mode_options(None))
+            .await
+            .unwrap_err(),
+    );
     assert_eq!(name, "org.vfiod.Vfiod1.Error.Protected");
     assert!(msg.contains("mounted at /"), "{msg}");
     let host_nic = device(&h, "0000:02:00.0").await;
     assert_eq!(
-        error_name(host_nic.set_mode("pf", 0).await.unwrap_err()).0,
+        error_name(
+            host_nic
+                .set_mode("pf", vfiod::client::mode_options(None))
+                .await
+                .unwrap_err()
+        )
+        .0,
         "org.vfiod.Vfiod1.Error.Protected"
     );
     let bridge = device(&h, "0000:00:01.0").await;
-    let (name, msg) = error_name(bridge.set_mode("pf", 0).await.unwrap_err());
+    let (name, msg) = error_name(
+        bridge
+            .set_mode("pf", vfiod::client::mode_options(None))
+            .await
+            .unwrap_err(),
+    );
     // Not selected is not the same as used by the host: its own error, which says how to select.
     assert_eq!(name, "org.vfiod.Vfiod1.Error.NotManaged");
     assert!(
@@ -231,21 +268,40 @@ async fn guards_refuse_with_named_errors_and_change_nothing() {
         "{msg}"
     );
     let nvme = device(&h, "0000:d8:00.0").await;
-    let (name, msg) = error_name(nvme.set_mode("vf", 2).await.unwrap_err());
+    let (name, msg) = error_name(
+        nvme.set_mode("vf", vfiod::client::mode_options(Some(2)))
+            .await
+            .unwrap_err(),
+    );
     assert_eq!(name, "org.vfiod.Vfiod1.Error.InvalidArgument");
     assert!(msg.contains("non-separable"), "{msg}");
     let nic = device(&h, "0000:3b:00.0").await;
     assert_eq!(
-        error_name(nic.set_mode("vf", 65).await.unwrap_err()).0,
+        error_name(
+            nic.set_mode("vf", vfiod::client::mode_options(Some(65)))
+                .await
+                .unwrap_err()
+        )
+        .0,
         "org.vfiod.Vfiod1.Error.InvalidArgument"
     );
     assert_eq!(
-        error_name(nic.set_mode("split", 0).await.unwrap_err()).0,
+        error_name(
+            nic.set_mode("split", vfiod::client::mode_options(None))
+                .await
+                .unwrap_err()
+        )
+        .0,
         "org.vfiod.Vfiod1.Error.InvalidArgument"
     );
     let vf = device(&h, "0000:5e:00.1").await;
     assert_eq!(
-        error_name(vf.set_mode("pf", 0).await.unwrap_err()).0,
+        error_name(
+            vf.set_mode("pf", vfiod::client::mode_options(None))
+                .await
+                .unwrap_err()
+        )
+        .0,
         "org.vfiod.Vfiod1.Error.InvalidArgument"
     );
     assert!(
@@ -273,7 +329,11 @@ async fn a_device_a_vm_holds_open_is_never_taken_down() {
     std::os::unix::fs::symlink(format!("/dev/vfio/{group}"), proc_dir.join("fd/17")).unwrap();
     h.kernel.take_write_log();
 
-    let (name, msg) = error_name(fpga.set_mode("pf", 0).await.unwrap_err());
+    let (name, msg) = error_name(
+        fpga.set_mode("pf", vfiod::client::mode_options(None))
+            .await
+            .unwrap_err(),
+    );
     assert_eq!(name, "org.vfiod.Vfiod1.Error.InUse");
     assert!(msg.contains("pid 4242 (qemu-system-x86)"), "{msg}");
     assert_eq!(
@@ -306,7 +366,11 @@ async fn a_claimed_device_is_not_converted() {
         .await
         .unwrap();
     h.kernel.take_write_log();
-    let (name, msg) = error_name(fpga.set_mode("pf", 0).await.unwrap_err());
+    let (name, msg) = error_name(
+        fpga.set_mode("pf", vfiod::client::mode_options(None))
+            .await
+            .unwrap_err(),
+    );
     assert_eq!(name, "org.vfiod.Vfiod1.Error.InUse");
     assert!(msg.contains("0000:af:00.2 is claimed by VM web-7"), "{msg}");
     assert!(h.kernel.take_write_log().is_empty());
@@ -421,7 +485,15 @@ async fn an_interrupted_task_is_reported_and_needs_a_reset() {
     );
     fpga.reset_task().await.unwrap();
     assert_eq!(
-        finish(&h, &fpga.set_mode("vf", 4).await.unwrap()).await.0,
+        finish(
+            &h,
+            &fpga
+                .set_mode("vf", vfiod::client::mode_options(Some(4)))
+                .await
+                .unwrap()
+        )
+        .await
+        .0,
         "success"
     );
 }
@@ -528,8 +600,8 @@ async fn a_task_on_one_function_makes_its_group_mates_busy() {
         format!("/org/vfiod/Vfiod1/task/{}", bind.id)
     );
     let (a, g, apply) = tokio::join!(
-        audio.set_mode("pf", 0),
-        gpu.set_mode("pf", 0),
+        audio.set_mode("pf", vfiod::client::mode_options(None)),
+        gpu.set_mode("pf", vfiod::client::mode_options(None)),
         audio.apply()
     );
     for r in [a, apply] {
@@ -588,13 +660,21 @@ async fn a_vf_a_running_domain_uses_is_not_taken_away() {
     h.kernel.take_write_log();
 
     let nic = device(&h, "0000:3b:00.0").await;
-    let (name, msg) = error_name(nic.set_mode("pf", 0).await.unwrap_err());
+    let (name, msg) = error_name(
+        nic.set_mode("pf", vfiod::client::mode_options(None))
+            .await
+            .unwrap_err(),
+    );
     assert_eq!(name, "org.vfiod.Vfiod1.Error.InUse", "{msg}");
     assert!(
         msg.contains("0000:3b:02.0 is assigned to running domain web1"),
         "{msg}"
     );
-    let (name, _) = error_name(nic.set_mode("vf", 2).await.unwrap_err());
+    let (name, _) = error_name(
+        nic.set_mode("vf", vfiod::client::mode_options(Some(2)))
+            .await
+            .unwrap_err(),
+    );
     assert_eq!(name, "org.vfiod.Vfiod1.Error.InUse");
     assert!(
         h.kernel.take_write_log().is_empty(),
@@ -606,7 +686,11 @@ async fn a_vf_a_running_domain_uses_is_not_taken_away() {
     let missing = format!("test://{}", dir.path().join("missing.xml").display());
     std::fs::write(&h.config_path, config(&missing)).unwrap();
     h.manager().await.reload().await.unwrap();
-    let (name, msg) = error_name(nic.set_mode("pf", 0).await.unwrap_err());
+    let (name, msg) = error_name(
+        nic.set_mode("pf", vfiod::client::mode_options(None))
+            .await
+            .unwrap_err(),
+    );
     assert_eq!(name, "org.vfiod.Vfiod1.Error.Failed", "{msg}");
     assert!(
         msg.contains("cannot check which running domains use it") && msg.contains("missing.xml"),
@@ -644,7 +728,10 @@ async fn a_vf_shows_its_pf_task() {
     );
     let vf = device(&h, "0000:af:00.1").await;
     assert_eq!(vf.task_state().await.unwrap(), "idle");
-    let restore = fpga.set_mode("pf", 0).await.unwrap();
+    let restore = fpga
+        .set_mode("pf", vfiod::client::mode_options(None))
+        .await
+        .unwrap();
     let (vf_ref, restore_ref) = (&vf, &restore);
     eventually_async(
         Duration::from_secs(2),
@@ -653,7 +740,11 @@ async fn a_vf_shows_its_pf_task() {
     )
     .await;
     assert_ne!(vf.task_state().await.unwrap(), "idle");
-    let (name, msg) = error_name(vf.set_mode("pf", 0).await.unwrap_err());
+    let (name, msg) = error_name(
+        vf.set_mode("pf", vfiod::client::mode_options(None))
+            .await
+            .unwrap_err(),
+    );
     assert_eq!(name, "org.vfiod.Vfiod1.Error.InvalidArgument", "{msg}");
     assert_eq!(finish(&h, &restore).await.0, "success");
 }

@@ -71,7 +71,7 @@ pub(crate) async fn run(conn: &zbus::Connection, command: Command) -> Result<(),
         } => {
             let d = client::device(conn, &address).await.map_err(describe)?;
             let path = d
-                .set_mode(&mode, vfs.unwrap_or(0))
+                .set_mode(&mode, client::mode_options(vfs))
                 .await
                 .map_err(|e| describe(e.into()))?;
             start_and_follow(conn, path, wait, json).await?;

@@ -13,7 +13,10 @@ pub(crate) async fn run(conn: &zbus::Connection, command: Command) -> Result<(),
             json,
         }) => {
             let d = client::device(conn, &device).await.map_err(describe)?;
-            let path = d.program(&image).await.map_err(|e| describe(e.into()))?;
+            let path = d
+                .program(&image, Default::default())
+                .await
+                .map_err(|e| describe(e.into()))?;
             start_and_follow(conn, path, wait, json).await?;
         }
         Command::Fpga(FpgaCommand::Verify {
@@ -23,7 +26,10 @@ pub(crate) async fn run(conn: &zbus::Connection, command: Command) -> Result<(),
             json,
         }) => {
             let d = client::device(conn, &device).await.map_err(describe)?;
-            let path = d.verify(&image).await.map_err(|e| describe(e.into()))?;
+            let path = d
+                .verify(&image, Default::default())
+                .await
+                .map_err(|e| describe(e.into()))?;
             start_and_follow(conn, path, wait, json).await?;
         }
         _ => unreachable!("main dispatches only the images commands here"),

@@ -14,8 +14,8 @@ pub(crate) async fn run(conn: &zbus::Connection, command: Command) -> Result<(),
         }) => {
             let d = client::device(conn, &address).await.map_err(describe)?;
             let path = match kind.as_str() {
-                "split" => d.set_mode("vf", vfs.unwrap_or(0)).await,
-                "restore" => d.set_mode("pf", 0).await,
+                "split" => d.set_mode("vf", client::mode_options(vfs)).await,
+                "restore" => d.set_mode("pf", client::mode_options(None)).await,
                 _ => d.apply().await,
             }
             .map_err(|e| describe(e.into()))?;

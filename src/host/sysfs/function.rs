@@ -1,7 +1,7 @@
 //! Reading one PCI function: identity, driver, NUMA node, IOMMU group, SR-IOV, health.
 
 use super::{Sysfs, SysfsError};
-use crate::model::pci::{ClassCode, PciAddress};
+use crate::model::pci::{config_is_all_ones, ClassCode, PciAddress};
 use std::path::Path;
 
 /// SR-IOV attributes of a physical function.
@@ -95,14 +95,6 @@ pub(crate) fn parse_aer_total(text: &str) -> Option<u64> {
             None
         }
     })
-}
-
-/// True when a config-space header reads all-ones: the device is gone or its link is down.
-/// Only the first 64 bytes matter; a VF legitimately reads 0xffff as its vendor/device ids, so
-/// checking just the ids would misreport every VF.
-pub fn config_is_all_ones(header: &[u8]) -> bool {
-    let n = header.len().min(64);
-    n >= 16 && header[..n].iter().all(|&b| b == 0xff)
 }
 
 impl RawFunction {
@@ -327,14 +319,5 @@ mod tests {
         let t = "RxErr 0\nBadTLP 2\nTOTAL_ERR_COR 5\n";
         assert_eq!(parse_aer_total(t), Some(5));
         assert_eq!(parse_aer_total("garbage"), None);
-    }
-
-    #[test]
-    fn all_ones_header() {
-        assert!(config_is_all_ones(&[0xff; 256]));
-        let mut vf = [0xffu8; 64];
-        vf[8] = 0x02; // a VF: ids read 0xffff but class/revision are real
-        assert!(!config_is_all_ones(&vf));
-        assert!(!config_is_all_ones(&[0xff; 4]));
     }
 }

@@ -8,9 +8,11 @@
 mod function;
 pub mod dfl;
 pub mod hostuse;
+pub mod reset;
 mod writer;
 
-pub use function::{config_is_all_ones, AerCounters, Health, RawFunction, SriovInfo};
+pub use crate::model::pci::config_is_all_ones;
+pub use function::{AerCounters, Health, RawFunction, SriovInfo};
 
 use crate::model::pci::PciAddress;
 use std::ffi::OsString;

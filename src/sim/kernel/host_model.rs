@@ -3,6 +3,7 @@
 
 use crate::model::pci::{ClassCode, PciAddress};
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 
 /// SR-IOV capability of a physical function.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -46,7 +47,18 @@ pub struct FunctionSpec {
     /// Upstream bridge (root port); `None` for functions on the root bus.
     pub parent: Option<PciAddress>,
     pub group: GroupSpec,
+    /// The reset methods the kernel found for it, in its order (`reset_method` at boot, and
+    /// what `default` restores); none: no `reset` nor `reset_method` attribute.
     pub reset_methods: Vec<String>,
+    /// What each reset method does to it, by name; a method without an entry works. A listed
+    /// method that does not work is one with a failing behaviour here. `bus` is also what a
+    /// bus reset through the upstream bridge's `reset_subordinate` does to it.
+    #[serde(default)]
+    pub reset_behaviour: BTreeMap<String, ResetBehaviour>,
+    /// For bridges: the kernel shows `reset_subordinate` (Linux 6.14 and later), which resets
+    /// the whole secondary bus below.
+    #[serde(default)]
+    pub reset_subordinate: bool,
     pub aer: bool,
     /// For bridges: the secondary bus number.
     pub secondary_bus: Option<u8>,
@@ -58,6 +70,26 @@ pub struct FunctionSpec {
     /// domains, bridges the recording does not have). Its VFs are made beside it.
     #[serde(default)]
     pub sysfs_dir: Option<std::path::PathBuf>,
+}
+
+/// What one reset method does to a function when the kernel runs it: the outcomes users report
+/// (a listed method that never completes, a reset that hangs the host, a device that reads
+/// all-ones after a reset until the host reboots, a driver lost in the reset).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ResetBehaviour {
+    /// The function is reset; config space is restored and the driver stays bound.
+    Works,
+    /// The method fails with `errno` after `delay_ms`, changing nothing. ENOTTY makes the
+    /// kernel try the next listed method (a FLR that never completes ends so, after the
+    /// kernel's wait); any other errno ends the reset with that error.
+    Fails { errno: i32, delay_ms: u64 },
+    /// The reset never comes back: the write blocks until [`super::SimKernel::release_hangs`]
+    /// (then fails with EINTR, changing nothing).
+    Hangs,
+    /// The reset "works", but afterwards the function's config space reads all-ones.
+    AllOnes,
+    /// The reset works, but the function's driver is unbound by it.
+    Unbinds,
 }
 
 /// A DFL FPGA card as the Linux DFL drivers show it: one FME (`dfl-fme.N`, with the static
@@ -89,6 +121,8 @@ impl FunctionSpec {
             parent: None,
             group: GroupSpec::Own,
             reset_methods: vec!["flr".into(), "bus".into()],
+            reset_behaviour: BTreeMap::new(),
+            reset_subordinate: false,
             aer: true,
             secondary_bus: None,
             dfl: None,
@@ -161,6 +195,21 @@ impl FunctionSpec {
         self.secondary_bus = Some(secondary_bus);
         self
     }
+    /// The reset methods the kernel lists for it, in order (none: it cannot be reset alone).
+    pub fn reset_methods(mut self, methods: &[&str]) -> Self {
+        self.reset_methods = methods.iter().map(|m| m.to_string()).collect();
+        self
+    }
+    /// What `method` does to it when run.
+    pub fn reset_behaviour(mut self, method: &str, behaviour: ResetBehaviour) -> Self {
+        self.reset_behaviour.insert(method.to_string(), behaviour);
+        self
+    }
+    /// For a bridge: shows `reset_subordinate`.
+    pub fn reset_subordinate(mut self) -> Self {
+        self.reset_subordinate = true;
+        self
+    }
 }
 
 /// A kernel driver the model has loaded.
@@ -221,44 +270,56 @@ pub const REFERENCE_FPGA_AFU: &str = "00000000000000000000000000000001";
 const NVIDIA: u16 = 0x10de;
 const SAMSUNG: u16 = 0x144d;
 
+/// A root port of the model's hosts, to secondary bus `bus`. On the root bus it has no bus
+/// reset of its own, and no FLR; the kernel is new enough to show `reset_subordinate` (the
+/// only reset of the reference GPU and its audio function).
+fn root_port(address: &str, bus: u8) -> FunctionSpec {
+    FunctionSpec::new(address, INTEL, 0x347a, 0x060400)
+        .driver("pcieport")
+        .revision(4)
+        .bridge_to(bus)
+        .reset_methods(&[])
+        .reset_subordinate()
+}
+
 impl HostModel {
     /// The realistic reference host: a GPU with its HDMI audio function in one IOMMU group, an
     /// SR-IOV NIC (64 VFs), a QAT accelerator (16 VFs), an FPGA card with SR-IOV (4 VFs), a data
     /// NVMe drive, and the host's own boot NVMe (mounted) and NIC (up). The QAT boots split.
     pub fn reference() -> HostModel {
-        let port = |addr: &str, bus: u8| {
-            FunctionSpec::new(addr, INTEL, 0x347a, 0x060400)
-                .driver("pcieport")
-                .revision(4)
-                .bridge_to(bus)
-        };
         let functions = vec![
-            FunctionSpec::new("0000:00:00.0", INTEL, 0x09a2, 0x080700).revision(4),
-            port("0000:00:01.0", 0x17),
-            port("0000:00:02.0", 0x3b),
-            port("0000:00:03.0", 0x5e),
-            port("0000:00:04.0", 0xaf),
-            port("0000:00:05.0", 0xd8),
-            port("0000:00:1c.0", 0x02),
-            port("0000:00:1d.0", 0x3d),
+            FunctionSpec::new("0000:00:00.0", INTEL, 0x09a2, 0x080700)
+                .revision(4)
+                .reset_methods(&[]),
+            root_port("0000:00:01.0", 0x17),
+            root_port("0000:00:02.0", 0x3b),
+            root_port("0000:00:03.0", 0x5e),
+            root_port("0000:00:04.0", 0xaf),
+            root_port("0000:00:05.0", 0xd8),
+            root_port("0000:00:1c.0", 0x02),
+            root_port("0000:00:1d.0", 0x3d),
             // Host NIC, up: protected.
             FunctionSpec::new("0000:02:00.0", INTEL, 0x15f3, 0x020000)
                 .subsystem(INTEL, 0x0000)
                 .revision(3)
                 .driver("igc")
                 .under("0000:00:1c.0"),
-            // GPU + HDMI audio: one IOMMU group, no SR-IOV.
+            // GPU + HDMI audio: one IOMMU group, no SR-IOV. Neither has FLR, and a
+            // multi-function device has no `bus` method (it would reset the sibling): only
+            // the root port's `reset_subordinate` resets them, both at once.
             FunctionSpec::new("0000:17:00.0", NVIDIA, 0x2204, 0x030000)
                 .subsystem(0x1458, 0x403b)
                 .revision(0xa1)
                 .driver("nouveau")
-                .under("0000:00:01.0"),
+                .under("0000:00:01.0")
+                .reset_methods(&[]),
             FunctionSpec::new("0000:17:00.1", NVIDIA, 0x1aef, 0x040300)
                 .subsystem(0x1458, 0x403b)
                 .revision(0xa1)
                 .driver("snd_hda_intel")
                 .under("0000:00:01.0")
-                .group_with("0000:17:00.0"),
+                .group_with("0000:17:00.0")
+                .reset_methods(&[]),
             // SR-IOV NIC: Intel X710, 64 VFs (iavf on the host when autoprobed).
             FunctionSpec::new("0000:3b:00.0", INTEL, 0x1572, 0x020000)
                 .subsystem(INTEL, 0x0001)
@@ -334,12 +395,7 @@ impl HostModel {
     /// static region), for tests of two cards programmed at once.
     pub fn two_fpgas() -> HostModel {
         let mut m = HostModel::reference();
-        m.functions.push(
-            FunctionSpec::new("0000:00:06.0", INTEL, 0x347a, 0x060400)
-                .driver("pcieport")
-                .revision(4)
-                .bridge_to(0xb1),
-        );
+        m.functions.push(root_port("0000:00:06.0", 0xb1));
         m.functions.push(
             FunctionSpec::new("0000:b1:00.0", INTEL, 0x0b2b, 0x120000)
                 .subsystem(INTEL, 0x0000)
@@ -359,11 +415,7 @@ impl HostModel {
         for i in 0..nics {
             let bus = 0x60 + i;
             let port_addr = format!("0000:00:{:02x}.0", 0x06 + i);
-            m.functions.push(
-                FunctionSpec::new(&port_addr, INTEL, 0x347a, 0x060400)
-                    .driver("pcieport")
-                    .bridge_to(bus),
-            );
+            m.functions.push(root_port(&port_addr, bus));
             m.functions.push(
                 FunctionSpec::new(&format!("0000:{bus:02x}:00.0"), INTEL, 0x1572, 0x020000)
                     .subsystem(INTEL, 0x0001)

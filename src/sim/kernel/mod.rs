@@ -7,6 +7,12 @@
 //! with a chosen errno, a write that hangs, an attribute that becomes unreadable, a device
 //! that vanishes or whose config space reads all-ones.
 //!
+//! It resets functions as Linux does: `reset` runs the methods `reset_method` lists, in order,
+//! falling through on ENOTTY; `reset_method` takes an ordered list of supported names,
+//! `default` or nothing; a bridge that shows `reset_subordinate` resets every function below
+//! it. What each method does to each function is the model's [`ResetBehaviour`]: it works,
+//! fails (after a delay), hangs, leaves config space all-ones, or unbinds the driver.
+//!
 //! A persistent kernel (`vfiod --simulate --sim-root`) saves its model after every change and
 //! survives a SIGKILL: the saved model is the truth, the files are re-rendered from it on open.
 //!
@@ -16,8 +22,8 @@ pub mod host_model;
 mod render;
 
 pub use host_model::{
-    DflSpec, DriverSpec, FunctionSpec, GroupSpec, HostModel, InterfaceSpec, MountSpec, SriovSpec,
-    REFERENCE_FPGA_AFU, REFERENCE_FPGA_INTERFACE,
+    DflSpec, DriverSpec, FunctionSpec, GroupSpec, HostModel, InterfaceSpec, MountSpec,
+    ResetBehaviour, SriovSpec, REFERENCE_FPGA_AFU, REFERENCE_FPGA_INTERFACE,
 };
 
 use crate::host::sysfs::{Backend, Sysfs};
@@ -81,7 +87,35 @@ struct SimDevice {
     physfn: Option<PciAddress>,
     config_all_ones: bool,
     aer: [u64; 3],
+    /// What `reset_method` lists now; `None`: the spec's list (nothing written since the
+    /// function appeared, or a model saved before resets were simulated).
+    #[serde(default)]
+    reset_methods: Option<Vec<String>>,
+    /// How many times the function was reset (by any method, `reset_subordinate` included).
+    #[serde(default)]
+    resets: u32,
 }
+
+impl SimDevice {
+    /// The reset methods `reset` tries now, in order.
+    fn enabled_resets(&self) -> &[String] {
+        self.reset_methods
+            .as_deref()
+            .unwrap_or(&self.spec.reset_methods)
+    }
+
+    fn reset_behaviour(&self, method: &str) -> ResetBehaviour {
+        self.spec
+            .reset_behaviour
+            .get(method)
+            .cloned()
+            .unwrap_or(ResetBehaviour::Works)
+    }
+}
+
+/// How long a hanging reset blocks when nobody calls [`SimKernel::release_hangs`]: in effect
+/// forever, as a device that never comes back holds the kernel's writer.
+const RESET_HANG: Duration = Duration::from_secs(24 * 3600);
 
 #[derive(Debug, Default)]
 struct State {
@@ -97,6 +131,9 @@ struct State {
     /// Every accepted write, in order: (path relative to root, value). For tests that must
     /// prove "zero writes".
     write_log: Vec<(PathBuf, String)>,
+    /// Every reset done since boot, in order: (function, method), the method being
+    /// `reset_subordinate` for a reset through the upstream bridge. Failed attempts are not in it.
+    reset_log: Vec<(PciAddress, String)>,
     /// The host's own use of its devices, rendered under `proc/` and the devices' directories.
     mounts: Vec<MountSpec>,
     interfaces: Vec<InterfaceSpec>,
@@ -462,6 +499,49 @@ impl SimKernel {
         self.lock().devices.get(&address)?.driver_override.clone()
     }
 
+    /// The methods of every reset of `address` since boot, in order (`reset_subordinate` for
+    /// a reset of the bus it is on); failed attempts are not resets.
+    pub fn resets(&self, address: PciAddress) -> Vec<String> {
+        self.lock()
+            .reset_log
+            .iter()
+            .filter(|(a, _)| *a == address)
+            .map(|(_, m)| m.clone())
+            .collect()
+    }
+
+    /// How many times the function was reset (kept by a persistent kernel).
+    pub fn reset_count(&self, address: PciAddress) -> Option<u32> {
+        Some(self.lock().devices.get(&address)?.resets)
+    }
+
+    /// What `reset_method` lists now.
+    pub fn reset_methods_of(&self, address: PciAddress) -> Option<Vec<String>> {
+        Some(self.lock().devices.get(&address)?.enabled_resets().to_vec())
+    }
+
+    // ----- reset faults ---------------------------------------------------------------------
+
+    /// From now on, `method` does `behaviour` to the function (its `bus` behaviour is also
+    /// what a `reset_subordinate` of its bridge does to it). VFs are created afresh, with FLR
+    /// that works, each time SR-IOV is enabled.
+    pub fn set_reset_behaviour(
+        &self,
+        address: PciAddress,
+        method: &str,
+        behaviour: ResetBehaviour,
+    ) -> io::Result<()> {
+        let mut st = self.lock();
+        let dev = st
+            .devices
+            .get_mut(&address)
+            .ok_or_else(|| err(libc::ENODEV))?;
+        dev.spec
+            .reset_behaviour
+            .insert(method.to_string(), behaviour);
+        self.persist(&st)
+    }
+
     // ----- the kernel's behaviour ---------------------------------------------------------
 
     fn emit(&self, st: &mut State, action: Action, dev: &SimDevice, extra: &[(&str, &str)]) {
@@ -559,6 +639,8 @@ impl SimKernel {
             physfn,
             config_all_ones: false,
             aer: [0; 3],
+            reset_methods: None,
+            resets: 0,
             spec,
         };
         let addr = dev.spec.address;
@@ -951,16 +1033,163 @@ impl SimKernel {
                     parse_int(value)?;
                     self.rescan(st)
                 }
-                "reset" => {
-                    let dev = st.devices.get(a).ok_or_else(|| err(libc::ENODEV))?;
-                    if dev.spec.reset_methods.is_empty() {
-                        return Err(err(libc::ENOTTY));
-                    }
-                    Ok(())
-                }
+                "reset_method" => self.set_reset_methods(st, *a, value),
                 _ => Err(err(libc::EACCES)),
             },
             _ => Err(err(libc::EACCES)),
+        }
+    }
+
+    /// `reset_method` store (Linux 6.x): an empty value disables resets, `default` restores
+    /// the kernel's list, otherwise an ordered list of names the function supports; one it does
+    /// not support fails the whole write with EINVAL and changes nothing.
+    fn set_reset_methods(
+        &self,
+        st: &mut State,
+        address: PciAddress,
+        value: &str,
+    ) -> io::Result<()> {
+        let dev = st
+            .devices
+            .get_mut(&address)
+            .ok_or_else(|| err(libc::ENODEV))?;
+        let v = value.trim();
+        let methods: Vec<String> = if v == "default" {
+            dev.spec.reset_methods.clone()
+        } else {
+            v.split_whitespace().map(str::to_string).collect()
+        };
+        if methods.iter().any(|m| !dev.spec.reset_methods.contains(m)) {
+            return Err(err(libc::EINVAL));
+        }
+        dev.reset_methods = Some(methods);
+        let dev = dev.clone();
+        render::device_attrs(&self.root, st, &dev)
+    }
+
+    /// `reset` store: `pci_reset_function()`, which tries the listed methods in order until
+    /// one works, moving on only when a method answers ENOTTY (none listed: ENOTTY).
+    fn reset(&self, address: PciAddress, value: &str) -> io::Result<()> {
+        if parse_int(value)? != 1 {
+            return Err(err(libc::EINVAL));
+        }
+        let methods: Vec<(String, ResetBehaviour)> = {
+            let st = self.lock();
+            let dev = st.devices.get(&address).ok_or_else(|| err(libc::ENODEV))?;
+            dev.enabled_resets()
+                .iter()
+                .map(|m| (m.clone(), dev.reset_behaviour(m)))
+                .collect()
+        };
+        for (method, behaviour) in methods {
+            match behaviour {
+                ResetBehaviour::Fails { errno, delay_ms } => {
+                    std::thread::sleep(Duration::from_millis(delay_ms));
+                    if errno != libc::ENOTTY {
+                        return Err(err(errno));
+                    }
+                }
+                ResetBehaviour::Hangs => {
+                    self.wait_hang(RESET_HANG);
+                    return Err(err(libc::EINTR));
+                }
+                done => {
+                    let mut st = self.lock();
+                    return self.after_reset(&mut st, address, &method, &done);
+                }
+            }
+        }
+        Err(err(libc::ENOTTY))
+    }
+
+    /// `reset_subordinate` store on a bridge: one reset of its secondary bus, which resets
+    /// every function below it, each as its `bus` behaviour says. A function that hangs hangs
+    /// the whole write (and nothing changes); one that fails makes the write fail with its
+    /// errno, after the slowest failure's delay, while the others are reset.
+    fn reset_subordinate(&self, bridge: PciAddress, value: &str) -> io::Result<()> {
+        if parse_int(value)? == 0 {
+            return Ok(());
+        }
+        let below: Vec<(PciAddress, ResetBehaviour)> = {
+            let st = self.lock();
+            if !st.devices.contains_key(&bridge) {
+                return Err(err(libc::ENODEV));
+            }
+            Self::below(&st, bridge)
+                .into_iter()
+                .map(|a| (a, st.devices[&a].reset_behaviour("bus")))
+                .collect()
+        };
+        if below.iter().any(|(_, b)| *b == ResetBehaviour::Hangs) {
+            self.wait_hang(RESET_HANG);
+            return Err(err(libc::EINTR));
+        }
+        let slowest = below
+            .iter()
+            .filter_map(|(_, b)| match b {
+                ResetBehaviour::Fails { delay_ms, .. } => Some(*delay_ms),
+                _ => None,
+            })
+            .max();
+        if let Some(ms) = slowest {
+            std::thread::sleep(Duration::from_millis(ms));
+        }
+        let mut st = self.lock();
+        let mut failed = None;
+        for (address, behaviour) in below {
+            match behaviour {
+                ResetBehaviour::Fails { errno, .. } => {
+                    failed.get_or_insert(errno);
+                }
+                done => self.after_reset(&mut st, address, "reset_subordinate", &done)?,
+            }
+        }
+        match failed {
+            Some(errno) => Err(err(errno)),
+            None => Ok(()),
+        }
+    }
+
+    /// Every function below a bridge, at any depth, by address.
+    fn below(st: &State, bridge: PciAddress) -> Vec<PciAddress> {
+        let mut out = Vec::new();
+        let mut parents = vec![bridge];
+        while let Some(p) = parents.pop() {
+            for d in st.devices.values().filter(|d| d.spec.parent == Some(p)) {
+                out.push(d.spec.address);
+                parents.push(d.spec.address);
+            }
+        }
+        out.sort();
+        out
+    }
+
+    /// A reset that happened: counted, logged, and its after-effect applied (config space is
+    /// restored and the driver kept, unless the behaviour says otherwise).
+    fn after_reset(
+        &self,
+        st: &mut State,
+        address: PciAddress,
+        method: &str,
+        behaviour: &ResetBehaviour,
+    ) -> io::Result<()> {
+        let dev = st
+            .devices
+            .get_mut(&address)
+            .ok_or_else(|| err(libc::ENODEV))?;
+        dev.resets += 1;
+        st.reset_log.push((address, method.to_string()));
+        match behaviour {
+            ResetBehaviour::AllOnes => {
+                let dev = st.devices.get_mut(&address).expect("present");
+                dev.config_all_ones = true;
+                let dev = dev.clone();
+                render::device_config(&self.root, st, &dev)
+            }
+            ResetBehaviour::Unbinds if st.devices[&address].driver.is_some() => {
+                self.unbind(st, address)
+            }
+            _ => Ok(()),
         }
     }
 
@@ -1029,8 +1258,16 @@ impl Backend for SimKernel {
             Some(FaultAction::Delay(d)) => std::thread::sleep(d),
             None => {}
         }
+        // A reset runs without the state locked: it may take long or hang, and the rest of
+        // the kernel keeps answering meanwhile.
+        let result = match &target {
+            WriteTarget::Device(a, attr) if attr == "reset" => self.reset(*a, &value),
+            WriteTarget::Device(a, attr) if attr == "reset_subordinate" => {
+                self.reset_subordinate(*a, &value)
+            }
+            _ => self.apply_write(&mut self.lock(), &target, &value),
+        };
         let mut st = self.lock();
-        let result = self.apply_write(&mut st, &target, &value);
         if result.is_ok() {
             st.write_log.push((rel, value));
             if let Some(a) = vanish {

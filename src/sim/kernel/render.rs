@@ -248,6 +248,18 @@ pub(super) fn device_attrs(root: &Path, st: &State, dev: &SimDevice) -> io::Resu
             ),
         )?;
     }
+    if !dev.spec.reset_methods.is_empty() {
+        // An empty list reads as an empty file, not an empty line.
+        let listed = dev.enabled_resets().join(" ");
+        write(
+            &dir.join("reset_method"),
+            if listed.is_empty() {
+                listed
+            } else {
+                listed + "\n"
+            },
+        )?;
+    }
     dfl(root, dev)?;
     device_config(root, st, dev)
 }
@@ -324,12 +336,13 @@ pub(super) fn device(root: &Path, st: &State, dev: &SimDevice) -> io::Result<()>
     )?;
     write(&dir.join("remove"), "")?;
     write(&dir.join("rescan"), "")?;
+    // The kernel shows `reset` and `reset_method` when it found a reset method for the
+    // function as it appeared, whatever is written to `reset_method` later.
     if !s.reset_methods.is_empty() {
         write(&dir.join("reset"), "")?;
-        write(
-            &dir.join("reset_method"),
-            format!("{}\n", s.reset_methods.join(" ")),
-        )?;
+    }
+    if s.reset_subordinate && s.secondary_bus.is_some() {
+        write(&dir.join("reset_subordinate"), "")?;
     }
     rel_link(root, &dev.dev_rel("subsystem"), Path::new("sys/bus/pci"))?;
     if let Some(g) = dev.group {
