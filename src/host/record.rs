@@ -6,7 +6,8 @@
 //! What is recorded is what the readers of [`super::sysfs`] read, nothing more:
 //! - each PCI function's directory (`sys/bus/pci/devices/X` and the `sys/devices/...` directory
 //!   it links to): the attributes of [`FUNCTION_ATTRS`], the first [`CONFIG_BYTES`] bytes of
-//!   `config`, the links of [`FUNCTION_LINKS`] and every `virtfnN`, and a DFL card's
+//!   `config`, the links of [`FUNCTION_LINKS`] and every `virtfnN`, the presence of the
+//!   write-only [`FUNCTION_PRESENCE`] (`reset`, `reset_subordinate`), and a DFL card's
 //!   `fpga_region/*/dfl-fme.N/pr/interface_id` and `dfl-port.N/afu_id`;
 //! - the IOMMU groups' `devices/` links and the names of the loaded PCI drivers;
 //! - for the host-use check: `proc/mounts` (lines of `/dev/` block devices), `proc/swaps` (swap
@@ -63,6 +64,10 @@ pub const FUNCTION_ATTRS: &[&str] = &[
 
 /// Links of a function that vfiod reads, besides `virtfnN`.
 pub const FUNCTION_LINKS: &[&str] = &["driver", "iommu_group", "physfn"];
+
+/// Write-only attributes whose presence vfiod reads (`host::sysfs::reset`): recorded as empty
+/// files, never opened.
+pub const FUNCTION_PRESENCE: &[&str] = &["reset", "reset_subordinate"];
 
 /// What a recording leaves out, said in its manifest and in the docs.
 pub const LEFT_OUT: &[&str] = &[
@@ -359,6 +364,11 @@ impl Recorder<'_> {
                 .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
             {
                 self.link(&dir.join(e), &as_read(e));
+            }
+        }
+        for name in FUNCTION_PRESENCE {
+            if entries.iter().any(|e| e == name) {
+                self.put(&dir.join(name), Member::File(Vec::new()));
             }
         }
         if entries.iter().any(|e| e == "fpga_region") {

@@ -12,7 +12,8 @@
 //!   fails here with the same errno.
 //! - **Writable** (`--replay-writable`): a [`HostModel`] is built from what the read-only view
 //!   shows (each function's ids, class, driver, NUMA node, IOMMU group number, SR-IOV capability,
-//!   DFL card, and its directory, so paths are the host's), the simulated kernel boots it, and the
+//!   reset methods and `reset_subordinate`, DFL card, and its directory, so paths are the
+//!   host's), the simulated kernel boots it, and the
 //!   recorded state is then reached by the same sysfs writes an administrator would make
 //!   (`driver_override`, `unbind`, `bind`, `sriov_drivers_autoprobe`, `sriov_numvfs`): from there
 //!   on the simulated kernel's SR-IOV, binding and reset behaviour applies. Its read faults
@@ -367,6 +368,8 @@ struct Seen {
     revision: u8,
     /// A bridge's secondary bus, from its config header (type 1).
     secondary_bus: Option<u8>,
+    /// A bridge shows `reset_subordinate`.
+    reset_subordinate: bool,
     /// [`FUNCTION_ATTRS`] (and `config`) the recording does not have.
     missing: Vec<&'static str>,
 }
@@ -428,6 +431,7 @@ fn read_host(sysfs: &Sysfs) -> Result<SeenHost, ReplayError> {
             _ => None,
         };
         functions.push(Seen {
+            reset_subordinate: exists("reset_subordinate"),
             secondary_bus,
             address: a,
             raw: raw.ok(),
@@ -546,6 +550,7 @@ fn model(seen: &SeenHost) -> HostModel {
             .skip(1)
             .find(|p| by_address.contains_key(p));
         spec.secondary_bus = f.secondary_bus;
+        spec.reset_subordinate = f.reset_subordinate;
         if let Some(s) = raw.and_then(|r| r.sriov.as_ref()) {
             let vfs: Vec<&Seen> = s
                 .vfs

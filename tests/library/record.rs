@@ -215,11 +215,30 @@ fn a_replay_gives_the_inventory_the_host_gives_read_only_or_writable() {
         "the host's own use of its devices"
     );
 
+    // What a reset reads: each function's methods, and the bus below the GPU's root port.
+    let gpu_group = [addr(GPU), addr("0000:17:00.1")];
+    let resets = |sysfs: &Sysfs| {
+        let methods: Vec<_> = kernel
+            .addresses()
+            .into_iter()
+            .map(|a| vfiod::host::sysfs::reset::read_methods(sysfs, a).unwrap())
+            .collect();
+        let bus = vfiod::host::sysfs::reset::read_bus(sysfs, &gpu_group).unwrap();
+        (methods, bus)
+    };
+    let host_resets = resets(&kernel.sysfs());
+    assert!(
+        host_resets.1.as_ref().is_some_and(|b| b.reset_subordinate),
+        "{:?}",
+        host_resets.1
+    );
+    assert_eq!(resets(&replay.sysfs()), host_resets, "read-only: resets");
     let (writable, notes) = replay
         .build_writable(&dir.path().join("writable"))
         .expect("writable");
     assert!(notes.is_empty(), "{notes:?}");
     assert_eq!(scan(&writable.sysfs()), original, "writable replay");
+    assert_eq!(resets(&writable.sysfs()), host_resets, "writable: resets");
     assert!(
         writable.take_write_log().is_empty(),
         "reaching the recorded state is not the replay's history"
