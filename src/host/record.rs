@@ -10,7 +10,8 @@
 //!   write-only [`FUNCTION_PRESENCE`] (`reset`, `reset_subordinate`), and a DFL card's
 //!   `fpga_region/*/dfl-fme.N/pr/interface_id` and `dfl-port.N/afu_id`;
 //! - the IOMMU groups' `devices/` links and the names of the loaded PCI drivers;
-//! - for the host-use check: `proc/mounts` (lines of `/dev/` block devices), `proc/swaps` (swap
+//! - for the host-use check: `proc/mounts` (lines of `/dev/` block devices; the running vfiod's
+//!   own table when one runs, since systemd gives it a mount namespace), `proc/swaps` (swap
 //!   partitions), the `dev/mapper` links and `sys/class/block` entries they resolve through
 //!   (down to the disks under a device-mapper or md device), and the `sys/class/net` entries of
 //!   interfaces that are up on a PCI device (`flags`, `operstate`);
@@ -155,6 +156,10 @@ pub struct Manifest {
     /// The PCI id database compiled into the recorder ([`pci_ids_version`]): vendor and device
     /// names come from the replaying vfiod's own, which may differ.
     pub pci_ids: String,
+    /// Whose mount table `proc/mounts` is: the running vfiod's (its mount namespace) or the
+    /// recorder's own.
+    #[serde(default)]
+    pub mount_table: String,
     pub counts: Counts,
     #[serde(default)]
     pub unreadable: Vec<Unreadable>,
@@ -427,10 +432,44 @@ impl Recorder<'_> {
         }
     }
 
-    /// `proc/mounts` and `proc/swaps`, kept to `/dev/` block devices; returns their names.
-    fn mount_tables(&mut self) -> Vec<String> {
+    /// The mount table vfiod reads: its own `/proc/self/mounts`, in the mount namespace
+    /// systemd's sandbox gives it (`PrivateTmp`, `ProtectSystem`: bind mounts of the host's
+    /// file systems at `/tmp`, `/var/lib/vfiod`, ...). So when a vfiod runs (its pid in the
+    /// default state directory's lock file, and that process is `vfiod`), its
+    /// `proc/PID/mounts` is recorded, else this process's. Returns the path and what it is.
+    fn mount_table_source(&self) -> (PathBuf, String) {
+        let own = (
+            PathBuf::from("proc/mounts"),
+            "vfioctl's own (no vfiod running)".into(),
+        );
+        let lock = crate::config::Settings::default()
+            .state_dir
+            .join(crate::store::lock::LOCK_FILE_NAME);
+        let lock = lock.strip_prefix("/").unwrap_or(&lock).to_path_buf();
+        let Some(pid) = read_at_most(&self.abs(&lock), 64)
+            .ok()
+            .and_then(|b| String::from_utf8_lossy(&b).trim().parse::<u32>().ok())
+        else {
+            return own;
+        };
+        let proc = PathBuf::from(format!("proc/{pid}"));
+        let is_vfiod = read_at_most(&self.abs(&proc.join("comm")), 64)
+            .is_ok_and(|c| String::from_utf8_lossy(&c).trim() == "vfiod");
+        if !is_vfiod || !self.abs(&proc.join("mounts")).is_file() {
+            return own;
+        }
+        (
+            proc.join("mounts"),
+            format!("the running vfiod's (pid {pid}, its mount namespace)"),
+        )
+    }
+
+    /// `proc/mounts` (as vfiod reads it: [`Recorder::mount_table_source`]) and `proc/swaps`,
+    /// kept to `/dev/` block devices; returns their names and where the mount table came from.
+    fn mount_tables(&mut self) -> (Vec<String>, String) {
         let mut names = Vec::new();
-        if let Ok(text) = read_at_most(&self.abs(Path::new("proc/mounts")), 16 << 20) {
+        let (source, mount_table) = self.mount_table_source();
+        if let Ok(text) = read_at_most(&self.abs(&source), 16 << 20) {
             let text = String::from_utf8_lossy(&text);
             let kept: String = text
                 .lines()
@@ -467,7 +506,7 @@ impl Recorder<'_> {
         }
         names.sort();
         names.dedup();
-        names
+        (names, mount_table)
     }
 
     /// A block device as `hostuse` follows it: `dev/mapper/X`, `sys/class/block/X`, the
@@ -574,7 +613,8 @@ pub fn record(root: &Path, options: &Options) -> Result<Recording, RecordError> 
     let iommu_groups = r.iommu_groups();
     r.drivers();
     let mut seen = BTreeSet::new();
-    for name in r.mount_tables() {
+    let (mounted, mount_table) = r.mount_tables();
+    for name in mounted {
         r.block(&name, 0, &mut seen);
     }
     r.interfaces();
@@ -608,6 +648,7 @@ pub fn record(root: &Path, options: &Options) -> Result<Recording, RecordError> 
         kernel_release,
         host_name,
         pci_ids: pci_ids_version(),
+        mount_table,
         counts,
         unreadable: r.unreadable,
         left_out: LEFT_OUT.iter().map(|s| s.to_string()).collect(),

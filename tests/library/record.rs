@@ -416,3 +416,56 @@ fn a_manifest_of_a_newer_format_is_refused() {
     let e = Replay::open(&unpacked, &dir.path().join("v")).unwrap_err();
     assert!(vfiod::error_chain(&e).contains("is format"), "{e}");
 }
+
+#[test]
+fn the_mount_table_is_the_running_vfiods_own() {
+    let (dir, kernel) = split_host();
+    let root = kernel.root();
+    // A vfiod under systemd: its pid in the state directory's lock file, and its mount
+    // namespace has the sandbox's bind mounts of the boot disk.
+    std::fs::create_dir_all(root.join("var/lib/vfiod")).unwrap();
+    std::fs::write(root.join("var/lib/vfiod/vfiod.lock"), "4242\n").unwrap();
+    std::fs::create_dir_all(root.join("proc/4242")).unwrap();
+    let own = std::fs::read_to_string(root.join("proc/mounts")).unwrap();
+    let sandboxed = format!("{own}/dev/nvme0n1p2 /var/lib/vfiod ext4 rw,relatime 0 0\n");
+    std::fs::write(root.join("proc/4242/mounts"), &sandboxed).unwrap();
+    let mounted_at = |rec: &record::Recording| {
+        let Member::File(m) = &rec.members()[Path::new("proc/mounts")] else {
+            panic!("proc/mounts is not a file")
+        };
+        String::from_utf8(m.clone()).unwrap()
+    };
+
+    // The pid is not vfiod's (a stale lock file, the pid reused): the recorder's own table.
+    std::fs::write(root.join("proc/4242/comm"), "bash\n").unwrap();
+    let rec = record::record(root, &options()).unwrap();
+    assert!(!mounted_at(&rec).contains("/var/lib/vfiod"));
+    assert!(
+        rec.manifest.mount_table.contains("own"),
+        "{}",
+        rec.manifest.mount_table
+    );
+
+    std::fs::write(root.join("proc/4242/comm"), "vfiod\n").unwrap();
+    let rec = record::record(root, &options()).unwrap();
+    assert!(
+        mounted_at(&rec).contains("/dev/nvme0n1p2 /var/lib/vfiod "),
+        "{}",
+        mounted_at(&rec)
+    );
+    assert!(
+        rec.manifest.mount_table.contains("pid 4242"),
+        "{}",
+        rec.manifest.mount_table
+    );
+    assert!(
+        !rec.members().keys().any(|p| p.starts_with("proc/4242")),
+        "nothing else of the process"
+    );
+    let file = dir.path().join("ns.tar.gz");
+    rec.write_file(&file, false).unwrap();
+    let replay = Replay::open(&file, &dir.path().join("u")).unwrap();
+    let uses = vfiod::host::sysfs::hostuse::detect(&replay.sysfs());
+    let boot = uses[&addr("0000:3d:00.0")].join("; ");
+    assert!(boot.contains("mounted at /var/lib/vfiod"), "{boot}");
+}
