@@ -17,8 +17,9 @@
 //!   interfaces that are up on a PCI device (`flags`, `operstate`);
 //! - `proc/sys/kernel/osrelease`.
 //!
-//! Never read: BARs (`resource*`), the `rom`, config space past 256 bytes, other processes
-//! (`proc/*/fd`: which VM holds which VFIO group). [`LEFT_OUT`] says what a recording leaves
+//! Never read: BARs (`resource*`), the `rom`, config space past 256 bytes, processes' open files
+//! (`proc/*/fd`: which VM holds which VFIO group); of the running vfiod, only its name and its
+//! mount table. [`LEFT_OUT`] says what a recording leaves
 //! out, in the manifest itself. Links are kept as the host has them, relative, so the tree
 //! resolves under any root; an absolute link is made relative to the recorded root.
 //!
