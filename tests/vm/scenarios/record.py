@@ -81,6 +81,9 @@ def record(tb: Testbed) -> None:
     assert "host_name" not in manifest, f"the host name was recorded without --with-hostname: {manifest}"
     assert manifest["counts"]["functions"] == len(host), f"{manifest['counts']} for {len(host)} functions"
     assert not manifest["unreadable"], f"reads failed in the guest: {manifest['unreadable']}"
+    # vfiod runs in systemd's sandbox, a mount namespace of its own: its mount table is the one recorded.
+    main_pid = g.run("systemctl show -p MainPID --value vfiod", quiet=True).out.strip()
+    assert f"pid {main_pid}" in manifest["mount_table"], f"mount table {manifest['mount_table']!r}, vfiod is {main_pid}"
     print(f"    recording: {local.stat().st_size} bytes, {manifest['counts']}")
 
     config = tb.rundir / "replay.toml"
