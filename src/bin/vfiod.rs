@@ -39,6 +39,22 @@ struct Args {
     /// run with the same directory reopens it (its devices and vfiod's state survive).
     #[arg(long, requires = "simulate")]
     sim_root: Option<PathBuf>,
+    /// With --simulate: serve this recording (`vfioctl record`'s tarball, or any tree or tarball
+    /// with a sys/ directory at some depth) as the simulated host instead of the reference
+    /// host. Read-only: every sysfs write fails as the kernel fails a write to a read-only
+    /// attribute (EACCES). Without --config, nothing is selected.
+    #[arg(
+        long,
+        requires = "simulate",
+        conflicts_with = "sim_root",
+        value_name = "FILE_OR_DIR"
+    )]
+    replay: Option<PathBuf>,
+    /// With --replay: boot the recording in the simulated kernel instead, whose SR-IOV,
+    /// binding and reset behaviour then applies (a split, a rebind), starting from the
+    /// recorded state.
+    #[arg(long, requires = "replay")]
+    replay_writable: bool,
     /// With --simulate: run this command with VFIOD_BUS pointing at the simulation, then stop
     /// and exit with its status (e.g. `vfiod --simulate -- vfioctl list`).
     #[arg(last = true, requires = "simulate")]
@@ -483,6 +499,9 @@ async fn simulate(args: Args) -> Result<ExitCode, String> {
     let _sim_lock =
         vfiod::store::lock::StateDirLock::acquire(&base).map_err(|e| error_chain(&e))?;
     let root = base.join("root");
+    if let Some(source) = &args.replay {
+        return replay(&args, source, &base).await;
+    }
     // With --sim-root the simulated host persists: a second run (after a stop, or a kill)
     // reopens the same kernel state, as a real host keeps its devices across a daemon restart.
     let kernel = if args.sim_root.is_some() {
@@ -496,13 +515,83 @@ async fn simulate(args: Args) -> Result<ExitCode, String> {
         SimKernel::build(&root, &HostModel::reference())
             .map_err(|e| format!("cannot build the simulated host: {e}"))?
     };
+    let events = Some(kernel.subscribe());
+    let code = run_simulation(
+        &args,
+        &base,
+        kernel.root(),
+        kernel.sysfs(),
+        events,
+        include_str!("../../conf/simulate.toml"),
+        "<built-in conf/simulate.toml>",
+        Vec::new(),
+    )
+    .await;
+    drop(kernel);
+    code
+}
+
+/// `--simulate --replay`: the recording read-only as the sysfs root, or booted in the
+/// simulated kernel with `--replay-writable` (see `vfiod::sim::replay`).
+async fn replay(
+    args: &Args,
+    source: &std::path::Path,
+    base: &std::path::Path,
+) -> Result<ExitCode, String> {
+    use vfiod::sim::replay::Replay;
+    let recording = Replay::open(source, &base.join("replay")).map_err(|e| error_chain(&e))?;
+    let mut banner = vec![format!(" Replaying:        {}", recording.describe())];
+    let (kernel, sysfs, events) = if args.replay_writable {
+        let (kernel, notes) = recording
+            .build_writable(&base.join("root"))
+            .map_err(|e| error_chain(&e))?;
+        banner.push(" Writable: the simulated kernel's behaviour applies to it.".into());
+        for n in notes {
+            tracing::warn!("{n}");
+            banner.push(format!(" {n}"));
+        }
+        let (sysfs, events) = (kernel.sysfs(), Some(kernel.subscribe()));
+        (Some(kernel), sysfs, events)
+    } else {
+        banner.push(" Read-only: every sysfs write fails with EACCES.".into());
+        (None, recording.sysfs(), None)
+    };
+    let root = sysfs.root().to_path_buf();
+    let code = run_simulation(
+        args,
+        base,
+        &root,
+        sysfs,
+        events,
+        "",
+        "<replay: default settings, nothing selected>",
+        banner,
+    )
+    .await;
+    drop(kernel);
+    code
+}
+
+/// The simulation's settings, private bus and banner, then the daemon on `sysfs` (rooted at
+/// `root`), and the `-- COMMAND` if any.
+#[allow(clippy::too_many_arguments)]
+async fn run_simulation(
+    args: &Args,
+    base: &std::path::Path,
+    root: &std::path::Path,
+    sysfs: Sysfs,
+    events: Option<uevent::EventReceiver>,
+    default_config: &str,
+    default_config_name: &str,
+    banner: Vec<String>,
+) -> Result<ExitCode, String> {
     let (settings, source) = match &args.config {
         Some(path) => {
             let source = ConfigSource {
                 main: path.clone(),
                 dropin_dir: None,
                 main_required: true,
-                pin_sysfs_root: Some(kernel.root().to_path_buf()),
+                pin_sysfs_root: Some(root.to_path_buf()),
                 pin_state_dir: Some(base.join("state")),
             };
             if args.check_config {
@@ -511,12 +600,10 @@ async fn simulate(args: Args) -> Result<ExitCode, String> {
             (source.load().map_err(|e| error_chain(&e))?, Some(source))
         }
         None => {
-            let mut s = Settings::from_toml_str(
-                include_str!("../../conf/simulate.toml"),
-                std::path::Path::new("<built-in conf/simulate.toml>"),
-            )
-            .map_err(|e| error_chain(&e))?;
-            s.sysfs_root = kernel.root().to_path_buf();
+            let mut s =
+                Settings::from_toml_str(default_config, std::path::Path::new(default_config_name))
+                    .map_err(|e| error_chain(&e))?;
+            s.sysfs_root = root.to_path_buf();
             s.state_dir = base.join("state");
             (s, None)
         }
@@ -525,7 +612,7 @@ async fn simulate(args: Args) -> Result<ExitCode, String> {
         print_settings(&settings);
         return Ok(ExitCode::SUCCESS);
     }
-    let (bus_guard, bus) = match args.bus {
+    let (bus_guard, bus) = match args.bus.clone() {
         BusTarget::System => {
             let b = PrivateBus::start(&base.join("bus"), "").map_err(|e| error_chain(&e))?;
             let addr = b.address().to_string();
@@ -538,15 +625,17 @@ async fn simulate(args: Args) -> Result<ExitCode, String> {
         BusTarget::Session => "session".into(),
         BusTarget::System => unreachable!(),
     };
-    let events = Some(kernel.subscribe());
     let command = args.command.clone();
     let banner_addr = address.clone();
-    let root_display = kernel.root().display().to_string();
+    let root_display = root.display().to_string();
     let on_ready: ReadyHook = Box::new(move || {
         eprintln!();
         eprintln!("=== vfiod SIMULATION ===================================================");
         eprintln!(" This is a simulated host: no real device is read or touched.");
         eprintln!(" Simulated sysfs:  {root_display}");
+        for line in &banner {
+            eprintln!("{line}");
+        }
         eprintln!(" Private bus:      {banner_addr}");
         eprintln!(" Authorization is relaxed here: every caller may use every method.");
         eprintln!(" Point vfioctl at it:");
@@ -579,7 +668,7 @@ async fn simulate(args: Args) -> Result<ExitCode, String> {
     let code = serve(
         settings,
         source,
-        kernel.sysfs(),
+        sysfs,
         events,
         bus,
         Authorizer::AllowAll,
@@ -588,6 +677,5 @@ async fn simulate(args: Args) -> Result<ExitCode, String> {
     )
     .await;
     drop(bus_guard);
-    drop(kernel);
     code
 }

@@ -6,7 +6,8 @@
 //! [`modules`] tells which driver names a loaded driver, a module or the kernel provides;
 //! [`exec`] runs an operator's command (no shell, bounded, output kept); [`download`] fetches FPGA images over HTTP(S) (async, unlike the others); [`image_source`]
 //! reads an image from a descriptor a caller passed or a path root named, within deadlines and
-//! never blocked by a FIFO or a pipe that stays open. Each is small, blocking, and tested for
+//! never blocked by a FIFO or a pipe that stays open; [`record`] reads what vfiod reads of the
+//! host into a recording for a bug report (`vfioctl record`). Each is small, blocking, and tested for
 //! real (the simulated kernel, a real libvirtd, real pipes and FIFOs).
 
 pub mod download;
@@ -14,5 +15,6 @@ pub mod exec;
 pub mod image_source;
 pub mod libvirt;
 pub mod modules;
+pub mod record;
 pub mod sysfs;
 pub mod uevent;

@@ -1,9 +1,9 @@
 //! Tests of the library that need no bus, no daemon and no service: the configuration, the
 //! simulated kernel and what runs on it (conversions, the DFL card, the inventory, the planner,
 //! resets and the health check), the domain XML parser (with libvirt's in-process test
-//! driver), the SQLite store, the pool client against hostile HTTP servers on loopback, the man
-//! pages as the built binaries print them, and the module map. One binary because they need
-//! nothing but a temporary directory.
+//! driver), a host's recording and its replay, the SQLite store, the pool client against hostile
+//! HTTP servers on loopback, the man pages as the built binaries print them, and the module map.
+//! One binary because they need nothing but a temporary directory.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -17,6 +17,7 @@ mod inventory;
 mod man_pages;
 mod planner;
 mod pool_client_limits;
+mod record;
 mod reset;
 mod simkernel;
 mod store;

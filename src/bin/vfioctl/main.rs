@@ -2,7 +2,8 @@
 //!
 //! This file holds the command line (`Args`, `Command`), `main` (what runs before a bus
 //! connection: completions, man page, the hook, the fleet) and the dispatch to one module per
-//! command family: `devices`, `events`, `tasks`, `claims`, `images`, `pool`, `hook`, `fleet`.
+//! command family: `devices`, `events`, `tasks`, `claims`, `images`, `pool`, `hook`, `fleet`,
+//! `record`.
 //! What a command prints is rendered in `vfiod::client` (tables through comfy-table).
 
 use clap::{Parser, Subcommand};
@@ -15,6 +16,7 @@ mod fleet;
 mod hook;
 mod image;
 mod pool;
+mod record;
 mod task;
 
 use claim::unknown_object;
@@ -258,6 +260,28 @@ enum Command {
     /// Pooled devices: the remote pools, their devices, and the sessions leased to VMs here.
     #[command(subcommand)]
     Pool(PoolCommand),
+    /// Record what vfiod reads of this host into a tarball for a bug report (no daemon needed).
+    ///
+    /// The PCI functions' sysfs attributes and links, the first 256 bytes of their config
+    /// space, IOMMU groups, DFL regions, the mounted block devices and the interfaces that are
+    /// up, with a manifest. It leaves out BARs and ROMs, other processes and the host name (the
+    /// manifest lists all it leaves out). `vfiod --simulate --replay FILE` serves it back. Run as
+    /// root to read every attribute.
+    Record {
+        /// Where to write the tarball ("-": standard output). Default:
+        /// vfiod-recording-<UTC time>.tar.gz in the current directory.
+        #[arg(short = 'o', long = "output", value_name = "FILE")]
+        output: Option<std::path::PathBuf>,
+        /// Replace FILE if it exists.
+        #[arg(long)]
+        force: bool,
+        /// Put the host's name in the manifest (left out by default).
+        #[arg(long)]
+        with_hostname: bool,
+        /// Record the host under this root instead of / (a simulated host's tree, a copy).
+        #[arg(long, value_name = "DIR", default_value = "/")]
+        root: std::path::PathBuf,
+    },
     /// Print a completion script for SHELL (bash, zsh, fish, elvish, powershell) on stdout, e.g.
     /// `vfioctl completions bash > /etc/bash_completion.d/vfioctl`.
     Completions {
@@ -406,6 +430,18 @@ async fn main() -> ExitCode {
         }
         _ => {}
     }
+    if let Command::Record { .. } = &args.command {
+        let Command::Record {
+            output,
+            force,
+            with_hostname,
+            root,
+        } = args.command
+        else {
+            unreachable!("matched above")
+        };
+        return record::run(&root, output, force, with_hostname);
+    }
     if let Command::Hook(_) = &args.command {
         let target = match bus(&args) {
             Ok(t) => t,
@@ -476,6 +512,7 @@ async fn run(args: Args) -> Result<(), Failure> {
         Command::Completions { .. } | Command::Man => {
             unreachable!("completions and man are printed before connecting")
         }
+        Command::Record { .. } => unreachable!("vfioctl record is run before connecting"),
         #[cfg(feature = "fleet")]
         Command::Fleet(_) => unreachable!("vfioctl fleet is run before connecting"),
     }

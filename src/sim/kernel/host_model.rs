@@ -65,6 +65,11 @@ pub struct FunctionSpec {
     /// An Intel DFL FPGA card: its FME and port, shown while the PF is on `dfl-pci`.
     #[serde(default)]
     pub dfl: Option<DflSpec>,
+    /// Where the function's directory is, relative to the root, when not
+    /// `sys/devices/pciDDDD:BB/...` under its parent's: a replayed host's own layout (VMD
+    /// domains, bridges the recording does not have). Its VFs are made beside it.
+    #[serde(default)]
+    pub sysfs_dir: Option<std::path::PathBuf>,
 }
 
 /// What one reset method does to a function when the kernel runs it: the outcomes users report
@@ -121,6 +126,7 @@ impl FunctionSpec {
             aer: true,
             secondary_bus: None,
             dfl: None,
+            sysfs_dir: None,
         }
     }
     pub fn subsystem(mut self, vendor: u16, device: u16) -> Self {
@@ -251,6 +257,9 @@ pub struct HostModel {
     pub drivers: Vec<DriverSpec>,
     pub mounts: Vec<MountSpec>,
     pub interfaces: Vec<InterfaceSpec>,
+    /// The IOMMU group a function gets whenever it appears (a VF too), as a replayed host
+    /// numbered them; other groups are numbered from 0 up, skipping these numbers.
+    pub iommu_groups: std::collections::BTreeMap<PciAddress, u32>,
 }
 
 const INTEL: u16 = 0x8086;
@@ -360,6 +369,7 @@ impl HostModel {
                 name: "enp2s0".into(),
                 up: true,
             }],
+            iommu_groups: Default::default(),
         }
     }
 

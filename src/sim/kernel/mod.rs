@@ -137,6 +137,8 @@ struct State {
     /// The host's own use of its devices, rendered under `proc/` and the devices' directories.
     mounts: Vec<MountSpec>,
     interfaces: Vec<InterfaceSpec>,
+    /// [`HostModel::iommu_groups`].
+    group_hints: BTreeMap<PciAddress, u32>,
 }
 
 /// What survives the process when persistence is on: enough to reopen the tree later as the
@@ -158,6 +160,8 @@ struct Persisted {
     mounts: Option<Vec<MountSpec>>,
     #[serde(default)]
     interfaces: Option<Vec<InterfaceSpec>>,
+    #[serde(default)]
+    group_hints: BTreeMap<PciAddress, u32>,
 }
 
 /// Where [`Persisted`] lives under the root.
@@ -208,6 +212,7 @@ impl SimKernel {
             let mut st = k.lock();
             st.mounts = model.mounts.clone();
             st.interfaces = model.interfaces.clone();
+            st.group_hints = model.iommu_groups.clone();
             for d in &model.drivers {
                 st.drivers.insert(d.name.clone(), d.clone());
             }
@@ -282,6 +287,7 @@ impl SimKernel {
             seqnum: p.seqnum,
             mounts: p.mounts.unwrap_or_else(|| reference().mounts),
             interfaces: p.interfaces.unwrap_or_else(|| reference().interfaces),
+            group_hints: p.group_hints,
             ..State::default()
         };
         remove_if_exists(&root.join(STATE_TEMP))?;
@@ -325,6 +331,7 @@ impl SimKernel {
             seqnum: st.seqnum,
             mounts: Some(st.mounts.clone()),
             interfaces: Some(st.interfaces.clone()),
+            group_hints: st.group_hints.clone(),
         };
         let text = serde_json::to_vec(&p).map_err(io::Error::other)?;
         let tmp = self.root.join(STATE_TEMP);
@@ -570,10 +577,19 @@ impl SimKernel {
             .retain(|tx| tx.send(ev.clone()).is_ok());
     }
 
-    fn alloc_group(st: &mut State) -> u32 {
-        let g = st.next_group;
-        st.next_group += 1;
-        g
+    /// The group `address` gets: its number in the model's hints, else the next number no
+    /// hint holds.
+    fn alloc_group(st: &mut State, address: PciAddress) -> u32 {
+        if let Some(g) = st.group_hints.get(&address) {
+            return *g;
+        }
+        loop {
+            let g = st.next_group;
+            st.next_group += 1;
+            if !st.group_hints.values().any(|h| *h == g) {
+                return g;
+            }
+        }
     }
 
     fn add_device(
@@ -599,17 +615,22 @@ impl SimKernel {
                 spec.address.domain, spec.address.bus
             )),
         };
+        let address = spec.address;
         let group = match (&spec.group, group) {
             (_, Some(g)) => Some(g),
             (GroupSpec::None, None) => None,
-            (GroupSpec::Own, None) => Some(Self::alloc_group(st)),
+            (GroupSpec::Own, None) => Some(Self::alloc_group(st, address)),
             (GroupSpec::With(peer), None) => match st.devices.get(peer).and_then(|d| d.group) {
                 Some(g) => Some(g),
-                None => Some(Self::alloc_group(st)),
+                None => Some(Self::alloc_group(st, address)),
             },
         };
+        let dir = match &spec.sysfs_dir {
+            Some(d) => d.clone(),
+            None => parent_dir.join(spec.address.to_string()),
+        };
         let dev = SimDevice {
-            dir: parent_dir.join(spec.address.to_string()),
+            dir,
             driver: None,
             driver_override: None,
             group,
@@ -810,6 +831,10 @@ impl SimKernel {
             spec.parent = pfdev.spec.parent;
             spec.reset_methods = vec!["flr".into()];
             spec.aer = false;
+            // Beside a PF placed by the model, as the kernel puts VFs.
+            if pfdev.spec.sysfs_dir.is_some() {
+                spec.sysfs_dir = pfdev.dir.parent().map(|p| p.join(addr.to_string()));
+            }
             spec.group = if pfdev.group.is_some() {
                 GroupSpec::Own
             } else {
