@@ -6,7 +6,8 @@
 //! kernel's order) until one works. A function alone on its bus may list `bus`; a
 //! multi-function device (a GPU and its HDMI audio) never does, since resetting the bus would
 //! reset the sibling too. Such a group is reset through its bridge's `reset_subordinate`
-//! (Linux 6.14 and later), which is legal only when every function on that bus is being cleaned.
+//! (recent kernels, Debian 12's 6.1.192 among them; older ones have no group reset), which is
+//! legal only when every function on that bus is being cleaned.
 //!
 //! The rules of [`plan`], in order:
 //!
@@ -78,7 +79,7 @@ pub struct FunctionReset {
 pub enum NoGroup {
     #[error("the functions are not all below one bridge")]
     NoBridge,
-    #[error("bridge {0} shows no reset_subordinate (a kernel before 6.14)")]
+    #[error("bridge {0} shows no reset_subordinate (the kernel has no group reset)")]
     NoAttribute(PciAddress),
     #[error("the bus below bridge {bridge} also holds {}, not being cleaned", list(.others))]
     OthersOnBus {
@@ -373,7 +374,7 @@ mod tests {
             ),
             (
                 NoGroup::NoAttribute(a(PORT)),
-                "bridge 0000:00:01.0 shows no reset_subordinate (a kernel before 6.14)",
+                "bridge 0000:00:01.0 shows no reset_subordinate (the kernel has no group reset)",
             ),
             (
                 NoGroup::OthersOnBus {

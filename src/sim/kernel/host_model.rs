@@ -55,8 +55,8 @@ pub struct FunctionSpec {
     /// bus reset through the upstream bridge's `reset_subordinate` does to it.
     #[serde(default)]
     pub reset_behaviour: BTreeMap<String, ResetBehaviour>,
-    /// For bridges: the kernel shows `reset_subordinate` (Linux 6.14 and later), which resets
-    /// the whole secondary bus below.
+    /// For bridges: the kernel shows `reset_subordinate` (recent kernels; Debian 12's 6.1.192
+    /// has it, older ones do not), which resets    /// the whole secondary bus below.
     #[serde(default)]
     pub reset_subordinate: bool,
     pub aer: bool,
