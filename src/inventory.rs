@@ -22,10 +22,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 /// Whether a failed read is vfiod's own shortage (no descriptor or memory left for it), not a
 /// fact about the device.
 pub fn is_own_shortage(e: &SysfsError) -> bool {
-    matches!(
-        e.errno(),
-        Some(libc::EMFILE) | Some(libc::ENFILE) | Some(libc::ENOMEM)
-    )
+    e.is_own_shortage()
 }
 
 /// Set while passes meet a shortage: the warning is logged when it starts and the recovery
@@ -70,27 +67,13 @@ pub fn kind_from_class(class: ClassCode) -> Kind {
 
 /// Names from the pci.ids database compiled into the binary; empty when unknown.
 pub fn names(vendor: u16, device: u16) -> (String, String) {
-    use pci_ids::FromId;
-    // The database's device lookup is a linear walk of the vendor's list; a split host asks
-    // for the same VF ids hundreds of times per pass.
-    type NameCache = std::sync::Mutex<std::collections::HashMap<(u16, u16), (String, String)>>;
-    static CACHE: std::sync::OnceLock<NameCache> = std::sync::OnceLock::new();
-    let cache = CACHE.get_or_init(Default::default);
-    if let Some(hit) = cache
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .get(&(vendor, device))
-    {
-        return hit.clone();
-    }
-    let v = pci_ids::Vendor::from_id(vendor).map(|v| v.name().to_string());
-    let d = pci_ids::Device::from_vid_pid(vendor, device).map(|d| d.name().to_string());
-    let found = (v.unwrap_or_default(), d.unwrap_or_default());
-    cache
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .insert((vendor, device), found.clone());
-    found
+    use crate::model::pci_name;
+    (
+        pci_name::vendor(vendor).unwrap_or_default().to_string(),
+        pci_name::device(vendor, device)
+            .unwrap_or_default()
+            .to_string(),
+    )
 }
 
 /// Why the host or the operator forbids touching a function; `None` = not protected.

@@ -186,30 +186,7 @@ pub struct Recording {
 /// `pci-ids` crate does not keep the file's version line): `2272 vendors, 25430 devices,
 /// sha256 0123456789abcdef`.
 pub fn pci_ids_version() -> String {
-    use sha2::Digest;
-    static VERSION: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    VERSION
-        .get_or_init(|| {
-            let mut h = sha2::Sha256::new();
-            let (mut vendors, mut devices) = (0usize, 0usize);
-            // Sorted: the database is a hash map, whose order is not the content's.
-            let mut all: Vec<&pci_ids::Vendor> = pci_ids::Vendors::iter().collect();
-            all.sort_by_key(|v| v.id());
-            for v in all {
-                vendors += 1;
-                h.update(v.id().to_le_bytes());
-                h.update(v.name().as_bytes());
-                for d in v.devices() {
-                    devices += 1;
-                    h.update(d.id().to_le_bytes());
-                    h.update(d.name().as_bytes());
-                }
-            }
-            let digest = h.finalize();
-            let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
-            format!("{vendors} vendors, {devices} devices, sha256 {hex}")
-        })
-        .clone()
+    crate::model::pci_name::VERSION.to_string()
 }
 
 /// `base` joined with a relative link `target`, resolved lexically (sysfs links point through

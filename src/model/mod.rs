@@ -10,6 +10,7 @@ pub mod device;
 pub mod event;
 pub mod image_source;
 pub mod pci;
+pub mod pci_name;
 pub mod pool;
 pub mod task;
 pub mod text;

@@ -458,3 +458,49 @@ async fn a_hold_left_by_a_stopped_vfiod_is_cleaned_at_start() {
     assert!(result.contains("reset by flr"), "{result}");
     assert_eq!(h.kernel.resets(addr(&vf)), ["flr"]);
 }
+
+/// vfiod's own shortage of descriptors (EMFILE) during a clean says nothing about the device:
+/// neither a reset write nor a health-check read that fails so quarantines it or counts as its
+/// failure; the device stays held and is cleaned once vfiod has descriptors again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vfiods_own_shortage_during_a_clean_blames_nothing_on_the_device() {
+    let h = start().await;
+    let vf = first_vf(&h);
+    // The reset write fails for lack of a descriptor, twice: two settled failures, then it
+    // works.
+    h.kernel.inject(
+        FaultTarget::DeviceAttr(addr(&vf), "reset".into()),
+        FaultAction::Errno(libc::EMFILE),
+        Some(2),
+    );
+    release(&h, claim(&h, &vf, "tenant1").await).await;
+    let result = common::cleaned(&h, &vf).await;
+    assert!(result.contains("reset by flr"), "{result}");
+    let health = show(&h, &vf).await.reset_health.unwrap();
+    assert_eq!(
+        (health.cleans, health.failures_in_row, health.failure),
+        (1, 0, None),
+        "nothing blamed on the device"
+    );
+    let tasks = h.store().tasks(Some(addr(&vf)), 20).unwrap();
+    let short: Vec<_> = tasks
+        .iter()
+        .filter(|t| t.message.contains("ran out of its own descriptors"))
+        .collect();
+    assert_eq!(short.len(), 2, "{tasks:#?}");
+    assert!(
+        short.iter().all(|t| t.reset_ms.is_some()),
+        "settled: {short:#?}"
+    );
+
+    // A health-check read that fails so: held, not quarantined, cleaned once it reads again.
+    h.kernel.make_unreadable(addr(&vf), "config", libc::EMFILE);
+    release(&h, claim(&h, &vf, "tenant2").await).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let d = show(&h, &vf).await;
+    assert_ne!(d.state, "usable", "still held: {d:?}");
+    assert!(!d.state_reason.starts_with("quarantined"), "{d:?}");
+    h.kernel.make_readable(addr(&vf), "config");
+    common::cleaned(&h, &vf).await;
+    assert_eq!(show(&h, &vf).await.reset_health.unwrap().failures_in_row, 0);
+}

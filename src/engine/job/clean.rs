@@ -52,6 +52,10 @@ pub struct CleanJob {
     functions: Vec<PciAddress>,
     why: Why,
     prepared: Option<Prepared>,
+    /// The run met vfiod's own shortage of descriptors or memory (EMFILE, ENFILE, ENOMEM):
+    /// nothing is blamed on the device, the failure settles (it holds nothing but the hold)
+    /// and the cleaner tries again.
+    short: Option<String>,
 }
 
 struct Prepared {
@@ -88,6 +92,7 @@ impl CleanJob {
             functions,
             why,
             prepared: None,
+            short: None,
         }
     }
 
@@ -230,7 +235,10 @@ impl Job for CleanJob {
             failures_in_row.insert(a, health.failures_in_row);
             // What it shows now is what it must show after; a function already unreadable is
             // compared with its record (and the check says what is wrong).
-            let now = resets::observe(&cx.sysfs, a);
+            // vfiod's own lack of descriptors says nothing of the device: not cleaned now.
+            let now = resets::observe_unless_short(&cx.sysfs, a).map_err(|why| {
+                self.unavailable(format!("{a}: vfiod is short of its own resources: {why}"))
+            })?;
             expected.insert(
                 a,
                 Expected::before(&now).unwrap_or(Expected {
@@ -299,6 +307,7 @@ impl Job for CleanJob {
                 .map_err(|e| JobFailure::from_error(&e))?;
         }
         let mut reset: BTreeMap<PciAddress, (String, i64)> = BTreeMap::new();
+        let mut short: Option<String> = None;
         let mut failed: BTreeMap<PciAddress, Failure> = BTreeMap::new();
         let mut notes: Vec<String> = Vec::new();
 
@@ -315,6 +324,9 @@ impl Job for CleanJob {
                         progress.step(i, each.len(), &format!("reset {}", f.address));
                         let report =
                             resets::reset_function(&cx.sysfs, f.address, &f.order, p.reset_timeout);
+                        if report.shortage {
+                            short.get_or_insert_with(|| attempts(&report));
+                        }
                         if let Some(why) = &report.not_restored {
                             notes.push(format!("{}: reset_method not put back: {why}", f.address));
                         }
@@ -338,6 +350,9 @@ impl Job for CleanJob {
                 ResetPlan::Group { bridge } => {
                     progress.step(0, 1, &format!("reset the bus below {bridge}"));
                     let report = resets::reset_group(&cx.sysfs, &self.functions, p.reset_timeout);
+                    if report.shortage {
+                        short.get_or_insert_with(|| attempts(&report));
+                    }
                     for &a in &self.functions {
                         match reset_result(&report) {
                             Ok(r) => {
@@ -366,7 +381,7 @@ impl Job for CleanJob {
         let hung = |a: &PciAddress, failed: &BTreeMap<PciAddress, Failure>| {
             matches!(failed.get(a), Some(Failure::ResetHung(_)))
         };
-        let check = |failed: &mut BTreeMap<PciAddress, Failure>| {
+        let check = |failed: &mut BTreeMap<PciAddress, Failure>, short: &mut Option<String>| {
             for &a in &self.functions {
                 let Some(expected) = p.expected.get(&a) else {
                     continue;
@@ -374,13 +389,20 @@ impl Job for CleanJob {
                 if hung(&a, failed) {
                     continue;
                 }
-                if let Err(why) = health::check(expected, &resets::observe(&cx.sysfs, a)) {
-                    failed.insert(a, Failure::Unhealthy(why.to_string()));
+                match resets::observe_unless_short(&cx.sysfs, a) {
+                    Ok(observed) => {
+                        if let Err(why) = health::check(expected, &observed) {
+                            failed.insert(a, Failure::Unhealthy(why.to_string()));
+                        }
+                    }
+                    Err(why) => {
+                        short.get_or_insert(why);
+                    }
                 }
             }
         };
         progress.phase("health check");
-        check(&mut failed);
+        check(&mut failed, &mut short);
 
         let mut command_output = None;
         if let Some((argv, timeout)) = &p.command {
@@ -389,18 +411,33 @@ impl Job for CleanJob {
                 match exec::run_command(argv, *timeout) {
                     Ok(out) => command_output = Some(out),
                     Err(why) => {
+                        // The reason a quarantine shows is one line ("... failed (exit status:
+                        // 1)"); the command's output goes into the task's result only.
+                        let short = why
+                            .split_once("; output:")
+                            .map_or(why.as_str(), |(head, _)| head)
+                            .to_string();
                         for &a in &self.functions {
-                            failed.insert(a, Failure::CommandFailed(why.clone()));
+                            failed.insert(a, Failure::CommandFailed(short.clone()));
                         }
+                        command_output = Some(why);
                     }
                 }
                 progress.phase("check after command");
-                check(&mut failed);
+                check(&mut failed, &mut short);
             } else {
                 notes.push("the clean command did not run: the reset or the check failed".into());
             }
         }
 
+        if let Some(why) = short {
+            // Nothing is recorded against the device: it stays held, and is cleaned again.
+            self.short = Some(why.clone());
+            return Err(JobFailure::new(format!(
+                "clean not finished: vfiod ran out of its own descriptors or memory ({why}); \
+                 the device is not blamed and is cleaned again"
+            )));
+        }
         let outcome = CleanOutcome {
             functions: self
                 .functions
@@ -436,6 +473,12 @@ impl Job for CleanJob {
 
     fn rollback(&mut self, _cx: &JobContext) -> Result<String, JobFailure> {
         Ok("nothing to undo (a reset cannot be undone); the functions stay held".into())
+    }
+
+    /// A run cut short by vfiod's own shortage settles: it keeps nothing but the hold, which
+    /// the cleaner takes up again. Every other failure waits for an operator.
+    fn settles_failures(&self) -> bool {
+        self.short.is_some()
     }
 }
 

@@ -134,6 +134,15 @@ pub enum SysfsError {
 impl SysfsError {
     /// The OS error number behind a failed read or write, for errors the caller reports as
     /// "errno and path".
+    /// Whether the failure is vfiod's own shortage (no descriptor or memory left for it), not
+    /// a fact about the device.
+    pub fn is_own_shortage(&self) -> bool {
+        matches!(
+            self.errno(),
+            Some(libc::EMFILE) | Some(libc::ENFILE) | Some(libc::ENOMEM)
+        )
+    }
+
     pub fn errno(&self) -> Option<i32> {
         match self {
             SysfsError::Read { source, .. } | SysfsError::Write { source, .. } => {

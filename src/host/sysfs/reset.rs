@@ -51,6 +51,10 @@ pub struct ResetReport {
     /// `reset_method` could not be put back as it was read first, and why (after a hang it is
     /// not even tried). `None`: put back, or never changed.
     pub not_restored: Option<String>,
+    /// A read or write failed for vfiod's own lack of descriptors or memory (EMFILE, ENFILE,
+    /// ENOMEM), which says nothing about the device: the reset is to be tried again, and the
+    /// device not blamed.
+    pub shortage: bool,
 }
 
 fn names_in(sysfs: &Sysfs, dir: &Path) -> Result<BTreeSet<String>, SysfsError> {
@@ -153,12 +157,12 @@ pub fn read_bus(sysfs: &Sysfs, functions: &[PciAddress]) -> Result<Option<Bus>, 
 }
 
 /// One bounded reset write: how long it took, or why it failed; `Err(None)` when it hung.
-fn reset_write(sysfs: &Sysfs, path: &Path) -> Result<Duration, Option<String>> {
+fn reset_write(sysfs: &Sysfs, path: &Path) -> Result<Duration, Option<SysfsError>> {
     let start = Instant::now();
     match sysfs.write(path, "1") {
         Ok(()) => Ok(start.elapsed()),
         Err(SysfsError::WriteTimeout { .. }) => Err(None),
-        Err(e) => Err(Some(crate::error_chain(&e))),
+        Err(e) => Err(Some(e)),
     }
 }
 
@@ -183,7 +187,7 @@ pub fn reset_function(
     let methods = match read_methods(sysfs, address) {
         Ok(m) => m,
         Err(e) => {
-            report.refused = Some(crate::error_chain(&e));
+            report.refused = Some(report.why(&e));
             return report;
         }
     };
@@ -194,7 +198,7 @@ pub fn reset_function(
             return report;
         }
         None => {
-            let outcome = reset_write(&bounded, &reset);
+            let outcome = reset_write(&bounded, &reset).map_err(|e| e.map(|e| report.why(&e)));
             report.record(DEFAULT_METHOD, outcome, timeout);
             return report;
         }
@@ -230,14 +234,14 @@ pub fn reset_function(
                 report.record(method, Err(None), timeout);
                 break;
             }
-            Err(e) => Err(crate::error_chain(&e)),
+            Err(e) => Err(report.why(&e)),
             Ok(()) => match listed(sysfs, address) {
                 Ok(now) if now == [method.as_str()] => Ok(()),
                 Ok(now) => Err(format!(
                     "the kernel did not take {method}: reset_method reads {:?}",
                     now.join(" ")
                 )),
-                Err(e) => Err(crate::error_chain(&e)),
+                Err(e) => Err(report.why(&e)),
             },
         };
         if let Err(why) = taken {
@@ -247,7 +251,7 @@ pub fn reset_function(
             });
             continue;
         }
-        let outcome = reset_write(&bounded, &reset);
+        let outcome = reset_write(&bounded, &reset).map_err(|e| e.map(|e| report.why(&e)));
         // After a hang nothing more is written to the function: its reset still holds it.
         if report.record(method, outcome, timeout) || report.hung {
             break;
@@ -271,7 +275,7 @@ pub fn reset_function(
         original.join(" ")
     };
     report.not_restored = match bounded.write(&reset_method, &value) {
-        Err(e) => Some(crate::error_chain(&e)),
+        Err(e) => Some(report.why(&e)),
         Ok(()) => match listed(sysfs, address) {
             Ok(now) if now == original => None,
             Ok(now) => Some(format!(
@@ -279,7 +283,7 @@ pub fn reset_function(
                 now.join(" "),
                 original.join(" ")
             )),
-            Err(e) => Some(crate::error_chain(&e)),
+            Err(e) => Some(report.why(&e)),
         },
     };
     report
@@ -298,7 +302,7 @@ pub fn reset_group(sysfs: &Sysfs, functions: &[PciAddress], timeout: Duration) -
             return report;
         }
         Err(e) => {
-            report.refused = Some(crate::error_chain(&e));
+            report.refused = Some(report.why(&e));
             return report;
         }
     };
@@ -314,12 +318,19 @@ pub fn reset_group(sysfs: &Sysfs, functions: &[PciAddress], timeout: Duration) -
         }
     }
     let bounded = sysfs.clone().with_write_timeout(timeout);
-    let outcome = reset_write(&bounded, &sysfs.device_attr(bus.bridge, GROUP_METHOD));
+    let outcome = reset_write(&bounded, &sysfs.device_attr(bus.bridge, GROUP_METHOD))
+        .map_err(|e| e.map(|e| report.why(&e)));
     report.record(GROUP_METHOD, outcome, timeout);
     report
 }
 
 impl ResetReport {
+    /// Why `e` failed, on one line; notes a failure that is vfiod's own shortage.
+    fn why(&mut self, e: &SysfsError) -> String {
+        self.shortage |= e.is_own_shortage();
+        crate::error_chain(e)
+    }
+
     /// Adds an attempt at a reset write; true when it worked.
     fn record(
         &mut self,
@@ -347,18 +358,44 @@ impl ResetReport {
     }
 }
 
+/// The two reads of [`observe`], as they came.
+type Raw = (
+    Result<Vec<u8>, SysfsError>,
+    Result<Option<String>, SysfsError>,
+);
+
+fn read_raw(sysfs: &Sysfs, address: PciAddress) -> Raw {
+    (
+        sysfs.read_bytes(&sysfs.device_attr(address, "config")),
+        sysfs.read_optional_link_name(&sysfs.device_attr(address, "driver")),
+    )
+}
+
+fn observed((config, driver): Raw) -> Observed {
+    Observed {
+        config: config
+            .map(|mut c| {
+                c.truncate(64);
+                c
+            })
+            .map_err(|e| crate::error_chain(&e)),
+        driver: driver.map_err(|e| crate::error_chain(&e)),
+    }
+}
+
 /// What the health check needs of a function, read-only: its config-space header (the first
 /// 64 bytes) and the driver bound to it.
 pub fn observe(sysfs: &Sysfs, address: PciAddress) -> Observed {
-    let config = sysfs
-        .read_bytes(&sysfs.device_attr(address, "config"))
-        .map(|mut c| {
-            c.truncate(64);
-            c
-        })
-        .map_err(|e| crate::error_chain(&e));
-    let driver = sysfs
-        .read_optional_link_name(&sysfs.device_attr(address, "driver"))
-        .map_err(|e| crate::error_chain(&e));
-    Observed { config, driver }
+    observed(read_raw(sysfs, address))
+}
+
+/// [`observe`], unless a read failed for vfiod's own lack of descriptors or memory: then why,
+/// since such a reading says nothing about the device's health.
+pub fn observe_unless_short(sysfs: &Sysfs, address: PciAddress) -> Result<Observed, String> {
+    let raw = read_raw(sysfs, address);
+    let errors = [raw.0.as_ref().err(), raw.1.as_ref().err()];
+    if let Some(e) = errors.into_iter().flatten().find(|e| e.is_own_shortage()) {
+        return Err(crate::error_chain(e));
+    }
+    Ok(observed(raw))
 }
