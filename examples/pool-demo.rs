@@ -281,19 +281,7 @@ fn step_result(done: &[vfiod::engine::PooledOutcome]) -> Result<(), String> {
 
 fn main() -> ExitCode {
     // The demo prints its own steps; the daemons' log would drown them (VFIOD_LOG overrides).
-    use tracing_subscriber::prelude::*;
-    tracing_subscriber::registry()
-        .with(
-            tracing_subscriber::fmt::layer()
-                .with_writer(std::io::stderr)
-                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-                .with_target(false),
-        )
-        .with(vfiod::log_filter(
-            std::env::var("VFIOD_LOG").ok().as_deref(),
-            "warn",
-        ))
-        .init();
+    vfiod::log_to_stderr("warn");
     // Two daemons and a pool in one process: the descriptor limit as vfiod raises it.
     if let Err(e) = vfiod::server::raise_fd_limit() {
         tracing::warn!("cannot raise the descriptor limit: {e}");

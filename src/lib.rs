@@ -40,6 +40,24 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
     s
 }
 
+/// Logs to stderr (with colours on a terminal) at the levels of `VFIOD_LOG`, else `default`:
+/// the daemon outside systemd and the pooled demo log so.
+pub fn log_to_stderr(default: &str) {
+    use tracing_subscriber::prelude::*;
+    tracing_subscriber::registry()
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(std::io::stderr)
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+                .with_target(false),
+        )
+        .with(log_filter(
+            std::env::var("VFIOD_LOG").ok().as_deref(),
+            default,
+        ))
+        .init();
+}
+
 /// The log filter of `VFIOD_LOG` (`value`): a level ("debug") or levels per target
 /// ("vfiod=debug,zbus=warn"), as tracing's `Targets` reads them; `default` when unset. A value
 /// that does not parse is said once on stderr, and `default` applies.

@@ -357,43 +357,27 @@ pub struct DeviceView {
     pub migratable: String,
     /// How its resets have gone in its cleans between tenants; null when never cleaned.
     #[serde(default)]
-    pub reset_health: Option<ResetHealthView>,
+    pub reset_health: Option<crate::model::clean::ResetHealth>,
 }
 
-/// `Device.ResetHealth` as `vfioctl show` prints it; times in Unix milliseconds, null when not
-/// known.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ResetHealthView {
-    /// The reset method that worked last.
-    pub method: Option<String>,
-    pub duration_ms: Option<i64>,
-    /// The last clean that succeeded.
-    pub ok_ms: Option<i64>,
-    pub failure: Option<String>,
-    pub failure_ms: Option<i64>,
-    pub failures_in_row: u32,
-    pub cleans: u32,
-}
-
-impl ResetHealthView {
-    /// From the property's dictionary; `None` when it is empty (never cleaned).
-    pub fn from_dict(d: &Dict) -> Option<ResetHealthView> {
-        if d.is_empty() {
-            return None;
-        }
-        let e = Entry(d);
-        let text = |k: &str| d.contains_key(k).then(|| e.str(k));
-        let time = |k: &str| d.contains_key(k).then(|| e.i64(k));
-        Some(ResetHealthView {
-            method: text("method"),
-            duration_ms: time("duration_ms"),
-            ok_ms: time("ok_ms"),
-            failure: text("failure"),
-            failure_ms: time("failure_ms"),
-            failures_in_row: e.u32("failures_in_row"),
-            cleans: e.u32("cleans"),
-        })
+/// `Device.ResetHealth` read back: the model's record (times in Unix milliseconds), `None` when
+/// the dictionary is empty (never cleaned).
+pub fn reset_health_from_dict(d: &Dict) -> Option<crate::model::clean::ResetHealth> {
+    if d.is_empty() {
+        return None;
     }
+    let e = Entry(d);
+    let text = |k: &str| d.contains_key(k).then(|| e.str(k));
+    let time = |k: &str| d.contains_key(k).then(|| e.i64(k));
+    Some(crate::model::clean::ResetHealth {
+        method: text("method"),
+        duration_ms: time("duration_ms"),
+        ok_ms: time("ok_ms"),
+        failure: text("failure"),
+        failure_ms: time("failure_ms"),
+        failures_in_row: e.u32("failures_in_row"),
+        cleans: e.u32("cleans"),
+    })
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -551,7 +535,7 @@ pub fn view_from_properties(
         // Absent from a vfiod before cleaning existed.
         reset_health: prop::<Dict>(p, path, "ResetHealth")
             .ok()
-            .and_then(|d| ResetHealthView::from_dict(&d)),
+            .and_then(|d| reset_health_from_dict(&d)),
     })
 }
 

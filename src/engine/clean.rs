@@ -25,11 +25,27 @@ use std::time::{Duration, Instant};
 const FIRST_RETRY: Duration = Duration::from_secs(1);
 const LONGEST_RETRY: Duration = Duration::from_secs(60);
 
-/// When each refused group may be tried again (by its first function), and its pause.
+/// When each refused group may be tried again (by its first function), and its pause; and
+/// whether the last look found no held function at all, so that an idle vfiod does not read the
+/// holds every second for nothing (a new hold wakes the cleaner through the store).
 #[derive(Default)]
-pub(super) struct Retries(std::sync::Mutex<HashMap<PciAddress, (Instant, Duration)>>);
+pub(super) struct Retries {
+    pauses: std::sync::Mutex<HashMap<PciAddress, (Instant, Duration)>>,
+    none_held: std::sync::atomic::AtomicBool,
+}
 
 impl Retries {
+    /// Whether the every-second look is worth making: holds were seen last time.
+    pub(super) fn worth_a_look(&self) -> bool {
+        !self.none_held.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// The store said a hold was written (or a quarantine cleared): look again.
+    pub(super) fn wake(&self) {
+        self.none_held
+            .store(false, std::sync::atomic::Ordering::Release);
+    }
+
     fn due(&self, address: PciAddress, now: Instant) -> bool {
         self.lock().get(&address).is_none_or(|(at, _)| *at <= now)
     }
@@ -47,7 +63,7 @@ impl Retries {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<PciAddress, (Instant, Duration)>> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
+        self.pauses.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
@@ -70,7 +86,7 @@ impl Engine {
     /// (see the module's header). Returns the tasks started.
     pub async fn start_cleans(self: &Arc<Self>) -> Vec<TaskRecord> {
         let wanted = self.read(wanted_cleans).await;
-        let wanted = match wanted {
+        let (wanted, any_held) = match wanted {
             Ok(Ok(w)) => w,
             Ok(Err(e)) => {
                 tracing::error!("cannot read the cleaning holds: {}", crate::error_chain(&e));
@@ -81,6 +97,9 @@ impl Engine {
                 return Vec::new();
             }
         };
+        self.clean_retries
+            .none_held
+            .store(!any_held, std::sync::atomic::Ordering::Release);
         let now = Instant::now();
         let due: Vec<Wanted> = wanted
             .into_iter()
@@ -128,13 +147,13 @@ impl Engine {
 }
 
 /// The cleans to start: held functions (pending, present, not held by a task) grouped by the
-/// claim that ended, else by IOMMU group. Lets go of holds on functions that are gone or that
-/// the host now uses.
-fn wanted_cleans(core: &super::Core) -> Result<Vec<Wanted>, StoreError> {
+/// claim that ended, else by IOMMU group; and whether any function is held at all. Lets go of
+/// holds on functions that are gone or that the host now uses.
+fn wanted_cleans(core: &super::Core) -> Result<(Vec<Wanted>, bool), StoreError> {
     let store = core.store();
     let holds = store.clean_holds()?;
-    if holds.is_empty() {
-        return Ok(Vec::new());
+    if !holds.iter().any(|h| h.state == HoldState::Pending) {
+        return Ok((Vec::new(), false));
     }
     let devices: BTreeMap<PciAddress, crate::model::device::Device> = store
         .devices()?
@@ -176,20 +195,23 @@ fn wanted_cleans(core: &super::Core) -> Result<Vec<Wanted>, StoreError> {
         }
         groups.entry(key).or_default().push(h.address);
     }
-    Ok(groups
-        .into_iter()
-        .map(|(key, mut functions)| {
-            let claim = match key {
-                Together::Claim(c) => Some(c),
-                _ => None,
-            };
-            // The claim's device first: the task shows on it.
-            if let Some(first) = claim.and_then(|c| claims.get(&c)) {
-                if let Some(i) = functions.iter().position(|a| a == first) {
-                    functions.swap(0, i);
+    Ok((
+        groups
+            .into_iter()
+            .map(|(key, mut functions)| {
+                let claim = match key {
+                    Together::Claim(c) => Some(c),
+                    _ => None,
+                };
+                // The claim's device first: the task shows on it.
+                if let Some(first) = claim.and_then(|c| claims.get(&c)) {
+                    if let Some(i) = functions.iter().position(|a| a == first) {
+                        functions.swap(0, i);
+                    }
                 }
-            }
-            Wanted { functions, claim }
-        })
-        .collect())
+                Wanted { functions, claim }
+            })
+            .collect(),
+        true,
+    ))
 }

@@ -142,9 +142,12 @@ impl Engine {
                         }
                         // Cleans refused a moment ago (a VFIO group still closing) start once
                         // they may.
-                        self.start_cleans().await;
+                        if self.clean_retries.worth_a_look() {
+                            self.start_cleans().await;
+                        }
                     }
                     Work::Clean => {
+                        self.clean_retries.wake();
                         self.start_cleans().await;
                     }
                     Work::Libvirt(ev) => self.libvirt_event(ev).await,

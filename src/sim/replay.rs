@@ -240,13 +240,11 @@ impl Backend for ReadOnly {
     }
 
     fn read_dir(&self, path: &Path) -> io::Result<Vec<OsString>> {
-        std::fs::read_dir(path)?
-            .map(|e| e.map(|e| e.file_name()))
-            .collect()
+        crate::host::sysfs::HostFs.read_dir(path)
     }
 
     fn canonicalize(&self, path: &Path) -> io::Result<PathBuf> {
-        std::fs::canonicalize(path)
+        crate::host::sysfs::HostFs.canonicalize(path)
     }
 
     /// A recording has no FPGA to program.
