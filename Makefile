@@ -52,12 +52,15 @@ build:
 	cargo build --release
 
 install:
-	@for bin in vfiod vfioctl vfiod-pool vfiod-qemu-hook; do \
+	@for bin in vfiod vfioctl vfiod-pool vfiod-qemu-hook vfiod-libvirt; do \
 	  test -x $(RELEASE)/$$bin || { echo "make install: $(RELEASE)/$$bin is missing: run 'cargo build --release' first" >&2; exit 1; }; \
 	done
 	@test -f conf/vfiod.toml || { echo "make install: conf/vfiod.toml is missing" >&2; exit 1; }
 	@test -n "$(INTERFACES)" || { echo "make install: dbus/interfaces/*.xml are missing" >&2; exit 1; }
 	$(INSTALL) -D -m 0755 $(RELEASE)/vfiod $(DESTDIR)$(SBINDIR)/vfiod
+	@# The process vfiod's libvirt client runs in; vfiod finds it in ../libexec of its own
+	@# directory (host::libvirt::helper_path).
+	$(INSTALL) -D -m 0755 $(RELEASE)/vfiod-libvirt $(DESTDIR)$(LIBEXECDIR)/vfiod-libvirt
 	$(INSTALL) -D -m 0755 $(RELEASE)/vfioctl $(DESTDIR)$(BINDIR)/vfioctl
 	@# The reference pool service and its stand-in driver (crates/vfiod-pool,
 	@# docs/pool-protocol.md); no unit: a pool runs where the operator chooses, usually not on
@@ -114,7 +117,8 @@ uninstall:
 	rmdir $(DESTDIR)$(DOCDIR) 2>/dev/null || true
 	rm -f $(DESTDIR)$(DBUS_POLICYDIR)/org.vfiod.Vfiod1.conf $(DESTDIR)$(POLKIT_ACTIONDIR)/org.vfiod.vfiod1.policy
 	rm -f $(addprefix $(DESTDIR)$(DBUS_INTERFACEDIR)/,$(notdir $(INTERFACES)))
-	rm -f $(DESTDIR)$(HOOKDIR)/vfiod $(DESTDIR)$(LIBEXECDIR)/vfiod-qemu-hook
+	rm -f $(DESTDIR)$(HOOKDIR)/vfiod $(DESTDIR)$(LIBEXECDIR)/vfiod-qemu-hook \
+	  $(DESTDIR)$(LIBEXECDIR)/vfiod-libvirt
 	@echo "left in place: $(DESTDIR)$(CONFDIR) (configuration) and /var/lib/vfiod (state)"
 
 # A Debian package of the release build: make install's layout under PREFIX=/usr, packaging/deb's

@@ -40,6 +40,29 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
     s
 }
 
+/// Logging of the daemon's processes (`vfiod`, and `vfiod-libvirt` as `identifier`): under
+/// systemd (stderr connected to the journal) natively, so that span and event fields become
+/// journal fields (VFIOD_TASK_ID, VFIOD_DEVICE, VFIOD_KIND, ...) and the journal adds the
+/// timestamps; else to stderr. Levels from `VFIOD_LOG` ([`log_filter`]), else `default`.
+pub fn init_logging(identifier: &str, default: &str) {
+    use tracing_subscriber::prelude::*;
+    if std::env::var_os("JOURNAL_STREAM").is_some() {
+        if let Ok(journald) = tracing_journald::layer() {
+            let journald = journald
+                .with_field_prefix(Some("VFIOD".into()))
+                .with_syslog_identifier(identifier.into());
+            tracing_subscriber::registry()
+                .with(journald.with_filter(log_filter(
+                    std::env::var("VFIOD_LOG").ok().as_deref(),
+                    default,
+                )))
+                .init();
+            return;
+        }
+    }
+    log_to_stderr(default);
+}
+
 /// Logs to stderr (with colours on a terminal) at the levels of `VFIOD_LOG`, else `default`:
 /// the daemon outside systemd and the pooled demo log so.
 pub fn log_to_stderr(default: &str) {

@@ -128,29 +128,6 @@ fn daemon_man_sections() -> String {
 /// Called once the API is served; may start the `--simulate -- COMMAND` child.
 type ReadyHook = Box<dyn FnOnce() -> Result<Option<tokio::process::Child>, String> + Send>;
 
-fn init_logging(default: &'static str) {
-    use tracing_subscriber::prelude::*;
-    // Levels per target ("info", "vfiod=debug,zbus=warn"): tracing's Targets, not EnvFilter,
-    // whose span and field matching nobody here uses and whose regex engine was a megabyte of
-    // the daemon's binary.
-    let filter = || vfiod::log_filter(std::env::var("VFIOD_LOG").ok().as_deref(), default);
-    // Under systemd (stderr connected to the journal), log natively: span and event fields
-    // become journal fields (VFIOD_TASK_ID, VFIOD_DEVICE, VFIOD_KIND, ...), and the journal adds
-    // the timestamps.
-    if std::env::var_os("JOURNAL_STREAM").is_some() {
-        if let Ok(journald) = tracing_journald::layer() {
-            let journald = journald
-                .with_field_prefix(Some("VFIOD".into()))
-                .with_syslog_identifier("vfiod".into());
-            tracing_subscriber::registry()
-                .with(journald.with_filter(filter()))
-                .init();
-            return;
-        }
-    }
-    vfiod::log_to_stderr(default);
-}
-
 /// At most this many malloc arenas: glibc gives each thread that allocates an arena of its own
 /// (up to 8 per core), whose first heap stays resident although a daemon that mostly waits
 /// allocates little; two keep the worker threads from contending and save about 2 MB of an
@@ -174,7 +151,7 @@ fn main() -> ExitCode {
         );
         return ExitCode::from(2);
     }
-    init_logging("info");
+    vfiod::init_logging("vfiod", "info");
     // Before any thread or descriptor: the limit is the process's.
     match vfiod::server::raise_fd_limit() {
         Ok((soft, hard)) => tracing::debug!("descriptor limit {soft} (hard {hard})"),

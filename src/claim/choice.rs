@@ -223,6 +223,33 @@ impl Unavailable {
         }
     }
 
+    /// Whether a matching function is being cleaned after its last claim (directly or through a
+    /// group-mate): it will be claimable once its clean succeeds, so a claim may wait for it.
+    pub fn cleaning_soon(&self) -> bool {
+        fn cleaning(r: &Reason) -> bool {
+            match r {
+                Reason::Cleaning(_) => true,
+                Reason::GroupMate { reason, .. } => cleaning(reason),
+                _ => false,
+            }
+        }
+        match self {
+            Unavailable::NoneClaimable { reasons, .. } => reasons.iter().any(|(_, r)| cleaning(r)),
+            Unavailable::NoMatch { .. } => false,
+        }
+    }
+
+    /// The tasks that hold matching functions (directly or through a group-mate): a claim may
+    /// wait for those that are cleans.
+    pub fn tasks(&self) -> Vec<i64> {
+        match self {
+            Unavailable::NoneClaimable { reasons, .. } => {
+                reasons.iter().filter_map(|(_, r)| r.task()).collect()
+            }
+            Unavailable::NoMatch { .. } => Vec::new(),
+        }
+    }
+
     /// The task that holds the one matching function, when a task is the only obstacle: the
     /// caller named a device, and `Busy` naming the task says when to come back.
     pub fn busy_task(&self) -> Option<(PciAddress, i64)> {

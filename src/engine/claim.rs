@@ -20,6 +20,11 @@ use tokio::sync::oneshot;
 /// requests pile up.
 const MAX_BATCH: usize = 64;
 
+/// How long a claim waits for a matching device that is being cleaned after its last claim
+/// (a device released a moment ago: `vfioctl detach`, then `vfioctl claim`), within a D-Bus
+/// caller's default 25 s. A clean takes a reset's time, usually well under a second.
+const CLEAN_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
 type Reply = oneshot::Sender<Result<ClaimRecord, StoreError>>;
 
 /// Claim changes waiting for the committer, and whether one is at work.
@@ -31,18 +36,54 @@ pub(super) struct ClaimQueue {
 
 impl super::Engine {
     /// Claims the best matching device for `owner` (recorded durably before this returns).
+    /// When nothing is claimable now but a matching device is being cleaned, waits for its
+    /// clean (at most [`CLEAN_WAIT`]) and tries again.
     pub async fn claim(
         &self,
         req: Requirements,
         owner: Owner,
         requested_by: &str,
     ) -> Result<ClaimRecord, ClaimError> {
-        self.committed(ClaimChange::Claim {
-            requirements: req,
-            owner,
-            requested_by: requested_by.to_string(),
+        let deadline = tokio::time::Instant::now() + CLEAN_WAIT;
+        let mut changes = self.subscribe_changes();
+        loop {
+            let outcome = self
+                .committed(ClaimChange::Claim {
+                    requirements: req.clone(),
+                    owner: owner.clone(),
+                    requested_by: requested_by.to_string(),
+                })
+                .await;
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            match outcome {
+                Err(ClaimError::Store(StoreError::Unclaimable(u)))
+                    if !left.is_zero() && (u.cleaning_soon() || self.cleans(&u.tasks()).await) =>
+                {
+                    // A clean's end is a task change; the poll covers a wake-up lost between.
+                    let pause = left.min(std::time::Duration::from_millis(100));
+                    let _ = tokio::time::timeout(pause, changes.changed()).await;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// Whether one of `tasks` is a clean still at work (it ends with its device back in the
+    /// pool, or quarantined).
+    async fn cleans(&self, tasks: &[i64]) -> bool {
+        if tasks.is_empty() {
+            return false;
+        }
+        let tasks = tasks.to_vec();
+        self.read(move |core| {
+            tasks.iter().any(|id| {
+                core.store().task(*id).ok().flatten().is_some_and(|t| {
+                    t.kind == crate::model::task::TaskKind::Clean && !t.state.is_final()
+                })
+            })
         })
         .await
+        .unwrap_or(false)
     }
 
     /// Releases claim `id`; its functions return to the pool.

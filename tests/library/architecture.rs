@@ -869,3 +869,37 @@ fn module_names_use_one_stem_per_concept() {
         problems.join("\n")
     );
 }
+
+/// The daemon links no libvirt: its client library and that library's chain (GnuTLS, libxml2,
+/// ICU, libssh, ...) run in the helper process `vfiod-libvirt`, which alone needs them
+/// (host::libvirt::process says why). A call into `virt` from the daemon's code would bring
+/// libvirt back into `vfiod`'s NEEDED entries: this reads them from the binary the tests built.
+#[test]
+fn the_daemon_links_no_libvirt_and_its_helper_does() {
+    let needed = |bin: &str| -> Vec<String> {
+        let out = std::process::Command::new("readelf")
+            .args(["-d", bin])
+            .output()
+            .expect("readelf (binutils) runs");
+        assert!(out.status.success(), "readelf -d {bin}");
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|l| l.contains("(NEEDED)"))
+            .filter_map(|l| {
+                l.split('[')
+                    .nth(1)
+                    .map(|n| n.trim_end_matches(']').to_string())
+            })
+            .collect()
+    };
+    let daemon = needed(env!("CARGO_BIN_EXE_vfiod"));
+    assert!(
+        !daemon.iter().any(|n| n.starts_with("libvirt")),
+        "vfiod links libvirt: {daemon:?}"
+    );
+    let helper = needed(env!("CARGO_BIN_EXE_vfiod-libvirt"));
+    assert!(
+        helper.iter().any(|n| n.starts_with("libvirt.so")),
+        "vfiod-libvirt does not link libvirt: {helper:?}"
+    );
+}

@@ -249,7 +249,9 @@ fn requests_to_a_hung_libvirt_time_out_and_leave_one_worker() {
     });
     let bound = Duration::from_millis(300);
     let (tx, _rx) = unbounded_channel();
-    let libvirt = Libvirt::start(
+    // The worker in this process, as the helper (vfiod-libvirt) runs it: its threads are
+    // counted here.
+    let libvirt = vfiod::host::libvirt::LocalWorker::start(
         Some(format!("test+unix:///default?socket={}", sock.display())),
         root().into(),
         Some(tx),
@@ -313,4 +315,78 @@ fn a_frozen_libvirtd_is_given_up_by_the_keepalive_and_used_again_when_it_thaws()
         libvirt.running_domains().ok()
     });
     libvirt.stop();
+}
+
+/// The libvirt client runs in the helper process `vfiod-libvirt` (host::libvirt::process): the
+/// daemon's handle answers through it; when the helper dies (killed here with SIGKILL, as a
+/// crash inside libvirt's library would end it), the connection is reported lost and another
+/// helper is started, connects, and answers; a call to a hung libvirt through the helper still
+/// ends within its bound.
+#[test]
+fn a_helper_that_dies_is_replaced_and_calls_go_on() {
+    // It counts this process's helpers: in a process of its own, no other test's are counted.
+    let name = common::test_name(
+        module_path!(),
+        "a_helper_that_dies_is_replaced_and_calls_go_on",
+    );
+    if !common::is_helper(&name) {
+        common::run_in_own_process(&name);
+        return;
+    }
+    use nix::sys::signal::{kill, Signal};
+    let d = Libvirtd::start();
+    let (tx, mut rx) = unbounded_channel();
+    let libvirt = Libvirt::start(Some(d.uri()), root().into(), Some(tx))
+        .unwrap()
+        .with_timeout(Duration::from_secs(5));
+    let connected = |rx: &mut UnboundedReceiver<LibvirtEvent>| {
+        eventually(SOON, "the helper connects", || {
+            std::iter::from_fn(|| rx.try_recv().ok())
+                .any(|e| matches!(e, LibvirtEvent::Connected { .. }))
+                .then_some(())
+        })
+    };
+    connected(&mut rx);
+    assert_eq!(libvirt.lookup("test").unwrap().name, "test");
+    let helpers = || -> Vec<i32> {
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .filter_map(|p| {
+                let p = p.ok()?;
+                let pid: i32 = p.file_name().to_str()?.parse().ok()?;
+                let comm = std::fs::read_to_string(p.path().join("comm")).ok()?;
+                let ppid: u32 = std::fs::read_to_string(p.path().join("stat"))
+                    .ok()?
+                    .rsplit(')')
+                    .next()?
+                    .split_whitespace()
+                    .nth(1)?
+                    .parse()
+                    .ok()?;
+                (comm.trim() == "vfiod-libvirt" && ppid == std::process::id()).then_some(pid)
+            })
+            .collect()
+    };
+    let first = helpers();
+    assert_eq!(first.len(), 1, "one helper: {first:?}");
+    kill(nix::unistd::Pid::from_raw(first[0]), Signal::SIGKILL).unwrap();
+    eventually(SOON, "the loss is reported", || {
+        std::iter::from_fn(|| rx.try_recv().ok())
+            .any(|e| matches!(e, LibvirtEvent::Disconnected { .. }))
+            .then_some(())
+    });
+    connected(&mut rx);
+    let second = helpers();
+    assert!(
+        second.len() == 1 && second != first,
+        "{first:?} then {second:?}"
+    );
+    // A new connection to the test driver (which forgot vm1 with its last connection): its
+    // own domain answers.
+    assert_eq!(libvirt.lookup("test").unwrap().name, "test");
+    libvirt.stop();
+    eventually(SOON, "the helper ends with the handle", || {
+        helpers().is_empty().then_some(())
+    });
+    assert!(matches!(libvirt.lookup("test"), Err(LibvirtError::Stopped)));
 }

@@ -154,9 +154,10 @@ pub(crate) async fn run(conn: &zbus::Connection, command: Command) -> Result<(),
                 .map_err(Failure::from);
             }
             match done {
-                client::claim::Progress::Done => {
-                    println!("claim {claim} detached; its devices are back in the pool")
-                }
+                client::claim::Progress::Done => println!(
+                    "claim {claim} detached; its devices return to the pool once cleaned \
+                     (vfioctl show: state cleaning, then usable)"
+                ),
                 client::claim::Progress::Started(state) => println!(
                     "claim {claim} is {state}: the guest must let go of the device (vfioctl \
                      claims shows when the claim is gone; --wait waits)"

@@ -264,7 +264,8 @@ impl Job for MigrateJob {
         progress.phase(MIGRATE.name);
         let source = cx.libvirt.uri().unwrap_or_default();
         let started = std::time::Instant::now();
-        libvirt::migrate(&source, &name, &self.migration)
+        cx.libvirt
+            .migrate(&source, &name, &self.migration)
             .map_err(|e| JobFailure::new(libvirt_message(&e)))?;
         let took = started.elapsed();
 

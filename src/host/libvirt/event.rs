@@ -23,7 +23,7 @@ use virt::connect::Connect;
 use virt::sys;
 
 /// What the worker reports on the events channel.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum LibvirtEvent {
     /// Connected to `uri` and registered for events, at start or after an outage. Events that
     /// happened while disconnected are lost: a consumer re-reads what it tracks.
@@ -41,7 +41,7 @@ pub enum LibvirtEvent {
 
 /// A domain event: its lifecycle (`VIR_DOMAIN_EVENT_ID_LIFECYCLE`) or the end of a device
 /// removal (`VIR_DOMAIN_EVENT_ID_DEVICE_REMOVED`, `..._DEVICE_REMOVAL_FAILED`).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct DomainEvent {
     pub name: String,
     pub uuid: String,
@@ -52,7 +52,7 @@ pub struct DomainEvent {
 }
 
 /// `virDomainEventType` for the lifecycle, then the device removal events.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum DomainEventKind {
     Defined,
     Undefined,
@@ -101,7 +101,7 @@ impl DomainEventKind {
 }
 
 /// Why libvirt closed a connection (`virConnectCloseReason`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum CloseReason {
     Error,
     Eof,
@@ -158,14 +158,14 @@ impl EventLoop {
                 virt::event::event_register_default_impl()
             })
             .clone()
-            .map_err(|e| super::LibvirtError::EventLoop(Cause(e)))?;
+            .map_err(|e| super::LibvirtError::EventLoop(Cause::from(e)))?;
         let mut state = LOOP.lock().unwrap_or_else(|p| p.into_inner());
         if state.thread.is_none() {
             QUIT.store(false, Ordering::Release);
             let thread = std::thread::Builder::new()
                 .name("libvirt-events".into())
                 .spawn(run_loop)
-                .map_err(super::LibvirtError::Spawn)?;
+                .map_err(|e| super::LibvirtError::Spawn(e.to_string()))?;
             state.thread = Some(thread);
         }
         state.users += 1;

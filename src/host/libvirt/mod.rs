@@ -3,8 +3,12 @@
 //! the domain calls the claims work builds on (a domain's XML, hostdev attach and detach), and
 //! libvirt's domain events (lifecycle; a device removed, or its removal refused).
 //!
-//! - [`Libvirt`] (`worker.rs`): a handle to the one thread that owns the connection; every call
-//!   is bounded in time, the worker reconnects after libvirtd restarts, and forwards events.
+//! - [`Libvirt`] (`process.rs`): the daemon's handle. libvirt's client library runs in a helper
+//!   process (`vfiod-libvirt`: [`serve`]), so that vfiod itself links none of it; every call is
+//!   bounded in time, a helper that exits is started again.
+//! - [`LocalWorker`] (`worker.rs`): in the helper, the one thread that owns the connection;
+//!   the worker reconnects after libvirtd restarts, and forwards events. `wire.rs`: the lines
+//!   the two processes exchange.
 //! - [`DomainQuery`]: what the engine's guards ask. Answered by the worker, by a domain's own XML
 //!   inside a libvirt hook ([`HookDomain`]: a hook must never call libvirt back), or by nothing
 //!   ([`NoLibvirt`], `libvirt_uri = ""`).
@@ -13,11 +17,15 @@
 //!   the `virt` crate does not wrap event callbacks).
 
 mod event;
+mod process;
+pub mod serve;
+mod wire;
 mod worker;
 pub mod xml;
 
 pub use event::{CloseReason, DomainEvent, DomainEventKind, LibvirtEvent};
-pub use worker::{migrate, Affect, Definition, DomainDefinitions, DomainInfo, Libvirt, Migration};
+pub use process::{helper_path, Libvirt, HELPER_ENV, HELPER_NAME};
+pub use worker::{Affect, Definition, DomainDefinitions, DomainInfo, LocalWorker, Migration};
 pub use xml::{assigned_functions, domain_devices, hostdev_xml, hostdevs, Hostdev};
 
 use crate::model::pci::PciAddress;
@@ -28,7 +36,9 @@ use std::time::Duration;
 /// asked (its caller gives up after 25 s) or the task.
 pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
 
-#[derive(Debug, thiserror::Error)]
+/// Errors of libvirt calls. They cross from the helper process to the daemon (`wire.rs`), so
+/// they hold text, not libvirt's error objects.
+#[derive(Clone, Debug, thiserror::Error, serde::Serialize, serde::Deserialize)]
 pub enum LibvirtError {
     #[error("cannot connect to libvirt at {uri}")]
     Connect {
@@ -55,7 +65,7 @@ pub enum LibvirtError {
     Domain {
         uri: String,
         domain: String,
-        action: &'static str,
+        action: String,
         #[source]
         source: Cause,
     },
@@ -75,20 +85,23 @@ pub enum LibvirtError {
     Lost { uri: String },
     #[error("the libvirt worker has stopped")]
     Stopped,
-    #[error("cannot start the libvirt worker thread")]
-    Spawn(#[source] std::io::Error),
+    #[error("cannot start the libvirt worker thread: {0}")]
+    Spawn(String),
     #[error("cannot start libvirt's event loop")]
     EventLoop(#[source] Cause),
+    /// The helper process that runs libvirt's client could not be started or asked.
+    #[error("the libvirt helper: {0}")]
+    Helper(String),
 }
 
-/// libvirt's own error, shown by its message: the `virt` crate's `Display` adds numeric codes
-/// that tell an operator nothing.
-#[derive(Debug)]
-pub struct Cause(pub virt::error::Error);
+/// libvirt's own error, by its message: the `virt` crate's `Display` adds numeric codes that
+/// tell an operator nothing.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Cause(pub String);
 
 impl std::fmt::Display for Cause {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.0.message())
+        f.write_str(&self.0)
     }
 }
 
@@ -96,12 +109,12 @@ impl std::error::Error for Cause {}
 
 impl From<virt::error::Error> for Cause {
     fn from(e: virt::error::Error) -> Cause {
-        Cause(e)
+        Cause(e.message().to_string())
     }
 }
 
 /// A running domain and the host PCI functions assigned to it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct DomainDevices {
     pub domain: String,
     pub functions: Vec<PciAddress>,
@@ -150,15 +163,6 @@ impl DomainQuery for HookDomain {
     fn running_domains(&self) -> Result<Vec<DomainDevices>, LibvirtError> {
         Ok(vec![self.0.clone()])
     }
-}
-
-/// Transition only, until the engine holds a [`Libvirt`]: asks `uri` once through a worker that
-/// lives for this one question, under the same boot rule.
-pub fn running_domains(uri: &str, root: &Path) -> Result<Vec<DomainDevices>, LibvirtError> {
-    if needs_running_daemon(uri) && !local_daemon_running(root) {
-        return Ok(Vec::new());
-    }
-    Libvirt::start(Some(uri.to_string()), root.to_path_buf(), None)?.running_domains()
 }
 
 /// Whether asking `uri` could start a libvirt daemon instead of finding one: a local QEMU URI

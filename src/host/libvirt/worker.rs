@@ -1,5 +1,7 @@
 //! The libvirt worker: one thread owns the connection and answers typed requests; callers hold a
-//! cheap [`Libvirt`] handle and wait for an answer at most their bound.
+//! cheap [`LocalWorker`] handle and wait for an answer at most their bound. It runs in the
+//! libvirt helper process (`vfiod-libvirt`, see `serve.rs`), which the daemon asks through
+//! [`super::LocalWorker`].
 //!
 //! - Bounded: a caller gives up after its timeout with [`LibvirtError::Timeout`]. Nothing else is
 //!   spawned for it: if libvirt hangs inside a call, the worker hangs with it and later requests
@@ -11,7 +13,7 @@
 //!   once per outage. Domain events are registered again on each new connection.
 //! - The boot rule: with a local QEMU URI and no daemon running under the sysfs root, nothing
 //!   connects (that would socket-activate libvirtd, which at boot waits for vfiod) and
-//!   [`Libvirt::running_domains`] answers "none".
+//!   [`LocalWorker::running_domains`] answers "none".
 
 use super::event::{self, CloseReason, EventLoop, LibvirtEvent};
 use super::{
@@ -33,11 +35,11 @@ const KEEPALIVE_COUNT: u32 = 3;
 /// How often the pid files are read while the boot rule keeps the worker from connecting: a
 /// file read, cheap, and libvirtd's start at boot is then noticed soon.
 const DAEMON_POLL: Duration = Duration::from_secs(2);
-/// How long [`Libvirt::stop`] waits for the worker to finish a call in progress.
+/// How long [`LocalWorker::stop`] waits for the worker to finish a call in progress.
 const STOP_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Which definition of a domain to read.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Definition {
     /// What runs now (with the host addresses libvirt resolved).
     Live,
@@ -46,7 +48,7 @@ pub enum Definition {
 }
 
 /// A domain as libvirt knows it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct DomainInfo {
     pub name: String,
     /// Lower case, as libvirt prints it.
@@ -58,7 +60,7 @@ pub struct DomainInfo {
 }
 
 /// How a domain is migrated.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Migration {
     /// The destination's libvirt URI (`qemu+ssh://hostb/system`).
     pub destination: String,
@@ -76,7 +78,7 @@ pub fn migrate(source: &str, domain: &str, m: &Migration) -> Result<(), LibvirtE
     let connect = |uri: &str| {
         Connect::open(Some(uri)).map_err(|e| LibvirtError::Connect {
             uri: uri.to_string(),
-            source: Cause(e),
+            source: Cause::from(e),
         })
     };
     // Closed when dropped.
@@ -85,8 +87,8 @@ pub fn migrate(source: &str, domain: &str, m: &Migration) -> Result<(), LibvirtE
     let fail = |e: virt::error::Error| LibvirtError::Domain {
         uri: m.destination.clone(),
         domain: domain.to_string(),
-        action: "migrate",
-        source: Cause(e),
+        action: "migrate".into(),
+        source: Cause::from(e),
     };
     let outcome = (|| {
         let dom = src.lookup_domain_by_name(domain).map_err(fail)?;
@@ -105,7 +107,7 @@ pub fn migrate(source: &str, domain: &str, m: &Migration) -> Result<(), LibvirtE
 }
 
 /// A domain and its definitions, for the reconcile of claims.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct DomainDefinitions {
     pub info: DomainInfo,
     /// The live XML of an active domain.
@@ -115,7 +117,7 @@ pub struct DomainDefinitions {
 }
 
 /// Which definition of a domain a device change applies to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Affect {
     Live,
     Persistent,
@@ -133,10 +135,10 @@ impl Affect {
 }
 
 /// A handle to the libvirt worker. Clones share the worker; each clone has its own bound
-/// ([`Libvirt::with_timeout`]). The worker ends at [`Libvirt::stop`] or when the last clone is
+/// ([`LocalWorker::with_timeout`]). The worker ends at [`LocalWorker::stop`] or when the last clone is
 /// dropped.
 #[derive(Clone)]
-pub struct Libvirt {
+pub struct LocalWorker {
     shared: Arc<Shared>,
     timeout: Duration,
 }
@@ -186,16 +188,16 @@ impl Shared {
     }
 }
 
-impl std::fmt::Debug for Libvirt {
+impl std::fmt::Debug for LocalWorker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Libvirt")
+        f.debug_struct("LocalWorker")
             .field("uri", &self.shared.uri_text())
             .field("timeout", &self.timeout)
             .finish()
     }
 }
 
-impl Libvirt {
+impl LocalWorker {
     /// Starts the worker for `uri` (`None`: no libvirt, every question about domains answers
     /// "none"), with the boot rule read under the sysfs `root`, forwarding domain events
     /// (lifecycle, device removal) and connection changes to `events` if given. It connects at
@@ -204,7 +206,7 @@ impl Libvirt {
         uri: Option<String>,
         root: PathBuf,
         events: Option<UnboundedSender<LibvirtEvent>>,
-    ) -> Result<Libvirt, LibvirtError> {
+    ) -> Result<LocalWorker, LibvirtError> {
         let event_loop = EventLoop::acquire()?;
         let (tx, rx) = std::sync::mpsc::channel();
         let (ended_tx, ended_rx) = std::sync::mpsc::channel::<()>();
@@ -217,8 +219,8 @@ impl Libvirt {
                 drop(event_loop);
                 drop(ended_tx);
             })
-            .map_err(LibvirtError::Spawn)?;
-        Ok(Libvirt {
+            .map_err(|e| LibvirtError::Spawn(e.to_string()))?;
+        Ok(LocalWorker {
             shared: Arc::new(Shared {
                 tx,
                 uri: Mutex::new(uri),
@@ -230,8 +232,8 @@ impl Libvirt {
     }
 
     /// The same worker, with calls bounded by `timeout`.
-    pub fn with_timeout(&self, timeout: Duration) -> Libvirt {
-        Libvirt {
+    pub fn with_timeout(&self, timeout: Duration) -> LocalWorker {
+        LocalWorker {
             shared: Arc::clone(&self.shared),
             timeout,
         }
@@ -400,9 +402,9 @@ impl Libvirt {
     }
 }
 
-impl DomainQuery for Libvirt {
+impl DomainQuery for LocalWorker {
     fn running_domains(&self) -> Result<Vec<DomainDevices>, LibvirtError> {
-        Libvirt::running_domains(self)
+        LocalWorker::running_domains(self)
     }
 }
 
@@ -679,7 +681,7 @@ impl Session {
         // Read-write: the claims attach and detach devices. vfiod runs as root.
         let conn = Connect::open(Some(uri)).map_err(|e| LibvirtError::Connect {
             uri: uri.to_string(),
-            source: Cause(e),
+            source: Cause::from(e),
         })?;
         let mut session = Session {
             conn,
@@ -704,7 +706,7 @@ impl Session {
             let callbacks = event::register_domain_events(&session.conn, events).map_err(|e| {
                 LibvirtError::Events {
                     uri: uri.to_string(),
-                    source: Cause(e),
+                    source: Cause::from(e),
                 }
             })?;
             session.domain_events = Some(callbacks);
@@ -728,7 +730,7 @@ impl Drop for Session {
 fn list_running(c: Conn<'_>) -> Result<Vec<DomainDevices>, LibvirtError> {
     let query = |e| LibvirtError::Query {
         uri: c.uri.to_string(),
-        source: Cause(e),
+        source: Cause::from(e),
     };
     let domains = c
         .conn
@@ -775,8 +777,8 @@ fn on_domain<T>(
             LibvirtError::Domain {
                 uri: c.uri.to_string(),
                 domain: domain.to_string(),
-                action,
-                source: Cause(e),
+                action: action.to_string(),
+                source: Cause::from(e),
             }
         }
     };
@@ -811,7 +813,7 @@ fn info(d: &virt::domain::Domain) -> Result<DomainInfo, virt::error::Error> {
 fn list_all(c: Conn<'_>) -> Result<Vec<DomainDefinitions>, LibvirtError> {
     let query = |e| LibvirtError::Query {
         uri: c.uri.to_string(),
-        source: Cause(e),
+        source: Cause::from(e),
     };
     let mut out = Vec::new();
     for dom in c.conn.list_all_domains(0).map_err(query)? {
@@ -929,7 +931,7 @@ mod tests {
         daemon_pid_file(root.path());
         let mute = Mute::new(root.path().join("libvirt-sock"));
         let uri = format!("qemu+unix:///system?socket={}", mute.sock.display());
-        let libvirt = Libvirt::start(Some(uri.clone()), root.path().into(), None)
+        let libvirt = LocalWorker::start(Some(uri.clone()), root.path().into(), None)
             .unwrap()
             .with_timeout(Duration::from_millis(300));
         let t = Instant::now();
@@ -954,7 +956,7 @@ mod tests {
         let root = tempfile::tempdir().unwrap();
         let mute = Mute::new(root.path().join("libvirt-sock"));
         let uri = format!("qemu+unix:///system?socket={}", mute.sock.display());
-        let libvirt = Libvirt::start(Some(uri), root.path().into(), None)
+        let libvirt = LocalWorker::start(Some(uri), root.path().into(), None)
             .unwrap()
             .with_timeout(Duration::from_millis(300));
         assert_eq!(libvirt.running_domains().unwrap(), vec![]);
@@ -974,7 +976,7 @@ mod tests {
 
     #[test]
     fn without_a_uri_there_are_no_domains_and_nothing_to_call() {
-        let libvirt = Libvirt::start(None, PathBuf::from("/nonexistent"), None).unwrap();
+        let libvirt = LocalWorker::start(None, PathBuf::from("/nonexistent"), None).unwrap();
         assert_eq!(libvirt.running_domains().unwrap(), vec![]);
         let err = libvirt
             .attach_device("vm1", "<hostdev/>", Affect::Live)
@@ -986,7 +988,7 @@ mod tests {
     /// "test", no host devices), for the calls' own errors.
     #[test]
     fn domain_calls_name_the_domain_and_what_failed() {
-        let libvirt = Libvirt::start(
+        let libvirt = LocalWorker::start(
             Some("test:///default".into()),
             PathBuf::from("/nonexistent"),
             None,

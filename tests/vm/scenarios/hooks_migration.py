@@ -17,7 +17,7 @@ from testbed.guest import Guest
 from testbed.nested import (define_os_domain, define_small_domain, domain_state, live_hostdevs, migrate,
                             serial_path, wait_os_ready, wait_serial)
 from testbed.runner import Testbed, scenario
-from scenarios.claims import ADDRESS, VF_SEEN, active_claims, findable
+from scenarios.claims import ADDRESS, VF_SEEN, active_claims, findable, freed
 from scenarios.modes import check_split, driver, vfs
 
 DROPIN = vfiod.TEST_DROPIN + 'scenario = "public"\n[[select]]\nid = "1b36:0010"\nnum_vfs = 2\n'
@@ -179,7 +179,7 @@ def run(tb: Testbed, a: Guest, b: Guest) -> None:
     # A.1, the end: destroying the domain releases its claim (stopped/release hooks); the VF is free.
     a.run(f"virsh destroy {HOOKED}")
     a.wait_for(f"{HOOKED}'s claim to end", lambda: not claims_of(a, HOOKED), 10, 0.5)
-    assert vf1 in findable(a), f"{vf1} is not offered by `vfioctl find --vf` after {HOOKED} stopped"
+    freed(a, vf1, f"after {HOOKED} stopped")
     assert hooked["id"] not in active_claims(a)
 
     # ---- A.3: vfiod stopped --------------------------------------------------------------------------
@@ -216,7 +216,7 @@ def run(tb: Testbed, a: Guest, b: Guest) -> None:
                              f"was destroyed while vfiod was down), {MOVER} claims {claims_of(a, MOVER)} "
                              f"(expected one, attached)") from None
     assert one_claim(a, MOVER)["id"] == mover_claim
-    assert vf1 in findable(a), f"{vf1} is not offered again after the reconcile"
+    freed(a, vf1, "after the reconcile")
     events = a.run(f"vfioctl events {vf1} --limit 20", quiet=True).out
     assert re.search(rf"released by the reconcile: {HOOKED} no longer runs", events), \
         f"no event says the reconcile released claim {hooked['id']} of {HOOKED}:\n{events}"

@@ -26,7 +26,7 @@ def install_layout(tb: Testbed) -> None:
         # Stand-in binaries: this checks the Makefile, not the build.
         target = Path(tmp) / "target"
         (target / "release").mkdir(parents=True)
-        for name in ("vfiod", "vfioctl", "vfiod-pool", "vfiod-qemu-hook"):
+        for name in ("vfiod", "vfioctl", "vfiod-pool", "vfiod-qemu-hook", "vfiod-libvirt"):
             (target / "release" / name).write_text("#!/bin/sh\n")
             (target / "release" / name).chmod(0o755)
 
@@ -35,7 +35,7 @@ def install_layout(tb: Testbed) -> None:
         for prefix, expected in {
             "/usr/local": {
                 "/usr/local/sbin/vfiod", "/usr/local/bin/vfioctl", "/usr/local/bin/vfiod-pool",
-                "/usr/local/libexec/vfiod-qemu-hook",
+                "/usr/local/libexec/vfiod-qemu-hook", "/usr/local/libexec/vfiod-libvirt",
                 "/usr/local/lib/systemd/system/vfiod.service", "/usr/local/lib/tmpfiles.d/vfiod.conf",
                 "/etc/dbus-1/system.d/org.vfiod.Vfiod1.conf", "/usr/share/polkit-1/actions/org.vfiod.vfiod1.policy",
                 "/etc/vfiod/vfiod.toml",
@@ -50,6 +50,7 @@ def install_layout(tb: Testbed) -> None:
             },
             "/usr": {
                 "/usr/sbin/vfiod", "/usr/bin/vfioctl", "/usr/bin/vfiod-pool", "/usr/libexec/vfiod-qemu-hook",
+                "/usr/libexec/vfiod-libvirt",
                 "/usr/lib/systemd/system/vfiod.service", "/usr/lib/tmpfiles.d/vfiod.conf",
                 "/usr/share/dbus-1/system.d/org.vfiod.Vfiod1.conf",
                 "/usr/share/polkit-1/actions/org.vfiod.vfiod1.policy", "/etc/vfiod/vfiod.toml",

@@ -31,7 +31,8 @@ def package(tb: Testbed) -> None:
     # A symlink's line ends "NAME -> TARGET": its name is the file.
     files = [line.split(None, 5)[5].split(" -> ")[0].lstrip(".")
              for line in listing.stdout.splitlines() if not line.startswith("d")]
-    assert {"/usr/sbin/vfiod", "/usr/libexec/vfiod-qemu-hook", "/etc/libvirt/hooks/qemu.d/vfiod"} <= set(files), files
+    assert {"/usr/sbin/vfiod", "/usr/libexec/vfiod-qemu-hook", "/usr/libexec/vfiod-libvirt",
+            "/etc/libvirt/hooks/qemu.d/vfiod"} <= set(files), files
     pages = {"/usr/share/man/man1/vfioctl.1.gz", "/usr/share/man/man1/vfiod-pool.1.gz",
              "/usr/share/man/man5/vfiod.toml.5.gz", "/usr/share/man/man8/vfiod.8.gz"}
     assert pages <= set(files), f"man pages missing from the package: {sorted(pages - set(files))}"

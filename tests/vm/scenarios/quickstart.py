@@ -228,9 +228,11 @@ def after_detach(g: Guest, res: Result, before: dict[str, str], mark: int) -> No
     assert not left, f"{DEV} is still in {VM}'s live XML after the detach: {left}"
     inactive = g.run(f"virsh dumpxml --inactive {VM}", quiet=True).out
     assert "<hostdev" not in inactive, f"{VM}'s configuration keeps a hostdev after the detach:\n{inactive}"
-    found = g.run(f"vfioctl find --address {DEV}", check=False, quiet=True)
-    assert found.rc == 0 and found.out.strip() == DEV, f"{DEV} is not offered again after the detach:\n" \
-        f"{found.describe()}"
+    # Held for its clean (a reset and a health check), then offered again.
+    def offered():
+        found = g.run(f"vfioctl find --address {DEV}", check=False, quiet=True)
+        return found.rc == 0 and found.out.strip() == DEV
+    g.wait_for(f"{DEV} to be cleaned and offered again after the detach", offered, 30, 0.3)
     others_unchanged(before, drivers(g), "after the detach")
 
 
