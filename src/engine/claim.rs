@@ -68,8 +68,10 @@ impl super::Engine {
         }
     }
 
-    /// Whether one of `tasks` is a clean still at work (it ends with its device back in the
-    /// pool, or quarantined).
+    /// Whether one of `tasks` is a clean (it ends with its device back in the pool, or
+    /// quarantined). Finished or not: a clean drops its hold a moment before its task ends, so
+    /// a claim decided in between sees it busy and finds it done when asking here; trying
+    /// again then finds the device free.
     async fn cleans(&self, tasks: &[i64]) -> bool {
         if tasks.is_empty() {
             return false;
@@ -77,9 +79,11 @@ impl super::Engine {
         let tasks = tasks.to_vec();
         self.read(move |core| {
             tasks.iter().any(|id| {
-                core.store().task(*id).ok().flatten().is_some_and(|t| {
-                    t.kind == crate::model::task::TaskKind::Clean && !t.state.is_final()
-                })
+                core.store()
+                    .task(*id)
+                    .ok()
+                    .flatten()
+                    .is_some_and(|t| t.kind == crate::model::task::TaskKind::Clean)
             })
         })
         .await

@@ -640,8 +640,13 @@ async fn migrate_begin_fails_closed_with_one_line() {
 async fn the_resumed_event_resumes_and_the_metadata_follows() {
     const TEST_UUID: &str = "6695eb01-f6a4-8304-79aa-97f2502e193f";
     let pool = Pool::start(&[]);
+    // A real libvirtd serving the test driver: vfiod's libvirt client runs in its helper
+    // process, and `test:///default` would be a driver of its own in each process (the test's
+    // pause and resume would reach no event of the helper's).
+    let libvirtd = crate::common::libvirtd::Libvirtd::start();
+    let uri = libvirtd.uri();
     let text = config("hosta", &pool.url, "switchover")
-        .replace("libvirt_uri = \"\"", "libvirt_uri = \"test:///default\"");
+        .replace("libvirt_uri = \"\"", &format!("libvirt_uri = \"{uri}\""));
     let a = Harness::start(&text).await;
     let owner = dict(&[
         ("vm_name", Variant::from("test")),
@@ -670,8 +675,8 @@ async fn the_resumed_event_resumes_and_the_metadata_follows() {
         engine(&a).quiesce_pooled("test", Some(TEST_UUID)).await[0].error,
         None
     );
-    tokio::task::spawn_blocking(|| {
-        let conn = virt::connect::Connect::open(Some("test:///default")).unwrap();
+    tokio::task::spawn_blocking(move || {
+        let conn = virt::connect::Connect::open(Some(&uri)).unwrap();
         let dom = conn.lookup_domain_by_name("test").unwrap();
         dom.suspend().unwrap();
         dom.resume().unwrap();
