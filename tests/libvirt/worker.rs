@@ -348,26 +348,7 @@ fn a_helper_that_dies_is_replaced_and_calls_go_on() {
     };
     connected(&mut rx);
     assert_eq!(libvirt.lookup("test").unwrap().name, "test");
-    let helpers = || -> Vec<i32> {
-        std::fs::read_dir("/proc")
-            .unwrap()
-            .filter_map(|p| {
-                let p = p.ok()?;
-                let pid: i32 = p.file_name().to_str()?.parse().ok()?;
-                let comm = std::fs::read_to_string(p.path().join("comm")).ok()?;
-                let ppid: u32 = std::fs::read_to_string(p.path().join("stat"))
-                    .ok()?
-                    .rsplit(')')
-                    .next()?
-                    .split_whitespace()
-                    .nth(1)?
-                    .parse()
-                    .ok()?;
-                (comm.trim() == "vfiod-libvirt" && ppid == std::process::id()).then_some(pid)
-            })
-            .collect()
-    };
-    let first = helpers();
+    let first = helpers_of_this_process();
     assert_eq!(first.len(), 1, "one helper: {first:?}");
     kill(nix::unistd::Pid::from_raw(first[0]), Signal::SIGKILL).unwrap();
     eventually(SOON, "the loss is reported", || {
@@ -376,7 +357,7 @@ fn a_helper_that_dies_is_replaced_and_calls_go_on() {
             .then_some(())
     });
     connected(&mut rx);
-    let second = helpers();
+    let second = helpers_of_this_process();
     assert!(
         second.len() == 1 && second != first,
         "{first:?} then {second:?}"
@@ -386,7 +367,67 @@ fn a_helper_that_dies_is_replaced_and_calls_go_on() {
     assert_eq!(libvirt.lookup("test").unwrap().name, "test");
     libvirt.stop();
     eventually(SOON, "the helper ends with the handle", || {
-        helpers().is_empty().then_some(())
+        helpers_of_this_process().is_empty().then_some(())
     });
     assert!(matches!(libvirt.lookup("test"), Err(LibvirtError::Stopped)));
+}
+
+/// This process's `vfiod-libvirt` helpers.
+fn helpers_of_this_process() -> Vec<i32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|p| {
+            let p = p.ok()?;
+            let pid: i32 = p.file_name().to_str()?.parse().ok()?;
+            let comm = std::fs::read_to_string(p.path().join("comm")).ok()?;
+            let ppid: u32 = std::fs::read_to_string(p.path().join("stat"))
+                .ok()?
+                .rsplit(')')
+                .next()?
+                .split_whitespace()
+                .nth(1)?
+                .parse()
+                .ok()?;
+            (comm.trim() == "vfiod-libvirt" && ppid == std::process::id()).then_some(pid)
+        })
+        .collect()
+}
+
+/// With a local QEMU URI and no libvirt daemon running (the boot rule: connecting would start
+/// one), no helper runs, so that a host without libvirt carries none of libvirt's memory: calls
+/// answer as the worker would (no running domains; NoDaemon); once a daemon's pid file names a
+/// live process, the helper starts by itself within the poll and connects.
+#[test]
+fn no_helper_runs_until_a_libvirt_daemon_does() {
+    let name = common::test_name(module_path!(), "no_helper_runs_until_a_libvirt_daemon_does");
+    if !common::is_helper(&name) {
+        common::run_in_own_process(&name);
+        return;
+    }
+    let d = Libvirtd::start();
+    let root = tempfile::tempdir().unwrap();
+    let (tx, mut rx) = unbounded_channel();
+    let libvirt = Libvirt::start(Some(d.qemu_uri()), root.path().into(), Some(tx))
+        .unwrap()
+        .with_timeout(Duration::from_secs(5));
+    assert_eq!(libvirt.running_domains().unwrap(), vec![]);
+    let r = libvirt.lookup("vm1");
+    assert!(matches!(r, Err(LibvirtError::NoDaemon { .. })), "{r:?}");
+    // Longer than the poll: still nothing runs.
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(helpers_of_this_process(), Vec::<i32>::new());
+    assert!(rx.try_recv().is_err(), "an event without a helper");
+
+    let pid = d.pid().to_string();
+    std::fs::create_dir_all(root.path().join("run")).unwrap();
+    std::fs::create_dir_all(root.path().join("proc").join(&pid)).unwrap();
+    std::fs::write(root.path().join("run/libvirtd.pid"), &pid).unwrap();
+    eventually(SOON, "the helper starts and connects", || {
+        std::iter::from_fn(|| rx.try_recv().ok())
+            .any(|e| matches!(e, LibvirtEvent::Connected { .. }))
+            .then_some(())
+    });
+    assert_eq!(helpers_of_this_process().len(), 1);
+    assert_eq!(libvirt.running_domains().unwrap(), vec![]);
+    libvirt.stop();
 }

@@ -35,6 +35,9 @@ use std::time::Duration;
 /// How long a question to libvirt may take. A hung libvirtd must not hang the D-Bus call that
 /// asked (its caller gives up after 25 s) or the task.
 pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often the pid files are read while the boot rule keeps vfiod from connecting (and from
+/// starting its helper): a file read, cheap, and libvirtd's start at boot is then noticed soon.
+const DAEMON_POLL: Duration = Duration::from_secs(2);
 
 /// Errors of libvirt calls. They cross from the helper process to the daemon (`wire.rs`), so
 /// they hold text, not libvirt's error objects.

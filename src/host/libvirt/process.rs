@@ -14,11 +14,19 @@
 //! that exits fails every call in flight with [`LibvirtError::Lost`], emits
 //! [`LibvirtEvent::Disconnected`], and is started again in the background (0.5 s, doubling to
 //! 30 s) or at the next call.
+//!
+//! No helper runs while there is nothing to connect to: with a local QEMU URI
+//! (`qemu:///system`) and no libvirt daemon running (the boot rule, `super::needs_running_daemon`:
+//! connecting would start one), a call answers as the helper's worker would
+//! ([`LibvirtError::NoDaemon`]; no running domains) and the pid files are read again every 2 s;
+//! the helper starts when a daemon runs. A host without libvirt, or a simulation, then carries
+//! none of libvirt's memory.
 
 use super::wire::{Call, Line, Request, Value};
 use super::{
-    Affect, CloseReason, Definition, DomainDefinitions, DomainDevices, DomainInfo, DomainQuery,
-    LibvirtError, LibvirtEvent, Migration, ANSWER_TIMEOUT,
+    local_daemon_running, needs_running_daemon, Affect, CloseReason, Definition, DomainDefinitions,
+    DomainDevices, DomainInfo, DomainQuery, LibvirtError, LibvirtEvent, Migration, ANSWER_TIMEOUT,
+    DAEMON_POLL,
 };
 use std::collections::HashMap;
 use std::io::{BufRead, Write};
@@ -88,6 +96,10 @@ struct Shared {
     next_id: AtomicU64,
     stopped: AtomicBool,
     restart: Mutex<Duration>,
+    /// No helper was started because no libvirt daemon ran: the watcher starts one when it does.
+    awaiting_daemon: AtomicBool,
+    /// The watcher thread runs (one per handle).
+    watching: AtomicBool,
 }
 
 struct Running {
@@ -113,6 +125,13 @@ impl Shared {
 
     fn uri_text(&self) -> String {
         self.uri().unwrap_or_else(|| "(no URI)".into())
+    }
+
+    /// The URI, when it is a local QEMU one and no libvirt daemon runs: then no helper is
+    /// started (it could only wait for one).
+    fn daemon_absent(&self) -> Option<String> {
+        self.uri()
+            .filter(|uri| needs_running_daemon(uri) && !local_daemon_running(&self.root))
     }
 
     fn stop(&self) {
@@ -157,8 +176,62 @@ impl Shared {
     }
 }
 
+/// Makes sure a helper runs for `shared`, unless no libvirt daemon runs for its local QEMU URI:
+/// then none is started, the watcher looks again every [`DAEMON_POLL`], and the answer is
+/// [`LibvirtError::NoDaemon`].
+fn ensure_helper(shared: &Arc<Shared>) -> Result<(), LibvirtError> {
+    let mut helper = lock(&shared.helper);
+    if helper.is_some() {
+        return Ok(());
+    }
+    if let Some(uri) = shared.daemon_absent() {
+        if !shared.awaiting_daemon.swap(true, Ordering::AcqRel) {
+            tracing::info!(
+                "no libvirt daemon runs for {uri}: not connecting (that would start one), no \
+                 libvirt helper until one does; looking again every {DAEMON_POLL:?}"
+            );
+        }
+        watch(shared);
+        return Err(LibvirtError::NoDaemon { uri });
+    }
+    shared.awaiting_daemon.store(false, Ordering::Release);
+    *helper = Some(spawn(shared)?);
+    Ok(())
+}
+
+/// Starts, once per handle, the thread that starts the helper when a libvirt daemon that did
+/// not run at first runs.
+fn watch(shared: &Arc<Shared>) {
+    if shared.watching.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    let weak = Arc::downgrade(shared);
+    let started = std::thread::Builder::new()
+        .name("libvirt-watch".into())
+        .spawn(move || loop {
+            std::thread::sleep(DAEMON_POLL);
+            let Some(shared) = weak.upgrade() else { return };
+            if shared.stopped.load(Ordering::Acquire) {
+                return;
+            }
+            if shared.awaiting_daemon.load(Ordering::Acquire)
+                && shared.uri().is_some()
+                && shared.daemon_absent().is_none()
+            {
+                tracing::info!("a libvirt daemon runs: starting the libvirt helper");
+                if let Err(e) = ensure_helper(&shared) {
+                    tracing::warn!("{}", crate::error_chain(&e));
+                }
+            }
+        });
+    if started.is_err() {
+        // Calls still start the helper when the daemon runs.
+        shared.watching.store(false, Ordering::Release);
+    }
+}
+
 /// Starts a helper for `shared` (its URI and root), with a thread reading its lines.
-fn spawn(shared: &Arc<Shared>) -> Result<(), LibvirtError> {
+fn spawn(shared: &Arc<Shared>) -> Result<Running, LibvirtError> {
     let path = helper_path()?;
     let mut command = Command::new(&path);
     command.arg("--root").arg(&shared.root);
@@ -181,12 +254,11 @@ fn spawn(shared: &Arc<Shared>) -> Result<(), LibvirtError> {
         .name("libvirt-helper".into())
         .spawn(move || read_lines(weak, stdout, generation))
         .map_err(|e| LibvirtError::Helper(format!("cannot start its reader: {e}")))?;
-    *lock(&shared.helper) = Some(Running {
+    Ok(Running {
         child,
         stdin,
         generation,
-    });
-    Ok(())
+    })
 }
 
 /// Forwards the helper's answers to their callers and its events to the daemon, until it exits;
@@ -256,12 +328,11 @@ fn read_lines(shared: std::sync::Weak<Shared>, stdout: std::process::ChildStdout
         .spawn(move || {
             std::thread::sleep(pause);
             if let Some(shared) = weak.upgrade() {
-                if !shared.stopped.load(Ordering::Acquire)
-                    && shared.uri().is_some()
-                    && lock(&shared.helper).is_none()
-                {
-                    if let Err(e) = spawn(&shared) {
-                        tracing::warn!("{}", crate::error_chain(&e));
+                if !shared.stopped.load(Ordering::Acquire) && shared.uri().is_some() {
+                    match ensure_helper(&shared) {
+                        // The daemon went too: the watcher starts the helper when it is back.
+                        Ok(()) | Err(LibvirtError::NoDaemon { .. }) => {}
+                        Err(e) => tracing::warn!("{}", crate::error_chain(&e)),
                     }
                 }
             }
@@ -297,9 +368,14 @@ impl Libvirt {
             next_id: AtomicU64::new(1),
             stopped: AtomicBool::new(false),
             restart: Mutex::new(FIRST_RESTART),
+            awaiting_daemon: AtomicBool::new(false),
+            watching: AtomicBool::new(false),
         });
         if uri.is_some() {
-            spawn(&shared)?;
+            match ensure_helper(&shared) {
+                Ok(()) | Err(LibvirtError::NoDaemon { .. }) => {}
+                Err(e) => return Err(e),
+            }
         }
         Ok(Libvirt {
             shared,
@@ -339,11 +415,10 @@ impl Libvirt {
             (true, Some(uri)) => {
                 let _ = self.send(Call::SetUri(Some(uri)), None);
             }
-            (false, Some(_)) => {
-                if let Err(e) = spawn(&self.shared) {
-                    tracing::warn!("{}", crate::error_chain(&e));
-                }
-            }
+            (false, Some(_)) => match ensure_helper(&self.shared) {
+                Ok(()) | Err(LibvirtError::NoDaemon { .. }) => {}
+                Err(e) => tracing::warn!("{}", crate::error_chain(&e)),
+            },
             (false, None) => {}
         }
     }
@@ -360,9 +435,11 @@ impl Libvirt {
         if self.shared.uri().is_none() {
             return Ok(Vec::new());
         }
-        match self.call(Call::RunningDomains)? {
-            Value::Running(r) => Ok(r),
-            other => Err(unexpected(&other)),
+        match self.call(Call::RunningDomains) {
+            Ok(Value::Running(r)) => Ok(r),
+            Ok(other) => Err(unexpected(&other)),
+            Err(LibvirtError::NoDaemon { .. }) => Ok(Vec::new()),
+            Err(e) => Err(e),
         }
     }
 
@@ -491,9 +568,7 @@ impl Libvirt {
         if shared.stopped.load(Ordering::Acquire) {
             return Err(LibvirtError::Stopped);
         }
-        if lock(&shared.helper).is_none() {
-            spawn(shared)?;
-        }
+        ensure_helper(shared)?;
         let id = shared.next_id.fetch_add(1, Ordering::AcqRel);
         let (reply, answer) = std::sync::mpsc::sync_channel(1);
         let answered = !matches!(call, Call::SetUri(_));

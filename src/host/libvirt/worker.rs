@@ -18,7 +18,7 @@
 use super::event::{self, CloseReason, EventLoop, LibvirtEvent};
 use super::{
     local_daemon_running, needs_running_daemon, Cause, DomainDevices, DomainQuery, LibvirtError,
-    ANSWER_TIMEOUT,
+    ANSWER_TIMEOUT, DAEMON_POLL,
 };
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -32,9 +32,6 @@ use virt::connect::Connect;
 /// is given up on after about 20 s.
 const KEEPALIVE_INTERVAL: i32 = 5;
 const KEEPALIVE_COUNT: u32 = 3;
-/// How often the pid files are read while the boot rule keeps the worker from connecting: a
-/// file read, cheap, and libvirtd's start at boot is then noticed soon.
-const DAEMON_POLL: Duration = Duration::from_secs(2);
 /// How long [`LocalWorker::stop`] waits for the worker to finish a call in progress.
 const STOP_TIMEOUT: Duration = Duration::from_secs(2);
 
