@@ -350,6 +350,23 @@ fn a_helper_that_dies_is_replaced_and_calls_go_on() {
     assert_eq!(libvirt.lookup("test").unwrap().name, "test");
     let first = helpers_of_this_process();
     assert_eq!(first.len(), 1, "one helper: {first:?}");
+    // Signals meant for vfiod (systemd's stop signals the whole service, Ctrl-C the process
+    // group) leave the helper to vfiod: it ends when vfiod closes its input.
+    for s in [Signal::SIGTERM, Signal::SIGINT, Signal::SIGHUP] {
+        kill(nix::unistd::Pid::from_raw(first[0]), s).unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        helpers_of_this_process(),
+        first,
+        "a signal ended the helper"
+    );
+    assert_eq!(libvirt.lookup("test").unwrap().name, "test");
+    assert!(
+        !std::iter::from_fn(|| rx.try_recv().ok())
+            .any(|e| matches!(e, LibvirtEvent::Disconnected { .. })),
+        "a signal cost the connection"
+    );
     kill(nix::unistd::Pid::from_raw(first[0]), Signal::SIGKILL).unwrap();
     eventually(SOON, "the loss is reported", || {
         std::iter::from_fn(|| rx.try_recv().ok())
