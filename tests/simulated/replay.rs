@@ -147,15 +147,7 @@ async fn a_replay_lists_what_the_host_lists_from_a_tarball_or_a_directory() {
 
     let unpacked = dir.path().join("unpacked/deep");
     std::fs::create_dir_all(&unpacked).unwrap();
-    let ok = Command::new("tar")
-        .arg("xzf")
-        .arg(&file)
-        .arg("-C")
-        .arg(&unpacked)
-        .status()
-        .unwrap()
-        .success();
-    assert!(ok, "tar xzf");
+    untar(&file, &unpacked);
     let out = replay(
         &dir.path().join("unpacked"),
         &config,
@@ -165,6 +157,19 @@ async fn a_replay_lists_what_the_host_lists_from_a_tarball_or_a_directory() {
     assert!(out.status.success(), "{}", text(&out.stderr));
     let problems = differences(&want, &by_address(&text(&out.stdout)));
     assert!(problems.is_empty(), "directory:\n{}", problems.join("\n"));
+}
+
+/// Unpacks the recording `file` into `into` (with the system's tar: what a user does).
+fn untar(file: &Path, into: &Path) {
+    let ok = Command::new("tar")
+        .arg("xzf")
+        .arg(file)
+        .arg("-C")
+        .arg(into)
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "tar xzf {}", file.display());
 }
 
 /// A split of the NIC, then the list: (split's exit status, its output, the list). The split's
@@ -202,14 +207,7 @@ async fn a_replay_refuses_a_split_with_the_kernels_error_and_a_writable_one_spli
     let (_h, dir, host_list, file, config) = recorded_host().await;
     let unpacked = dir.path().join("unpacked");
     std::fs::create_dir_all(&unpacked).unwrap();
-    assert!(Command::new("tar")
-        .arg("xzf")
-        .arg(&file)
-        .arg("-C")
-        .arg(&unpacked)
-        .status()
-        .unwrap()
-        .success());
+    untar(&file, &unpacked);
     let before = tree(&unpacked);
     let read_only = split_then_list(&unpacked, &config, &[], dir.path());
     let writable = split_then_list(&file, &config, &["--replay-writable"], dir.path());
