@@ -118,7 +118,7 @@ impl Harness {
         let test_driver = settings
             .libvirt_uri
             .clone()
-            .filter(|u| u.starts_with("test://"));
+            .filter(|u| u.starts_with("test://") || u.starts_with("test+unix://"));
         let server = Server::start(Options {
             settings,
             source: Some(source),
@@ -130,18 +130,13 @@ impl Harness {
         })
         .await
         .expect("vfiod starts");
-        // A test libvirt (a file, connected at once) must have been reconciled with before
-        // the test acts: the start-up reconcile would otherwise race the test's hook calls and
-        // undo what they recorded when the test's domains and claims disagree on purpose.
-        if let Some(uri) = test_driver {
-            let deadline = std::time::Instant::now() + Duration::from_secs(20);
-            while server.engine.libvirt_link().map(|l| l.word()) != Some("connected") {
-                assert!(
-                    std::time::Instant::now() < deadline,
-                    "vfiod did not connect to {uri} within 20 s"
-                );
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
+        // A test libvirt (the test driver, in a file or served by the test's libvirtd: connected
+        // at once) must have been reconciled with before the test acts: the start-up reconcile
+        // would otherwise race the test's hook calls and undo what they recorded when the
+        // test's domains and claims disagree on purpose, and the events of domains the test
+        // defines before the worker registered for them would never come.
+        if test_driver.is_some() {
+            wait_for_libvirt(&server.engine).await;
         }
         self.server = Some(server);
     }
@@ -434,4 +429,23 @@ pub async fn cleaned(h: &Harness, address: &str) -> String {
         },
     )
     .await
+}
+
+/// Waits (at most 20 s) until the engine's run loop has handled the libvirt worker's
+/// `Connected`: from then on the worker is registered for domain events, and the claims were
+/// reconciled with libvirt's domains. An event of a domain defined before that is never seen
+/// (libvirt does not replay events), so a test that waits for one must wait for this first.
+pub async fn wait_for_libvirt(engine: &vfiod::engine::Engine) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let link = engine.libvirt_link();
+        if link.as_ref().map(|l| l.word()) == Some("connected") {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "vfiod did not connect to libvirt within 20 s: {link:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }

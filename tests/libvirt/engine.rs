@@ -71,6 +71,8 @@ async fn domain_lifecycle_events_reach_the_engine_channel() {
         .await
     });
 
+    // Domain events flow only once the worker has connected and registered for them.
+    common::wait_for_libvirt(&engine).await;
     define_and_start(&d, "vm1");
     next_domain_event(&mut stream, "vm1", DomainEventKind::Defined).await;
     next_domain_event(&mut stream, "vm1", DomainEventKind::Started).await;
