@@ -89,6 +89,16 @@ impl Libvirtd {
         self.child.as_ref().expect("libvirtd runs").id()
     }
 
+    /// Tells the boot rule of the simulated host under `root` that this libvirt daemon runs (its
+    /// pid file and a /proc entry): vfiod then connects to a local QEMU URI, which it never does
+    /// while no daemon runs (that would start one).
+    pub fn announce(&self, root: &Path) {
+        let pid = self.pid();
+        std::fs::create_dir_all(root.join("run")).unwrap();
+        std::fs::create_dir_all(root.join("proc").join(pid.to_string())).unwrap();
+        std::fs::write(root.join("run/libvirtd.pid"), pid.to_string()).unwrap();
+    }
+
     /// kill -9, and reaps it.
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {

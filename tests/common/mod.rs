@@ -151,6 +151,10 @@ impl Harness {
         BusTarget::Address(self.bus.address().to_string())
     }
 
+    pub fn engine(&self) -> &Arc<vfiod::engine::Engine> {
+        &self.server.as_ref().expect("server running").engine
+    }
+
     pub fn store(&self) -> Arc<vfiod::store::Store> {
         Arc::clone(self.server.as_ref().expect("server running").engine.store())
     }

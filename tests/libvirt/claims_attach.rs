@@ -13,7 +13,6 @@ use crate::common;
 
 use crate::common::libvirtd::{require_qemu, tcg_domain_xml, Libvirtd};
 use crate::common::{addr, dict, eventually_async, refusal, Harness};
-use std::path::Path;
 use std::time::Duration;
 use vfiod::client::claim::{self, ClaimProxy};
 use vfiod::model::event::EventKind;
@@ -21,14 +20,6 @@ use zbus::Variant;
 
 /// The first QEMU domain under a new daemon probes QEMU's capabilities: slow under load.
 const SLOW: Duration = Duration::from_secs(90);
-
-/// Tells the simulated host's boot rule that a libvirt daemon runs: vfiod then connects to a
-/// local QEMU URI (it never starts one).
-fn announce(root: &Path, pid: u32) {
-    std::fs::create_dir_all(root.join("run")).unwrap();
-    std::fs::create_dir_all(root.join("proc").join(pid.to_string())).unwrap();
-    std::fs::write(root.join("run/libvirtd.pid"), pid.to_string()).unwrap();
-}
 
 fn config(uri: &str) -> String {
     format!(
@@ -53,7 +44,10 @@ async fn setup() -> (Libvirtd, Harness) {
     require_qemu();
     let d = Libvirtd::start();
     let h = Harness::start(&config(&d.qemu_uri())).await;
-    announce(h.kernel.root(), d.pid());
+    d.announce(h.kernel.root());
+    // The helper starts once vfiod sees the daemon (it looks every 2 s): domain events are
+    // heard only from then on.
+    common::wait_for_libvirt(h.engine()).await;
     (d, h)
 }
 
@@ -253,7 +247,7 @@ async fn a_config_attach_and_detach_and_a_detach_that_fails() {
 
     // libvirt is back: the detach goes through, the claim ends, the VF is in the pool again.
     d.restart();
-    announce(h.kernel.root(), d.pid());
+    d.announce(h.kernel.root());
     let client = &h.client;
     let detached = eventually_async(SLOW, "the detach succeeds once libvirt is back", || {
         let path = path.clone();
@@ -330,7 +324,7 @@ async fn the_reconcile_repairs_claims_libvirt_disagrees_with() {
 
     // vfiod learns of it when libvirt reconnects (as after a restart of either).
     d.restart();
-    announce(h.kernel.root(), d.pid());
+    d.announce(h.kernel.root());
     let client = &h.client;
     let first = path.to_string();
     let (first, by_hand_ref) = (&first, &by_hand);
@@ -460,7 +454,7 @@ async fn the_reconcile_ends_a_run_claim_of_a_domain_that_stopped_unheard() {
 
     // vfiod hears of the domain again when libvirt reconnects (as after a restart of either).
     d.restart();
-    announce(h.kernel.root(), d.pid());
+    d.announce(h.kernel.root());
     let client = &h.client;
     eventually_async(SLOW, "the reconcile ends the claim", || async move {
         claim::list_claims(client)

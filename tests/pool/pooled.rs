@@ -130,7 +130,7 @@ async fn hook(h: &Harness, op: &str, sub: &str, xml: &str) -> (i32, String, Stri
 }
 
 fn engine(h: &Harness) -> Arc<vfiod::engine::Engine> {
-    Arc::clone(&h.server.as_ref().unwrap().engine)
+    Arc::clone(h.engine())
 }
 
 /// The `pool` events of the history, (time, message).
