@@ -435,10 +435,7 @@ fn no_helper_runs_until_a_libvirt_daemon_does() {
     assert_eq!(helpers_of_this_process(), Vec::<i32>::new());
     assert!(rx.try_recv().is_err(), "an event without a helper");
 
-    let pid = d.pid().to_string();
-    std::fs::create_dir_all(root.path().join("run")).unwrap();
-    std::fs::create_dir_all(root.path().join("proc").join(&pid)).unwrap();
-    std::fs::write(root.path().join("run/libvirtd.pid"), &pid).unwrap();
+    d.announce(root.path());
     eventually(SOON, "the helper starts and connects", || {
         std::iter::from_fn(|| rx.try_recv().ok())
             .any(|e| matches!(e, LibvirtEvent::Connected { .. }))

@@ -199,6 +199,15 @@ fn ensure_helper(shared: &Arc<Shared>) -> Result<(), LibvirtError> {
     Ok(())
 }
 
+/// [`ensure_helper`] outside a call: no daemon running is not a failure there (the watcher
+/// starts the helper once one runs), only a helper that cannot be started is.
+fn start_helper_if_daemon(shared: &Arc<Shared>) -> Result<(), LibvirtError> {
+    match ensure_helper(shared) {
+        Err(LibvirtError::NoDaemon { .. }) => Ok(()),
+        other => other,
+    }
+}
+
 /// Starts, once per handle, the thread that starts the helper when a libvirt daemon that did
 /// not run at first runs.
 fn watch(shared: &Arc<Shared>) {
@@ -329,10 +338,9 @@ fn read_lines(shared: std::sync::Weak<Shared>, stdout: std::process::ChildStdout
             std::thread::sleep(pause);
             if let Some(shared) = weak.upgrade() {
                 if !shared.stopped.load(Ordering::Acquire) && shared.uri().is_some() {
-                    match ensure_helper(&shared) {
-                        // The daemon went too: the watcher starts the helper when it is back.
-                        Ok(()) | Err(LibvirtError::NoDaemon { .. }) => {}
-                        Err(e) => tracing::warn!("{}", crate::error_chain(&e)),
+                    // The daemon may have gone too: the watcher starts the helper when it is back.
+                    if let Err(e) = start_helper_if_daemon(&shared) {
+                        tracing::warn!("{}", crate::error_chain(&e));
                     }
                 }
             }
@@ -372,10 +380,7 @@ impl Libvirt {
             watching: AtomicBool::new(false),
         });
         if uri.is_some() {
-            match ensure_helper(&shared) {
-                Ok(()) | Err(LibvirtError::NoDaemon { .. }) => {}
-                Err(e) => return Err(e),
-            }
+            start_helper_if_daemon(&shared)?;
         }
         Ok(Libvirt {
             shared,
@@ -415,10 +420,11 @@ impl Libvirt {
             (true, Some(uri)) => {
                 let _ = self.send(Call::SetUri(Some(uri)), None);
             }
-            (false, Some(_)) => match ensure_helper(&self.shared) {
-                Ok(()) | Err(LibvirtError::NoDaemon { .. }) => {}
-                Err(e) => tracing::warn!("{}", crate::error_chain(&e)),
-            },
+            (false, Some(_)) => {
+                if let Err(e) = start_helper_if_daemon(&self.shared) {
+                    tracing::warn!("{}", crate::error_chain(&e));
+                }
+            }
             (false, None) => {}
         }
     }
