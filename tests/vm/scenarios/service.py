@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 from testbed import vfiod
@@ -89,6 +90,23 @@ def check_started_before_libvirtd(g: Guest) -> None:
     assert "libvirtd.service" in before, f"vfiod.service is not ordered Before=libvirtd.service: {before}"
 
 
+def check_libvirt_helper_waits_for_libvirtd(g: Guest) -> None:
+    """At boot vfiod is up before libvirtd, with no libvirt helper (connecting to qemu:///system would
+    activate libvirtd, which is ordered after vfiod); once libvirtd runs, vfiod starts its helper
+    (`vfiod-libvirt`, a child of its main process) and connects."""
+    journal = g.run("journalctl -b -u vfiod --no-pager -o cat", quiet=True).out
+    assert "no libvirt helper until one does" in journal, \
+        f"vfiod did not wait for libvirtd at boot:\n{journal[-3000:]}"
+
+    def link() -> str:
+        return json.loads(g.run("vfioctl status --json", quiet=True).out)["libvirt"]["state"]
+
+    g.wait_for("vfiod to connect to libvirtd through its helper", lambda: link() == "connected", 30)
+    main_pid = unit_property(g, "vfiod", "MainPID")
+    helpers = g.run(f"pgrep -P {main_pid} -x vfiod-libvirt || true", quiet=True).out.split()
+    assert len(helpers) == 1, f"vfiod (pid {main_pid}) has {len(helpers)} libvirt helper(s): {helpers}"
+
+
 def check_clean_journal(g: Guest) -> None:
     problems = vfiod.journal_problems(g)
     assert not problems, "vfiod logged warnings or errors in this boot:\n  " + "\n  ".join(problems)
@@ -112,7 +130,7 @@ def check_files(g: Guest) -> None:
 @scenario()
 def service(tb: Testbed) -> None:
     """make install; vfiod under systemd owns org.vfiod.Vfiod1, polkit guards mutations; after a reboot it
-    starts before libvirtd, cleanly"""
+    starts before libvirtd, cleanly, and starts its libvirt helper once libvirtd runs"""
     g = tb.boot()
     tb.note("install+enable --now", vfiod.install(g))
     check_files(g)
@@ -129,5 +147,6 @@ def service(tb: Testbed) -> None:
     tb.note("reboot", g.reboot())
     check_running(g)
     check_started_before_libvirtd(g)
+    check_libvirt_helper_waits_for_libvirtd(g)
     check_api(g)
     check_clean_journal(g)
