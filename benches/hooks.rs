@@ -102,7 +102,7 @@ fn main() {
             sysfs: kernel.sysfs(),
             events: Some(kernel.subscribe()),
             bus: BusTarget::Address(bus.address().to_string()),
-            authorizer: Authorizer::AllowAll,
+            authorizer: Authorizer::SameUser,
             simulated: true,
         }))
         .expect("vfiod starts");

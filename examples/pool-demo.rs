@@ -71,7 +71,7 @@ impl Host {
             sysfs: kernel.sysfs(),
             events: Some(kernel.subscribe()),
             bus: BusTarget::Address(bus.address().to_string()),
-            authorizer: Authorizer::AllowAll,
+            authorizer: Authorizer::SameUser,
             simulated: true,
         })
         .await

@@ -651,7 +651,7 @@ async fn run_simulation(
         sysfs,
         events,
         bus,
-        Authorizer::AllowAll,
+        Authorizer::SameUser,
         true,
         Some(on_ready),
     )

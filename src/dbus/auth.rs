@@ -1,5 +1,13 @@
-//! Authorization of mutating calls: a caller with CAP_SYS_ADMIN is allowed, as systemd's daemons
-//! allow it; any other asks polkit, with the message sender as the subject. Reads never ask.
+//! Authorization of mutating calls: root is allowed, and so is a caller holding CAP_SYS_ADMIN in
+//! vfiod's own user namespace, as systemd's daemons allow them; any other asks polkit, with the
+//! message sender as the subject. Reads never ask.
+//!
+//! Who the caller is, is what the bus daemon says (`GetConnectionCredentials`: its uid, its
+//! process): the bus daemon runs in the initial user namespace and reports the real uid, which a
+//! caller cannot choose. What a process shows in `/proc` is its own namespace's view: inside a
+//! user namespace it made itself, any user holds every capability, of that namespace only. So a
+//! capability stands in for polkit only when the caller's user namespace is vfiod's own
+//! ([`privilege`] decides; [`inspect_process`] reads), and a uid is never read from `/proc`.
 //!
 //! One action per verb family (as systemd-machined has one per verb), each asked with details
 //! that rules files can read (`action.lookup("device")`): a [`Check`] is the action and its
@@ -186,11 +194,28 @@ pub fn action_for_task(kind: TaskKind) -> &'static str {
 pub enum Authorizer {
     /// Ask polkitd on the system bus (the default).
     Polkit,
-    /// Allow every caller. Only for the simulation on a private bus, where it is announced.
-    AllowAll,
+    /// The simulation's: every method, without polkit, for the user who runs vfiod (and root),
+    /// and for no one else; root-only methods stay root's and that user's
+    /// ([`Gate::require_root`]). The simulation's private bus admits that user only anyway.
+    SameUser,
 }
 
-impl Authorizer {
+/// How the objects authorize a call: the [`Authorizer`], and the bus's answers about callers
+/// ([`Requesters`]) that both it and the records use. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct Gate {
+    authorizer: Authorizer,
+    requesters: std::sync::Arc<Requesters>,
+}
+
+impl Gate {
+    pub fn new(authorizer: Authorizer, requesters: std::sync::Arc<Requesters>) -> Gate {
+        Gate {
+            authorizer,
+            requesters,
+        }
+    }
+
     /// Succeeds when the sender of `header` may do what `check` asks; otherwise `NotAuthorized`
     /// (naming the action), and nothing has been changed.
     pub async fn check(
@@ -199,15 +224,32 @@ impl Authorizer {
         header: &Header<'_>,
         check: &Check,
     ) -> Result<(), Error> {
-        if *self == Authorizer::AllowAll {
-            return Ok(());
+        if self.authorizer == Authorizer::SameUser {
+            let own = own_uid();
+            return match self.requesters.uid(conn, header).await {
+                Some(uid) if has_vfiods_access(uid, own) => Ok(()),
+                Some(uid) => Err(Error::NotAuthorized(format!(
+                    "{check}: this simulation serves the user who runs it (uid {own}) and root \
+                     only, not uid {uid}; run your own: vfiod --simulate"
+                ))),
+                None => Err(Error::NotAuthorized(format!(
+                    "{check}: the bus does not say who the caller is"
+                ))),
+            };
         }
-        // As systemd's own daemons decide (sd_bus_query_sender_privilege): a caller holding
-        // CAP_SYS_ADMIN may, without asking polkit, so that root can manage the host on one
-        // where polkitd is not installed. Everyone else asks polkit.
-        if privileged(conn, header).await {
-            tracing::debug!(%check, "allowed: the caller holds CAP_SYS_ADMIN");
-            return Ok(());
+        // As systemd's own daemons decide (sd_bus_query_sender_privilege): root, or a caller
+        // holding CAP_SYS_ADMIN where it counts, may without asking polkit, so that root can
+        // manage the host on one where polkitd is not installed. Everyone else asks polkit.
+        match caller_privilege(&self.requesters, conn, header).await {
+            Privilege::Root => {
+                tracing::debug!(%check, "allowed: the caller is root");
+                return Ok(());
+            }
+            Privilege::CapSysAdmin => {
+                tracing::debug!(%check, "allowed: the caller holds CAP_SYS_ADMIN");
+                return Ok(());
+            }
+            Privilege::None => {}
         }
         let subject = Subject::new_for_message_header(header)
             .map_err(|e| Error::NotAuthorized(format!("cannot identify the caller: {e}")))?;
@@ -229,8 +271,8 @@ impl Authorizer {
                 if polkit_absent(&e) {
                     Error::NotAuthorized(format!(
                         "polkitd is not running (is the polkitd package installed?), so {check} \
-                         is refused for this caller; a caller with CAP_SYS_ADMIN (root) is \
-                         allowed without it: {e}"
+                         is refused for this caller; root (or a caller holding CAP_SYS_ADMIN in \
+                         vfiod's own user namespace) is allowed without it: {e}"
                     ))
                 } else {
                     Error::NotAuthorized(format!("polkit check for {check} failed: {e}"))
@@ -250,80 +292,234 @@ impl Authorizer {
     }
 }
 
-impl Authorizer {
-    /// Succeeds for a caller running as root (libvirt runs its hooks as root, and a hook's call
-    /// may not wait for a polkit agent; only root may name a file for vfiod to read), or for
-    /// anyone under [`Authorizer::AllowAll`].
+impl Gate {
+    /// Succeeds for a caller that has vfiod's own access to the host: root, or the user vfiod
+    /// runs as (root in production; the user who runs a simulation), as the bus reports the
+    /// caller's uid. libvirt runs its hooks as root, and a hook's call may not wait for a polkit
+    /// agent; a file vfiod opens for a caller (`AddFromPath`) is opened with vfiod's access, so
+    /// only a caller who has that access already may name one. No capability and no
+    /// [`Authorizer`] lifts this.
     pub async fn require_root(
         &self,
-        requesters: &Requesters,
         conn: &zbus::Connection,
         header: &Header<'_>,
         what: &str,
     ) -> Result<(), Error> {
-        if *self == Authorizer::AllowAll {
-            return Ok(());
-        }
-        match requesters.uid(conn, header).await {
-            Some(0) => Ok(()),
+        let own = own_uid();
+        let only = if own == 0 {
+            "root only".to_string()
+        } else {
+            format!("root and uid {own} (vfiod's own) only")
+        };
+        match self.requesters.uid(conn, header).await {
+            Some(uid) if has_vfiods_access(uid, own) => Ok(()),
             Some(uid) => Err(Error::NotAuthorized(format!(
-                "{what} is accepted from root only, not uid {uid}"
+                "{what} is accepted from {only}, not uid {uid}"
             ))),
             None => Err(Error::NotAuthorized(format!(
-                "{what} is accepted from root only, and the bus does not say who the caller is"
+                "{what} is accepted from {only}, and the bus does not say who the caller is"
             ))),
         }
     }
 }
 
+/// The uid vfiod runs as (its effective uid).
+fn own_uid() -> u32 {
+    nix::unistd::geteuid().as_raw()
+}
+
+/// Whether a caller with (the bus's) `uid` has what a vfiod running as `own_uid` has: it is
+/// root, or that same user.
+pub fn has_vfiods_access(uid: u32, own_uid: u32) -> bool {
+    uid == 0 || uid == own_uid
+}
+
 /// CAP_SYS_ADMIN's bit in a capability set (`linux/capability.h`).
 const CAP_SYS_ADMIN: u32 = 21;
 
-/// Whether the sender of `header` holds CAP_SYS_ADMIN in its effective set, as systemd's
-/// daemons ask: the bus says which process it is (and its uid); `/proc/PID/status` says what it
-/// holds, trusted only when that process has the uid the bus reported (a pid reused by
-/// another user's process is not taken for the caller) and, where the bus hands a pidfd, while
-/// the pidfd still names that pid. A bus that names no process: uid 0 is privileged.
-async fn privileged(conn: &zbus::Connection, header: &Header<'_>) -> bool {
-    let Some(sender) = header.sender() else {
-        return false;
-    };
-    let Ok(bus) = zbus::fdo::DBusProxy::new(conn).await else {
-        return false;
-    };
-    let Ok(creds) = bus.get_connection_credentials(sender.clone().into()).await else {
-        return false;
-    };
-    let Some(uid) = creds.unix_user_id() else {
-        return false;
-    };
-    let Some(pid) = creds.process_id() else {
-        return uid == 0;
-    };
-    let pidfd = creds.into_process_fd();
-    // procfs reads can stall (a process whose memory map is locked): off the async threads.
-    tokio::task::spawn_blocking(move || {
-        let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
-            return false;
-        };
-        let still_that_process = match &pidfd {
-            None => true,
-            Some(fd) => {
-                use std::os::fd::AsRawFd;
-                std::fs::read_to_string(format!("/proc/self/fdinfo/{}", fd.as_raw_fd()))
-                    .map(|info| pidfd_pid(&info) == Some(pid))
-                    .unwrap_or(false)
-            }
-        };
-        still_that_process && holds_cap_sys_admin(&status, uid)
-    })
-    .await
-    .unwrap_or(false)
+/// What lets a caller past polkit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Privilege {
+    /// The bus reports uid 0: root of the host (the bus daemon, in the initial user namespace,
+    /// reports real uids; no user namespace can make a process uid 0 there).
+    Root,
+    /// CAP_SYS_ADMIN in its effective set, in vfiod's own user namespace.
+    CapSysAdmin,
+    /// Neither: polkit decides.
+    None,
 }
 
-/// From a `/proc/PID/status`: the process's effective uid is `uid` and its effective
-/// capabilities include CAP_SYS_ADMIN.
-fn holds_cap_sys_admin(status: &str, uid: u32) -> bool {
+/// What vfiod read of a caller's process (the one the bus named), through `/proc/PID`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProcessView {
+    /// Its user namespace is vfiod's own (the same `ns/user` inode on the same device).
+    pub same_user_namespace: bool,
+    /// Its effective uid, as `/proc` shows it to vfiod, is the uid the bus reported: a
+    /// consistency check only (where the bus gives no pidfd, a pid reused by another user's
+    /// process is not taken for the caller), never the caller's identity.
+    pub euid_is_bus_uid: bool,
+    /// CAP_SYS_ADMIN is in its effective set (of its own user namespace).
+    pub cap_sys_admin: bool,
+}
+
+/// The decision, from the uid the bus reported and what was read of the caller's process
+/// (`None`: the bus names no process, or it could not be read, or it is gone). A capability
+/// counts only in vfiod's own user namespace: in one it made itself, any user holds them all.
+pub fn privilege(bus_uid: u32, process: Option<ProcessView>) -> Privilege {
+    if bus_uid == 0 {
+        return Privilege::Root;
+    }
+    match process {
+        Some(ProcessView {
+            same_user_namespace: true,
+            euid_is_bus_uid: true,
+            cap_sys_admin: true,
+        }) => Privilege::CapSysAdmin,
+        _ => Privilege::None,
+    }
+}
+
+/// The privilege of the sender of `header`: its uid and process as the bus reports them
+/// (`GetConnectionCredentials`; the uid is remembered in `requesters` for the records), what
+/// it holds from `/proc` ([`inspect_process`]). Anything unknown: no privilege.
+async fn caller_privilege(
+    requesters: &Requesters,
+    conn: &zbus::Connection,
+    header: &Header<'_>,
+) -> Privilege {
+    let Some(sender) = header.sender() else {
+        return Privilege::None;
+    };
+    let Ok(bus) = zbus::fdo::DBusProxy::new(conn).await else {
+        return Privilege::None;
+    };
+    let creds = match bus.get_connection_credentials(sender.clone().into()).await {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::debug!("cannot ask the bus who {sender} is: {e}");
+            return Privilege::None;
+        }
+    };
+    let Some(uid) = creds.unix_user_id() else {
+        return Privilege::None;
+    };
+    requesters.remember(sender.as_str(), uid);
+    if uid == 0 {
+        return privilege(uid, None);
+    }
+    let Some(pid) = creds.process_id() else {
+        return privilege(uid, None);
+    };
+    let pidfd: Option<std::os::fd::OwnedFd> = creds.into_process_fd().map(Into::into);
+    // procfs reads can stall (a process whose memory map is locked): off the async threads.
+    let seen = tokio::task::spawn_blocking(move || inspect_process(pid, pidfd.as_ref(), uid))
+        .await
+        .unwrap_or_else(|e| Err(InspectError::Panicked(e.to_string())));
+    match seen {
+        Ok(view) => privilege(uid, Some(view)),
+        Err(e) => {
+            tracing::debug!(
+                "caller {sender} (uid {uid}, pid {pid}): {}",
+                crate::error_chain(&e)
+            );
+            privilege(uid, None)
+        }
+    }
+}
+
+/// Why a caller's process could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum InspectError {
+    #[error("cannot open {path}")]
+    Open {
+        path: String,
+        #[source]
+        source: nix::errno::Errno,
+    },
+    #[error("cannot read {path}")]
+    Read {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("its pidfd no longer names pid {pid}: the process is gone")]
+    Gone { pid: u32 },
+    #[error("{path} has no readable {field} line")]
+    Field { path: String, field: &'static str },
+    #[error("the inspection panicked: {0}")]
+    Panicked(String),
+}
+
+/// Reads what the process `pid` holds and where: its effective uid and CAP_SYS_ADMIN
+/// (`status`) and whether its user namespace (`ns/user`) is vfiod's own (`/proc/self/ns/user`,
+/// the same inode on the same device). Everything is read through one descriptor of
+/// `/proc/PID`, which keeps naming that process (or fails) once opened; with the bus's `pidfd`
+/// the process is checked to be alive as `pid` after that open, so the descriptor is the
+/// caller's and not a later process that reused the pid: race-free. Without a pidfd (a bus
+/// that does not offer `ProcessFD`, as dbus-daemon before 1.15.8) the effective uid must be
+/// the bus's (`bus_uid`), so a reused pid could only be another process of the same user.
+pub fn inspect_process(
+    pid: u32,
+    pidfd: Option<&std::os::fd::OwnedFd>,
+    bus_uid: u32,
+) -> Result<ProcessView, InspectError> {
+    use nix::fcntl::{openat, OFlag};
+    use nix::sys::stat::{fstatat, stat, Mode};
+    use std::io::Read;
+    let proc_dir = format!("/proc/{pid}");
+    let open_err = |path: String| move |source| InspectError::Open { path, source };
+    let dir = nix::fcntl::open(
+        proc_dir.as_str(),
+        OFlag::O_DIRECTORY | OFlag::O_RDONLY | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(open_err(proc_dir.clone()))?;
+    if let Some(fd) = pidfd {
+        use std::os::fd::AsRawFd;
+        let info = format!("/proc/self/fdinfo/{}", fd.as_raw_fd());
+        let text = std::fs::read_to_string(&info).map_err(|source| InspectError::Read {
+            path: info.clone(),
+            source,
+        })?;
+        if pidfd_pid(&text) != Some(pid) {
+            return Err(InspectError::Gone { pid });
+        }
+    }
+    let status_path = format!("{proc_dir}/status");
+    let status_fd = openat(
+        &dir,
+        "status",
+        OFlag::O_RDONLY | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(open_err(status_path.clone()))?;
+    let mut status = String::new();
+    std::fs::File::from(status_fd)
+        .read_to_string(&mut status)
+        .map_err(|source| InspectError::Read {
+            path: status_path.clone(),
+            source,
+        })?;
+    let (euid, cap_eff) = status_fields(&status);
+    let field = |field| InspectError::Field {
+        path: status_path.clone(),
+        field,
+    };
+    let euid = euid.ok_or_else(|| field("Uid"))?;
+    let cap_eff = cap_eff.ok_or_else(|| field("CapEff"))?;
+    let theirs = fstatat(&dir, "ns/user", nix::fcntl::AtFlags::empty())
+        .map_err(open_err(format!("{proc_dir}/ns/user")))?;
+    let ours = stat("/proc/self/ns/user").map_err(open_err("/proc/self/ns/user".into()))?;
+    Ok(ProcessView {
+        same_user_namespace: (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino),
+        euid_is_bus_uid: euid == bus_uid,
+        cap_sys_admin: cap_eff & (1 << CAP_SYS_ADMIN) != 0,
+    })
+}
+
+/// From a `/proc/PID/status`: the effective uid (the second field of `Uid:`) and the
+/// effective capability set (`CapEff:`), each `None` when missing or unreadable.
+fn status_fields(status: &str) -> (Option<u32>, Option<u64>) {
     let field = |name: &str| {
         status
             .lines()
@@ -334,7 +530,7 @@ fn holds_cap_sys_admin(status: &str, uid: u32) -> bool {
         .and_then(|v| v.split_whitespace().nth(1))
         .and_then(|v| v.parse::<u32>().ok());
     let cap_eff = field("CapEff").and_then(|v| u64::from_str_radix(v, 16).ok());
-    euid == Some(uid) && cap_eff.is_some_and(|c| c & (1 << CAP_SYS_ADMIN) != 0)
+    (euid, cap_eff)
 }
 
 /// The pid a pidfd's `/proc/self/fdinfo` names (`Pid: -1` once the process has exited).
@@ -395,16 +591,21 @@ impl Requesters {
                     Err(_) => None,
                 };
                 if let Some(uid) = uid {
-                    let mut uids = self.uids();
-                    if uids.len() >= Self::MAX {
-                        uids.clear();
-                    }
-                    uids.insert(sender.to_string(), uid);
+                    self.remember(sender.as_str(), uid);
                 }
                 uid
             }
         };
         uid
+    }
+
+    /// Records `uid` for `sender` as the bus reported it (with `GetConnectionCredentials`).
+    fn remember(&self, sender: &str, uid: u32) {
+        let mut uids = self.uids();
+        if uids.len() >= Self::MAX {
+            uids.clear();
+        }
+        uids.insert(sender.to_string(), uid);
     }
 }
 
@@ -427,7 +628,7 @@ mod tests {
     }
 
     #[test]
-    fn cap_sys_admin_is_read_from_the_effective_set_of_the_callers_uid() {
+    fn the_effective_uid_and_capabilities_are_read_from_the_status() {
         let status = |uid: &str, eff: &str| {
             format!(
                 "Name:\tvfioctl\nUid:\t{uid}\nGid:\t0\t0\t0\t0\nCapInh:\t0000000000000000\n\
@@ -435,37 +636,139 @@ mod tests {
             )
         };
         let table = [
-            // (Uid line, CapEff, uid the bus reported, privileged)
-            ("0\t0\t0\t0", "000001ffffffffff", 0, true),
-            // root that dropped CAP_SYS_ADMIN (a container's root, say): asks polkit
-            ("0\t0\t0\t0", "000001ffffdfffff", 0, false),
-            // a user given CAP_SYS_ADMIN (ambient, file capability): privileged, as in systemd
-            ("1000\t1000\t1000\t1000", "0000000000200000", 1000, true),
-            // an ordinary user
-            ("1000\t1000\t1000\t1000", "0000000000000000", 1000, false),
-            // the pid now belongs to another uid than the bus's caller: not trusted
-            ("0\t0\t0\t0", "000001ffffffffff", 1000, false),
-            // the effective uid decides, not the real one
-            ("1000\t0\t0\t0", "000001ffffffffff", 0, true),
-            ("0\t1000\t0\t0", "000001ffffffffff", 0, false),
+            // (Uid line, CapEff, effective uid, effective set)
+            (
+                "0\t0\t0\t0",
+                "000001ffffffffff",
+                Some(0),
+                Some(0x1ff_ffff_ffff),
+            ),
+            (
+                "0\t0\t0\t0",
+                "000001ffffdfffff",
+                Some(0),
+                Some(0x1ff_ffdf_ffff),
+            ),
+            // the effective uid is the second field, not the real one
+            ("1000\t0\t0\t0", "0000000000200000", Some(0), Some(1 << 21)),
+            ("0\t1000\t0\t0", "0000000000000000", Some(1000), Some(0)),
             // unreadable fields
-            ("0\t0\t0\t0", "zz", 0, false),
-            ("", "000001ffffffffff", 0, false),
+            ("0\t0\t0\t0", "zz", Some(0), None),
+            ("", "000001ffffffffff", None, Some(0x1ff_ffff_ffff)),
+            ("x\ty", "0", None, Some(0)),
         ];
-        for (uid_line, eff, uid, want) in table {
+        for (uid_line, eff, euid, caps) in table {
             assert_eq!(
-                holds_cap_sys_admin(&status(uid_line, eff), uid),
-                want,
-                "Uid {uid_line:?} CapEff {eff} bus uid {uid}"
+                status_fields(&status(uid_line, eff)),
+                (euid, caps),
+                "Uid {uid_line:?} CapEff {eff}"
             );
         }
-        assert!(!holds_cap_sys_admin("", 0));
+        assert_eq!(status_fields(""), (None, None));
         assert_eq!(
             pidfd_pid("pos:\t0\nflags:\t02000002\nPid:\t4242\n"),
             Some(4242)
         );
         assert_eq!(pidfd_pid("Pid:\t-1\n"), None);
         assert_eq!(pidfd_pid("flags:\t0\n"), None);
+    }
+
+    #[test]
+    fn a_capability_counts_only_in_vfiods_own_user_namespace() {
+        let view = |same_user_namespace, euid_is_bus_uid, cap_sys_admin| {
+            Some(ProcessView {
+                same_user_namespace,
+                euid_is_bus_uid,
+                cap_sys_admin,
+            })
+        };
+        let table = [
+            // (bus uid, what /proc showed, decision)
+            // root as the bus reports it, whatever its process shows or if it shows nothing
+            (0, view(true, true, true), Privilege::Root),
+            (0, view(true, true, false), Privilege::Root),
+            (0, view(false, false, false), Privilege::Root),
+            (0, None, Privilege::Root),
+            // a user given CAP_SYS_ADMIN in vfiod's namespace (ambient, file capability)
+            (1000, view(true, true, true), Privilege::CapSysAdmin),
+            // issue 33: every capability, of a user namespace the caller made itself
+            (65534, view(false, true, true), Privilege::None),
+            (1000, view(false, true, true), Privilege::None),
+            // an ordinary user
+            (1000, view(true, true, false), Privilege::None),
+            // the pid now names a process of another uid (reused): not the caller
+            (1000, view(true, false, true), Privilege::None),
+            // nothing known of the process
+            (1000, None, Privilege::None),
+        ];
+        for (uid, process, want) in table {
+            assert_eq!(privilege(uid, process), want, "uid {uid}, {process:?}");
+        }
+    }
+
+    #[test]
+    fn root_and_vfiods_own_user_have_vfiods_access() {
+        let table = [
+            // (caller's uid, vfiod's uid, has its access)
+            (0, 0, true),
+            (1000, 0, false),
+            (65534, 0, false),
+            (1000, 1000, true),
+            (0, 1000, true),
+            (1001, 1000, false),
+        ];
+        for (uid, own, want) in table {
+            assert_eq!(has_vfiods_access(uid, own), want, "uid {uid}, vfiod {own}");
+        }
+    }
+
+    /// The edge, for real: this process is in its own namespace, with its uid; a process in a
+    /// user namespace it made (`unshare --user --keep-caps`, as any user can) shows
+    /// CAP_SYS_ADMIN, in a namespace that is not ours.
+    #[test]
+    fn inspect_process_tells_a_user_namespace_from_ours() {
+        let me = std::process::id();
+        let own = nix::unistd::geteuid().as_raw();
+        let seen = inspect_process(me, None, own).unwrap();
+        assert!(seen.same_user_namespace && seen.euid_is_bus_uid, "{seen:?}");
+        assert!(!inspect_process(me, None, own + 1).unwrap().euid_is_bus_uid);
+
+        let mut child = std::process::Command::new("unshare")
+            .args(["--user", "--keep-caps", "--", "sleep", "60"])
+            .spawn()
+            .expect("unshare (util-linux)");
+        let pid = child.id();
+        // Once unshare has made the namespace and exec'd sleep.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while std::fs::read_to_string(format!("/proc/{pid}/comm"))
+            .ok()
+            .as_deref()
+            != Some("sleep\n")
+        {
+            assert!(
+                std::time::Instant::now() < deadline && child.try_wait().unwrap().is_none(),
+                "unshare --user did not run sleep (are user namespaces allowed?)"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        let theirs = inspect_process(pid, None, own);
+        let _ = child.kill();
+        let _ = child.wait();
+        let theirs = theirs.unwrap();
+        assert_eq!(
+            theirs,
+            ProcessView {
+                same_user_namespace: false,
+                euid_is_bus_uid: true,
+                cap_sys_admin: true,
+            }
+        );
+        assert_eq!(privilege(65534, Some(theirs)), Privilege::None);
+        // A process that is gone is read as nothing.
+        assert!(matches!(
+            inspect_process(pid, None, own),
+            Err(InspectError::Open { .. })
+        ));
     }
 
     #[test]

@@ -298,7 +298,7 @@ impl Images {
         let permit = self.admit()?;
         let o = &self.objects;
         o.authorizer
-            .require_root(&o.requesters, conn, &header, "Images.AddFromPath")
+            .require_root(conn, &header, "Images.AddFromPath")
             .await?;
         let who = o.requesters.of(conn, &header).await;
         let new = request(name, sha256, options, who)?;

@@ -474,7 +474,7 @@ impl Manager {
     ) -> Result<(i32, String, String), Error> {
         let o = &self.objects;
         o.authorizer
-            .require_root(&o.requesters, conn, &header, "Manager.Hook")
+            .require_root(conn, &header, "Manager.Hook")
             .await?;
         let call = crate::engine::HookCall {
             domain,

@@ -76,8 +76,8 @@ pub struct Objects {
     pub conn: Connection,
     pub engine: Arc<Engine>,
     pub view: Arc<view::View>,
-    pub authorizer: auth::Authorizer,
-    /// Who is behind each caller, for the records.
+    pub authorizer: auth::Gate,
+    /// Who is behind each caller, for the records (the same the gate asks).
     pub requesters: Arc<auth::Requesters>,
 }
 
@@ -123,12 +123,13 @@ pub async fn serve(
     simulated: bool,
 ) -> Result<Connection, ServeError> {
     let conn = bus.builder().build().await.map_err(ServeError::Connect)?;
+    let requesters: Arc<auth::Requesters> = Arc::default();
     let objects = Objects {
         conn: conn.clone(),
         engine: Arc::clone(&engine),
         view: Arc::new(view::View::default()),
-        authorizer,
-        requesters: Arc::default(),
+        authorizer: auth::Gate::new(authorizer, Arc::clone(&requesters)),
+        requesters,
     };
     let server = conn.object_server();
     server

@@ -125,7 +125,7 @@ impl Harness {
             sysfs: self.kernel.sysfs(),
             events: Some(self.kernel.subscribe()),
             bus: BusTarget::Address(self.bus.address().to_string()),
-            authorizer: Authorizer::AllowAll,
+            authorizer: Authorizer::SameUser,
             simulated: true,
         })
         .await

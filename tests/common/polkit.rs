@@ -295,12 +295,26 @@ impl PolkitHarness {
 
     /// Runs `vfioctl ARGS` as `uid` (with that user's primary group, no supplementary ones).
     pub async fn vfioctl(&self, uid: u32, args: &[&str]) -> Run {
-        let gid = nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid))
-            .ok()
-            .flatten()
-            .map_or(uid, |u| u.gid.as_raw());
-        let out = tokio::process::Command::new(&self.vfioctl)
-            .args(args)
+        let mut cmd = tokio::process::Command::new(&self.vfioctl);
+        cmd.args(args);
+        self.run_as(uid, cmd).await
+    }
+
+    /// Runs `vfioctl ARGS` as `uid`, inside a user namespace that user makes itself, as any
+    /// local user can: `unshare --user --map-user=UID --map-group=GID --keep-caps`. In it the
+    /// caller keeps its uid (so the bus's EXTERNAL authentication still matches) and holds
+    /// every capability, of that namespace only ([`user_namespace_view`] shows what
+    /// `/proc/PID/status` says of such a process).
+    pub async fn vfioctl_in_user_namespace(&self, uid: u32, args: &[&str]) -> Run {
+        let mut cmd = tokio::process::Command::new("unshare");
+        cmd.args(unshare_args(uid)).arg(&self.vfioctl).args(args);
+        self.run_as(uid, cmd).await
+    }
+
+    /// Runs `cmd` as `uid` (with that user's primary group, no supplementary ones).
+    async fn run_as(&self, uid: u32, mut cmd: tokio::process::Command) -> Run {
+        let gid = gid_of(uid);
+        let out = cmd
             .env("VFIOD_BUS", self.h.bus.address())
             .current_dir("/")
             .uid(uid)
@@ -318,21 +332,92 @@ impl PolkitHarness {
 
 pub use super::fast_tempdir as scratch_dir;
 
+/// `uid`'s primary group (`uid` itself for a uid with no passwd entry).
+fn gid_of(uid: u32) -> u32 {
+    nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid))
+        .ok()
+        .flatten()
+        .map_or(uid, |u| u.gid.as_raw())
+}
+
+/// `unshare`'s arguments for a new user namespace made by `uid`, mapping it (and its primary
+/// group) to itself, with every capability of the namespace kept across the exec.
+fn unshare_args(uid: u32) -> Vec<String> {
+    vec![
+        "--user".into(),
+        format!("--map-user={uid}"),
+        format!("--map-group={}", gid_of(uid)),
+        "--keep-caps".into(),
+        "--".into(),
+    ]
+}
+
+/// What `/proc/self/status` and `/proc/self/ns/user` show of a process that `uid` runs inside
+/// a user namespace it made (as [`PolkitHarness::vfioctl_in_user_namespace`] runs vfioctl): the
+/// `Uid:` and `CapEff:` lines and the namespace's link. Panics when `uid` cannot make one
+/// (`user.max_user_namespaces` is 0, or a sysctl forbids unprivileged user namespaces).
+pub fn user_namespace_view(uid: u32) -> (String, String, String) {
+    use std::os::unix::process::CommandExt;
+    let out = Command::new("unshare")
+        .args(unshare_args(uid))
+        .args([
+            "sh",
+            "-c",
+            "grep -E '^(Uid|CapEff):' /proc/self/status && readlink /proc/self/ns/user",
+        ])
+        .uid(uid)
+        .gid(gid_of(uid))
+        .current_dir("/")
+        .output()
+        .expect("run unshare (util-linux)");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "uid {uid} cannot make a user namespace: {}{stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = |prefix: &str| {
+        stdout
+            .lines()
+            .find_map(|l| l.strip_prefix(prefix))
+            .unwrap_or_else(|| panic!("no {prefix} line in {stdout:?}"))
+            .trim()
+            .to_string()
+    };
+    let ns = stdout
+        .lines()
+        .find(|l| l.starts_with("user:["))
+        .unwrap_or_else(|| panic!("no namespace link in {stdout:?}"))
+        .to_string();
+    (line("Uid:"), line("CapEff:"), ns)
+}
+
 /// vfioctl at a path every uid can execute. The build directory may not be reachable (a
 /// checkout under /root): then a copy in a temporary directory that is.
 fn vfioctl_for_any_uid() -> (PathBuf, Option<tempfile::TempDir>) {
-    let exe = PathBuf::from(env!("CARGO_BIN_EXE_vfioctl"));
+    let (dir, copy) = binaries_for_any_uid(&[Path::new(env!("CARGO_BIN_EXE_vfioctl"))]);
+    (dir.join("vfioctl"), copy)
+}
+
+/// A directory every uid can search holding `binaries` (built ones, all in one directory):
+/// the build directory when every uid can reach it, else a temporary copy (returned, so that
+/// it lives as long as the caller needs it).
+pub fn binaries_for_any_uid(binaries: &[&Path]) -> (PathBuf, Option<tempfile::TempDir>) {
     let mode = |p: &Path| std::fs::metadata(p).map_or(0, |m| m.permissions().mode());
-    let reachable =
-        mode(&exe) & 0o005 == 0o005 && exe.ancestors().skip(1).all(|d| mode(d) & 0o001 != 0);
-    if reachable {
-        return (exe, None);
+    let reachable = binaries.iter().all(|exe| {
+        mode(exe) & 0o005 == 0o005 && exe.ancestors().skip(1).all(|d| mode(d) & 0o001 != 0)
+    });
+    let built = binaries[0].parent().expect("a binary's directory");
+    if reachable && binaries.iter().all(|b| b.parent() == Some(built)) {
+        return (built.to_path_buf(), None);
     }
-    // On disk, not in /dev/shm: the binary is large and /dev/shm may be small.
-    let dir = tempfile::tempdir().expect("tempdir for vfioctl");
+    // On disk, not in /dev/shm: the binaries are large and /dev/shm may be small.
+    let dir = tempfile::tempdir().expect("tempdir for binaries");
     make_reachable(dir.path(), 0o755);
-    let to = dir.path().join("vfioctl");
-    std::fs::copy(&exe, &to).expect("copy vfioctl");
-    make_reachable(&to, 0o755);
-    (to, Some(dir))
+    for exe in binaries {
+        let to = dir.path().join(exe.file_name().expect("file name"));
+        std::fs::copy(exe, &to).unwrap_or_else(|e| panic!("copy {}: {e}", exe.display()));
+        make_reachable(&to, 0o755);
+    }
+    (dir.path().to_path_buf(), Some(dir))
 }

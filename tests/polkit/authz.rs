@@ -10,10 +10,10 @@
 //! else fails instead of passing untested.
 
 use crate::common::polkit::{
-    assert_root, scratch_dir, start_system_bus, uid_of, PolkitHarness, Polkitd, Run,
-    CONFIGURE_USER, GPU_GROUP, GPU_GROUP_RULES, GPU_USER, GRANTED_USER, HOST_ACTIONS_DIR,
-    HOST_RULES_DIRS, MODE_USER, NOBODY, ONE_DEVICE, ONE_DEVICE_USER, ROOT, TEST_RULES,
-    VFIOD_ACTIONS,
+    assert_root, scratch_dir, start_system_bus, uid_of, user_namespace_view, PolkitHarness,
+    Polkitd, Run, CONFIGURE_USER, GPU_GROUP, GPU_GROUP_RULES, GPU_USER, GRANTED_USER,
+    HOST_ACTIONS_DIR, HOST_RULES_DIRS, MODE_USER, NOBODY, ONE_DEVICE, ONE_DEVICE_USER, ROOT,
+    TEST_RULES, VFIOD_ACTIONS,
 };
 use crate::common::{addr, eventually_async, Harness};
 use std::path::PathBuf;
@@ -1455,5 +1455,134 @@ async fn program_and_verify_need_the_program_action() {
     assert_eq!(
         p.h.kernel.afu_id_of(addr("0000:af:00.0")).as_deref(),
         Some("d8424dc4a4a3c413f89e433683f9040b")
+    );
+}
+
+/// CAP_SYS_ADMIN's bit in a `CapEff:` mask (`linux/capability.h`).
+const CAP_SYS_ADMIN: u32 = 21;
+
+/// The mutating calls that issue 33 found passing from a user namespace (vfioctl command,
+/// action), made on [`start_for_claims`]'s host with image `nlb` in the catalog and claim 1
+/// ([`CLAIM_THE_GPU`]) held by root. In this order each succeeds for root.
+fn userns_calls(add_other: &[String]) -> Vec<(Vec<String>, &'static str)> {
+    let v = |args: &[&str]| args.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    vec![
+        (v(&["reload"]), CONFIGURE),
+        (v(&["rescan"]), CONFIGURE),
+        (v(&["claim", "--kind", "nic", "--vm", "db"]), CLAIM),
+        (add_other.to_vec(), PROGRAM),
+        (v(&["image", "deactivate", "nlb"]), PROGRAM),
+        (v(&["image", "activate", "nlb"]), PROGRAM),
+        (v(&["image", "remove", "nlb"]), PROGRAM),
+        (
+            v(&["task", "start", "0000:af:00.0", "apply", "--wait"]),
+            MODE,
+        ),
+        (v(&["clean", "0000:af:00.0", "--wait"]), MODE),
+        (v(&["release", "1"]), CLAIM),
+    ]
+}
+
+/// Issue 33, item 1: a user namespace is no way past authorization. Inside one that `nobody`
+/// made itself (`unshare --user --map-user=65534 --keep-caps`) it shows every capability and
+/// its own uid in `/proc`, as root with CAP_SYS_ADMIN would: each of the ten mutating calls
+/// that passed so is refused `NotAuthorized` naming its action, asked of polkit as `nobody`,
+/// and changes nothing, exactly as outside the namespace; root (uid 0 as the bus reports it)
+/// then makes every one, and the release is recorded as root's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn a_user_namespace_gives_an_unprivileged_caller_no_authority() {
+    use std::os::unix::fs::PermissionsExt;
+    assert_root();
+    // What the old check trusted: in its own namespace nobody keeps its uid and holds
+    // CAP_SYS_ADMIN, in a namespace that is not vfiod's. Without that the test proves nothing.
+    let (uid_line, cap_eff, ns) = user_namespace_view(NOBODY);
+    assert!(uid_line.starts_with("65534"), "Uid: {uid_line}");
+    let caps = u64::from_str_radix(&cap_eff, 16).expect("CapEff is hex");
+    assert_ne!(caps & (1 << CAP_SYS_ADMIN), 0, "CapEff: {cap_eff}");
+    assert_ne!(
+        std::fs::read_link("/proc/self/ns/user")
+            .unwrap()
+            .to_string_lossy(),
+        ns,
+        "unshare made no new user namespace"
+    );
+
+    let mut p = start_for_claims(&[VFIOD_ACTIONS], &[TEST_RULES]).await;
+    claim_the_gpu_in_the_store(&mut p).await;
+    let gbs = vfiod::fpga::image::build::gbs(
+        vfiod::sim::kernel::REFERENCE_FPGA_INTERFACE,
+        &["d8424dc4a4a3c413f89e433683f9040b"],
+        b"bits",
+    );
+    let file = p.h.dir.path().join("nlb.gbs");
+    std::fs::write(&file, &gbs).unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let digest: String = {
+        use sha2::Digest;
+        sha2::Sha256::digest(&gbs)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    };
+    let add = |name: &str| -> Vec<String> {
+        let f = file.to_str().unwrap();
+        ["image", "add", name, f, "--sha256", &digest]
+            .iter()
+            .map(|s| s.to_string())
+            .collect()
+    };
+    assert_ok(
+        &p.vfioctl(ROOT, &strs(&add("nlb"))).await,
+        "image add as root",
+    );
+    let calls = userns_calls(&add("other"));
+    assert_eq!(calls.len(), 10, "the ten calls of the issue");
+
+    for (cmd, action) in &calls {
+        let args = strs(cmd);
+        let line = args.join(" ");
+        let bus = claims_on_the_bus(&p).await;
+        let before = footprint(&p.h);
+        let what = format!("vfioctl {line} as nobody in its own user namespace");
+        let r = p.vfioctl_in_user_namespace(NOBODY, &args).await;
+        assert_refused(&r, action, &what);
+        assert_unchanged(&p.h, &before, &what);
+        let what = format!("vfioctl {line} as nobody");
+        assert_refused(&p.vfioctl(NOBODY, &args).await, action, &what);
+        assert_unchanged(&p.h, &before, &what);
+        assert_eq!(claims_on_the_bus(&p).await, bus, "vfioctl {line} as nobody");
+    }
+    let images: Vec<String> =
+        p.h.store()
+            .images()
+            .unwrap()
+            .into_iter()
+            .map(|i| i.name)
+            .collect();
+    assert_eq!(images, ["nlb"], "nobody changed the catalog");
+    // polkitd was asked about nobody (the bus's uid), never about a privileged caller.
+    let log = p.polkitd.log();
+    for action in [CONFIGURE, CLAIM, PROGRAM, MODE] {
+        assert!(
+            log.contains(&format!("vfiod-test rule: {action} for nobody")),
+            "polkitd was not asked {action} for nobody:\n{log}"
+        );
+    }
+
+    for (cmd, _) in &calls {
+        let args = strs(cmd);
+        assert_ok(
+            &p.vfioctl(ROOT, &args).await,
+            &format!("vfioctl {} as root", args.join(" ")),
+        );
+    }
+    let released = p.h.store().events(None, 0, 10_000).unwrap();
+    assert!(
+        released
+            .iter()
+            .any(|e| e.message.contains("released by uid 0 ")),
+        "the release names the bus's uid 0: {:#?}",
+        released.iter().map(|e| &e.message).collect::<Vec<_>>()
     );
 }

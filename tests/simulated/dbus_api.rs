@@ -303,7 +303,7 @@ async fn a_second_daemon_cannot_take_the_name() {
         sysfs: h.kernel.sysfs(),
         events: None,
         bus: h.bus_target(),
-        authorizer: vfiod::dbus::auth::Authorizer::AllowAll,
+        authorizer: vfiod::dbus::auth::Authorizer::SameUser,
         simulated: true,
     })
     .await;

@@ -30,7 +30,7 @@ async fn a_second_daemon_on_the_same_state_directory_refuses_to_start() {
         sysfs: h.kernel.sysfs(),
         events: None,
         bus: h.bus_target(),
-        authorizer: Authorizer::AllowAll,
+        authorizer: Authorizer::SameUser,
         simulated: true,
     })
     .await;
