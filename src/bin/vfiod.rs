@@ -32,11 +32,13 @@ struct Args {
     #[arg(long)]
     check_config: bool,
     /// Run on a simulated host (no hardware is read or touched) on a private bus started for
-    /// the purpose. Authorization is relaxed there: every caller may use every method.
+    /// the purpose. Both are private to the user who runs it (and root): that user may use
+    /// every method without polkit; no other user reaches the bus or reads the tree.
     #[arg(long)]
     simulate: bool,
     /// With --simulate: keep the simulated host here instead of a temporary directory; a later
-    /// run with the same directory reopens it (its devices and vfiod's state survive).
+    /// run with the same directory reopens it (its devices and vfiod's state survive). It must
+    /// be the running user's own, and is made mode 0700.
     #[arg(long, requires = "simulate")]
     sim_root: Option<PathBuf>,
     /// With --simulate: serve this recording (`vfioctl record`'s tarball, or any tree or tarball
@@ -466,16 +468,21 @@ async fn simulate(args: Args) -> Result<ExitCode, String> {
         None => {
             tmp = tempfile::Builder::new()
                 .prefix("vfiod-sim.")
+                .permissions(std::os::unix::fs::PermissionsExt::from_mode(0o700))
                 .tempdir()
                 .map_err(|e| e.to_string())?;
             tmp.path().to_path_buf()
         }
     };
+    // The simulation's own: no other user reads its tree or reaches its bus (issue 33).
+    if let Some(mode) = vfiod::sim::make_private_dir(&base).map_err(|e| error_chain(&e))? {
+        tracing::warn!(
+            "{} was mode {mode:04o}: made 0700, as a simulation's directory is its user's only",
+            base.display()
+        );
+    }
     // One simulation per directory, taken before anything in it is touched: a second run
     // would re-render the kernel's files and start a bus under the running one's feet.
-    // Created first with the default mode (the lock would make it 0700): other users' vfioctl
-    // must reach the bus socket inside.
-    std::fs::create_dir_all(&base).map_err(|e| format!("cannot create {}: {e}", base.display()))?;
     let _sim_lock =
         vfiod::store::lock::StateDirLock::acquire(&base).map_err(|e| error_chain(&e))?;
     let root = base.join("root");
@@ -594,7 +601,7 @@ async fn run_simulation(
     }
     let (bus_guard, bus) = match args.bus.clone() {
         BusTarget::System => {
-            let b = PrivateBus::start(&base.join("bus"), "").map_err(|e| error_chain(&e))?;
+            let b = PrivateBus::start_private(&base.join("bus")).map_err(|e| error_chain(&e))?;
             let addr = b.address().to_string();
             (Some(b), BusTarget::Address(addr))
         }
@@ -608,6 +615,7 @@ async fn run_simulation(
     let command = args.command.clone();
     let banner_addr = address.clone();
     let root_display = root.display().to_string();
+    let uid = nix::unistd::geteuid();
     let on_ready: ReadyHook = Box::new(move || {
         eprintln!();
         eprintln!("=== vfiod SIMULATION ===================================================");
@@ -617,7 +625,13 @@ async fn run_simulation(
             eprintln!("{line}");
         }
         eprintln!(" Private bus:      {banner_addr}");
-        eprintln!(" Authorization is relaxed here: every caller may use every method.");
+        if uid.is_root() {
+            eprintln!(" Private to root: no other user reaches this bus or tree.");
+        } else {
+            eprintln!(" Private to uid {uid} (and root): no other user reaches this bus or tree.");
+        }
+        eprintln!(" That user may use every method without polkit; AddFromPath and Hook are");
+        eprintln!(" root's and that user's only, as in production.");
         eprintln!(" Point vfioctl at it:");
         eprintln!("   export VFIOD_BUS='{banner_addr}'");
         eprintln!("   vfioctl list");

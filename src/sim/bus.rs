@@ -55,7 +55,22 @@ impl PrivateBus {
   {extra_policy}
 "#
         );
-        Self::launch(dir, "session", &body)
+        Self::launch(dir, "session", &body, Reach::AnyUser)
+    }
+
+    /// Starts `dbus-daemon` as [`PrivateBus::start`] does, for the user who starts it only (the
+    /// simulation's bus): no policy admits another uid (dbus-daemon admits the uid it runs as
+    /// when no rule names users), and its own directory is 0700, so another user can neither
+    /// reach the socket nor connect to it. Root reaches the socket, and the bus refuses it too
+    /// unless root started it.
+    pub fn start_private(dir: &Path) -> Result<PrivateBus, PrivateBusError> {
+        let body = r#"  <policy context="default">
+    <allow send_destination="*" eavesdrop="true"/>
+    <allow eavesdrop="true"/>
+    <allow own="*"/>
+  </policy>
+"#;
+        Self::launch(dir, "session", body, Reach::Owner)
     }
 
     /// Starts `dbus-daemon` as a private *system* bus: `<type>system</type>` and the policy of
@@ -87,20 +102,25 @@ impl PrivateBus {
   </policy>
 {includes}"#
         );
-        Self::launch(dir, "system", &body)
+        Self::launch(dir, "system", &body, Reach::AnyUser)
     }
 
     /// Starts `dbus-daemon` in a directory of its own under `dir` (config, socket and log), so
     /// that a bus never shares a socket path with another one: dbus-daemon deletes a socket at
     /// its path when it starts and when it exits, whoever made it.
-    fn launch(dir: &Path, bus_type: &str, body: &str) -> Result<PrivateBus, PrivateBusError> {
+    fn launch(
+        dir: &Path,
+        bus_type: &str,
+        body: &str,
+        reach: Reach,
+    ) -> Result<PrivateBus, PrivateBusError> {
         let setup = |source| PrivateBusError::Setup {
             dir: dir.to_path_buf(),
             source,
         };
         std::fs::create_dir_all(dir).map_err(setup)?;
         remove_stale_instances(dir);
-        let instance = new_instance_dir(dir).map_err(setup)?;
+        let instance = new_instance_dir(dir, reach).map_err(setup)?;
         let config = instance.join("bus.conf");
         let text = format!(
             r#"<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
@@ -169,14 +189,29 @@ impl Drop for PrivateBus {
     }
 }
 
+/// Who may reach a bus's socket.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Reach {
+    /// Every uid that `dir` lets through (tests' callers of other uids, polkitd).
+    AnyUser,
+    /// The uid that started it.
+    Owner,
+}
+
 /// Creates `dir/bus-<our pid>-<n>`, a name no other live process uses.
-fn new_instance_dir(dir: &Path) -> io::Result<PathBuf> {
+fn new_instance_dir(dir: &Path, reach: Reach) -> io::Result<PathBuf> {
+    use std::os::unix::fs::DirBuilderExt;
     static NEXT: AtomicU32 = AtomicU32::new(0);
+    // AnyUser: the default mode (umask), so other uids (polkitd) reach the socket when `dir`
+    // lets them.
+    let mode = match reach {
+        Reach::AnyUser => 0o777,
+        Reach::Owner => 0o700,
+    };
     loop {
         let n = NEXT.fetch_add(1, Ordering::Relaxed);
         let path = dir.join(format!("{INSTANCE_PREFIX}{}-{n}", std::process::id()));
-        // Default mode (umask): other uids (polkitd) must reach the socket when `dir` lets them.
-        match std::fs::create_dir(&path) {
+        match std::fs::DirBuilder::new().mode(mode).create(&path) {
             Ok(()) => return Ok(path),
             // Left by an earlier process that had our pid and still listening: not ours.
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,

@@ -27,9 +27,14 @@ impl Drop for Sim {
 
 impl Sim {
     fn start(sim_root: &Path) -> Sim {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_vfiod"))
-            .args(["--simulate", "--sim-root"])
-            .arg(sim_root)
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_vfiod"));
+        cmd.args(["--simulate", "--sim-root"]).arg(sim_root);
+        Sim::spawn(cmd)
+    }
+
+    /// `cmd` (a `vfiod --simulate ...`), its stderr read by [`Sim::wait_banner`].
+    fn spawn(mut cmd: Command) -> Sim {
+        let mut child = cmd
             .env("VFIOD_LOG", "warn")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -51,14 +56,24 @@ impl Sim {
 
     /// The bus address from the banner's `export VFIOD_BUS='...'` line: the API is served.
     fn wait_banner(&self) -> String {
+        self.wait_banner_and_root().0
+    }
+
+    /// The bus address and the simulated sysfs root the banner names, once the API is served.
+    fn wait_banner_and_root(&self) -> (String, PathBuf) {
         let deadline = Instant::now() + Duration::from_secs(90);
         let mut seen = Vec::new();
+        let mut root = None;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.stderr.recv_timeout(left) {
                 Ok(line) => {
                     if let Some(rest) = line.trim().strip_prefix("export VFIOD_BUS='") {
-                        return rest.trim_end_matches('\'').to_string();
+                        let root = root.unwrap_or_else(|| panic!("no sysfs in {seen:#?}"));
+                        return (rest.trim_end_matches('\'').to_string(), root);
+                    }
+                    if let Some(r) = line.trim().strip_prefix("Simulated sysfs:") {
+                        root = Some(PathBuf::from(r.trim()));
                     }
                     seen.push(line);
                 }
@@ -195,4 +210,208 @@ fn a_second_run_on_the_same_sim_root_refuses_with_the_holders_pid() {
     let bus3 = third.wait_banner();
     let (ok, list) = vfioctl(&bus3, &["list"]);
     assert!(ok, "{list}");
+}
+
+/// `nobody`.
+const NOBODY: u32 = 65534;
+
+/// Runs `program ARGS` as `nobody` (group nogroup, no supplementary groups) with `VFIOD_BUS`
+/// set to `bus` (unless empty): (success, stdout and stderr together).
+fn as_nobody(program: &Path, args: &[&str], bus: &str) -> (bool, String) {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Command::new(program);
+    if !bus.is_empty() {
+        cmd.env("VFIOD_BUS", bus);
+    }
+    let out = cmd
+        .args(args)
+        .current_dir("/")
+        .uid(NOBODY)
+        .gid(NOBODY)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("run {} as nobody: {e}", program.display()));
+    (
+        out.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
+}
+
+/// Issue 33, item 2: `vfiod --simulate` run by root, as the README's demo runs in CI, gives no
+/// other user anything: its directory (the simulated tree, the store, the bus) is root's and
+/// 0700, so `nobody` can neither read the tree nor reach the bus; and its bus admits only its
+/// owner, so even with every directory opened `nobody`'s connection is refused. Root's
+/// `vfioctl` is served throughout.
+#[test]
+#[ignore = "needs root"]
+fn a_root_run_simulation_is_private_to_root() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    assert!(nix::unistd::geteuid().is_root(), "run as root (--ignored)");
+    let (bins, _copy) =
+        common::polkit::binaries_for_any_uid(&[Path::new(env!("CARGO_BIN_EXE_vfioctl"))]);
+    let vfioctl_any = bins.join("vfioctl");
+    // As the README runs it: no --sim-root, a temporary directory of its own.
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_vfiod"));
+    cmd.arg("--simulate");
+    let sim = Sim::spawn(cmd);
+    let (bus, root) = sim.wait_banner_and_root();
+    let base = root
+        .parent()
+        .expect("the simulation's directory")
+        .to_path_buf();
+    let meta = std::fs::metadata(&base).unwrap();
+    assert_eq!(
+        (meta.uid(), meta.permissions().mode() & 0o777),
+        (0, 0o700),
+        "{} is root's and private",
+        base.display()
+    );
+    let (ok, out) = vfioctl(&bus, &["list"]);
+    assert!(ok && out.contains("0000:3b:00.0"), "root is served: {out}");
+
+    // The tree: nobody cannot list it nor read a world-readable file in it.
+    let vendor = root.join("sys/bus/pci/devices/0000:3b:00.0/vendor");
+    assert!(vendor.is_file(), "{} exists", vendor.display());
+    let (ok, out) = as_nobody(Path::new("/bin/cat"), &[vendor.to_str().unwrap()], &bus);
+    assert!(!ok, "nobody read {}: {out}", vendor.display());
+    let (ok, out) = as_nobody(Path::new("/bin/ls"), &[base.to_str().unwrap()], &bus);
+    assert!(!ok, "nobody listed {}: {out}", base.display());
+    // The bus: nobody's vfioctl cannot connect, so calls nothing (AddFromPath included).
+    let (ok, out) = as_nobody(&vfioctl_any, &["list"], &bus);
+    assert!(!ok, "nobody reached the simulation's bus: {out}");
+    let (ok, out) = as_nobody(
+        &vfioctl_any,
+        &[
+            "image",
+            "add",
+            "shadow",
+            "/etc/shadow",
+            "--sha256",
+            &"0".repeat(64),
+            "--from-path",
+        ],
+        &bus,
+    );
+    assert!(
+        !ok && !out.contains("sha256") && !out.contains("SHA-256"),
+        "nobody learnt something of /etc/shadow: {out}"
+    );
+
+    // The bus itself admits its owner only: with every directory on the way opened, nobody is
+    // still refused, by dbus-daemon.
+    let socket = bus
+        .strip_prefix("unix:path=")
+        .and_then(|r| r.split(',').next())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| panic!("a unix:path address: {bus}"));
+    for dir in socket
+        .ancestors()
+        .skip(1)
+        .take_while(|d| d.starts_with(&base))
+    {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let (ok, out) = as_nobody(&vfioctl_any, &["list"], &bus);
+    assert!(!ok, "the bus admitted nobody: {out}");
+    let (ok, out) = vfioctl(&bus, &["list"]);
+    assert!(ok, "root is still served: {out}");
+}
+
+/// The README's demo as a newcomer runs it, as an ordinary user (`nobody` here): `vfiod
+/// --simulate -- vfioctl list` serves that user on its private bus and exits with vfioctl's
+/// status.
+#[test]
+#[ignore = "needs root"]
+fn the_demo_serves_an_ordinary_user() {
+    assert!(nix::unistd::geteuid().is_root(), "run as root (--ignored)");
+    let (bins, _copy) = common::polkit::binaries_for_any_uid(&[
+        Path::new(env!("CARGO_BIN_EXE_vfiod")),
+        Path::new(env!("CARGO_BIN_EXE_vfioctl")),
+    ]);
+    let (ok, out) = as_nobody(
+        &bins.join("vfiod"),
+        &["--simulate", "--", "vfioctl", "list"],
+        "",
+    );
+    assert!(ok, "the demo as nobody: {out}");
+    assert!(out.contains("0000:3b:00.0"), "{out}");
+}
+
+/// The simulation's rules are production's for everyone but the user who runs it: on a bus
+/// that another uid can reach (a test's, or `--bus ADDRESS`), that uid's calls are refused
+/// `NotAuthorized` (saying who is served) and `AddFromPath` stays with root and vfiod's own
+/// user, so nobody cannot have vfiod read `/etc/shadow` (not even its digest); vfiod's own
+/// user is served, `AddFromPath` included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root"]
+async fn the_simulation_serves_only_the_user_who_runs_it() {
+    use std::os::unix::fs::PermissionsExt;
+    assert!(nix::unistd::geteuid().is_root(), "run as root (--ignored)");
+    let h = common::Harness::start(common::DEMO_CONFIG).await;
+    // Every directory on the way to the bus opened: only vfiod's own rules stand in the way.
+    std::fs::set_permissions(h.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let (bins, _copy) =
+        common::polkit::binaries_for_any_uid(&[Path::new(env!("CARGO_BIN_EXE_vfioctl"))]);
+    let vfioctl_any = bins.join("vfioctl");
+    let bus = h.bus.address().to_string();
+    let (ok, out) = as_nobody(&vfioctl_any, &["list"], &bus);
+    assert!(ok, "reads stay open: {out}");
+    let shadow = [
+        "image",
+        "add",
+        "shadow",
+        "/etc/shadow",
+        "--sha256",
+        &"0".repeat(64),
+        "--from-path",
+    ];
+    let before = h.store().events(None, 0, 10_000).unwrap().len();
+    for args in [&["reload"][..], &["claim", "--vm", "x"], &shadow] {
+        let (ok, out) = as_nobody(&vfioctl_any, args, &bus);
+        assert!(
+            !ok && out.contains("NotAuthorized") && out.contains("uid 65534"),
+            "vfioctl {} as nobody: {out}",
+            args.join(" ")
+        );
+        assert!(
+            !out.contains("SHA-256") && !out.contains("sha256 is"),
+            "{out}"
+        );
+    }
+    assert_eq!(h.store().events(None, 0, 10_000).unwrap().len(), before);
+    assert!(h.store().images().unwrap().is_empty());
+
+    // Root, who runs this vfiod, adds from a path.
+    let gbs = vfiod::fpga::image::build::gbs(
+        vfiod::sim::kernel::REFERENCE_FPGA_INTERFACE,
+        &["d8424dc4a4a3c413f89e433683f9040b"],
+        b"bits",
+    );
+    let file = h.dir.path().join("nlb.gbs");
+    std::fs::write(&file, &gbs).unwrap();
+    let digest: String = {
+        use sha2::Digest;
+        sha2::Sha256::digest(&gbs)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    };
+    let (ok, out) = vfioctl(
+        &bus,
+        &[
+            "image",
+            "add",
+            "nlb",
+            file.to_str().unwrap(),
+            "--sha256",
+            &digest,
+            "--from-path",
+        ],
+    );
+    assert!(ok, "{out}");
+    assert_eq!(h.store().images().unwrap().len(), 1);
 }
