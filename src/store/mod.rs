@@ -143,7 +143,7 @@ pub enum StoreError {
         new: PciAddress,
     },
     /// The device already has an active task (prepare, running, or error not yet reset), its
-    /// own or one whose scope covers it (another function of its IOMMU group, its PF).
+    /// own or one whose scope covers it (another function of its IOMMU group), or its PF's or a VF's of it.
     #[error("device {address} is busy: task {} {}{} is {}", .task.id, .task.kind,
         if .task.address == *.address { String::new() } else { format!(" on {}", .task.address) },
         .task.status())]
