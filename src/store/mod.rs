@@ -286,6 +286,8 @@ pub struct Store {
     events: tokio::sync::watch::Sender<u64>,
     /// Which functions a claim's end holds out of the pool for a clean (see `clean`).
     clean_policy: Mutex<clean::CleanPolicy>,
+    /// Which PFs the configuration splits: no claim takes them whole (see `claim::choice`).
+    split_policy: Mutex<crate::claim::SplitPolicy>,
     /// Woken when a write held functions for a clean: the engine's cleaner starts their tasks.
     clean_wanted: std::sync::Arc<tokio::sync::Notify>,
 }
@@ -409,6 +411,7 @@ impl Store {
             path,
             events: tokio::sync::watch::channel(0).0,
             clean_policy: Mutex::new(clean::CleanPolicy::none()),
+            split_policy: Mutex::new(crate::claim::SplitPolicy::none()),
             clean_wanted: std::sync::Arc::default(),
         })
     }
