@@ -4,7 +4,7 @@
 //! It never asks libvirt (libvirt waits for the hook: a call back would deadlock it), and the
 //! whole answer is bounded by `[hooks]` deadlines.
 
-use super::job::attach::bind_to_vfio;
+use super::job::attach::{bind_to_vfio, give_back, Bound};
 use super::Engine;
 use crate::claim::lifecycle::Step;
 use crate::claim::{Owner, Requirements};
@@ -299,7 +299,16 @@ impl Engine {
             let bound = self
                 .read(move |_| {
                     let cx = me.job_context();
-                    bind_to_vfio(&cx, to_bind[0], &to_bind, &mut |_, _, _| {})
+                    let mut bound = Bound::default();
+                    let result =
+                        bind_to_vfio(&cx, to_bind[0], &to_bind, &mut bound, &mut |_, _, _| {});
+                    // A bind that failed half-way: what moved goes back (the start is refused).
+                    if result.is_err() {
+                        if let Err(e) = give_back(&cx, to_bind[0], &bound) {
+                            tracing::warn!(device = %to_bind[0], "{e}");
+                        }
+                    }
+                    result
                 })
                 .await;
             let failed = match bound {
