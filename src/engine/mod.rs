@@ -59,6 +59,8 @@ pub struct Engine {
     clean_retries: clean::Retries,
     /// Claims made for domains migrating here, attached once they run (see [`migration`]).
     incoming: migration::Incoming,
+    /// Each domain's hook runs, one at a time, and the newest seen (see [`hook`]).
+    hook_order: hook::HookOrder,
     /// The pools' clients and the queue of pooled steps (see [`pooled`]).
     pools: pool::Pools,
     /// Counts committed changes of devices, claims and tasks: a watcher (the fleet reporter)
@@ -84,6 +86,7 @@ impl Engine {
             claims: Arc::default(),
             clean_retries: clean::Retries::default(),
             incoming: migration::Incoming::default(),
+            hook_order: hook::HookOrder::default(),
             pools: pool::Pools::default(),
             changes: Arc::new(watch::channel(0).0),
             libvirt_link: libvirt_link::LinkRecord::default(),

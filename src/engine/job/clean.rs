@@ -497,6 +497,7 @@ impl Job for CleanJob {
         cx.store
             .clean_finished(&outcome)
             .map_err(|e| JobFailure::from_error(&e))?;
+        super::pause_point("clean:given-back");
         let text = summary(
             &outcome,
             command_output.as_deref(),
