@@ -2,9 +2,11 @@
 //!
 //! A function is claimable when it is usable (not broken, not protected), selected by the
 //! configuration (`managed`), held by no claim, not a PF whose VFs are claimed nor a VF whose PF
-//! is, and under no task (its own, its IOMMU group's or its PF's). A claim takes the function's
-//! whole IOMMU group (libvirt refuses to give a VM part of a group: a GPU goes with its audio
-//! function), so every group-mate must be claimable too.
+//! is, not a PF that is split into VFs or that the configuration splits (taking it whole would
+//! remove every VF: that is a mode change, not a claim), and under no task (its own, its IOMMU
+//! group's or its PF's). A claim takes the function's whole IOMMU group (libvirt refuses to give
+//! a VM part of a group: a GPU goes with its audio function), so every group-mate must be
+//! claimable too.
 //!
 //! Among the claimable candidates the winner is, in this order:
 //! 1. on the NUMA node with the fewest claimed functions (claims spread over the nodes; a request
@@ -14,10 +16,11 @@
 
 use super::requirements::Requirements;
 use crate::model::clean::{CleanHold, HoldState};
-use crate::model::device::{Device, Kind, Role, State};
+use crate::model::device::{Device, Kind, Mode, Role, State};
 use crate::model::pci::PciAddress;
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
+use std::sync::Arc;
 
 /// What the store holds when a claim is decided, read inside the claim's transaction.
 #[derive(Clone, Debug, Default)]
@@ -31,6 +34,52 @@ pub struct Snapshot {
     /// Every function held out of the pool for a clean (from its claim's end until the clean
     /// succeeds) or quarantined by one.
     pub cleaning: Vec<CleanHold>,
+    /// The PFs the configuration's policy splits into VFs, whatever their mode now (a split not
+    /// done yet, or one that failed): the engine fills it from the settings, the store has no
+    /// configuration. A PF whose record shows VFs is split whether or not it is listed.
+    pub splits: Vec<PciAddress>,
+}
+
+/// Which PFs the configuration splits into VFs: the mode policy's answer for one device
+/// (`mode::policy::split_policy` makes it). The claim rules only read it, as plain addresses in
+/// [`Snapshot::splits`]; the engine hands it to the store at start and at each reload, as it
+/// does the clean policy, so that every claim (D-Bus, hooks) follows the configuration in force.
+#[derive(Clone, Default)]
+pub struct SplitPolicy(Option<Arc<dyn Fn(&Device) -> bool + Send + Sync>>);
+
+impl SplitPolicy {
+    /// Nothing is split by policy (a store opened without a daemon): only a PF whose record
+    /// shows VFs counts as split.
+    pub fn none() -> SplitPolicy {
+        SplitPolicy(None)
+    }
+
+    /// `splits(d)`: whether the configuration splits PF `d`.
+    pub fn new(splits: impl Fn(&Device) -> bool + Send + Sync + 'static) -> SplitPolicy {
+        SplitPolicy(Some(Arc::new(splits)))
+    }
+
+    /// The PFs of `devices` the policy splits.
+    pub fn splits(&self, devices: &[Device]) -> Vec<PciAddress> {
+        match &self.0 {
+            None => Vec::new(),
+            Some(f) => devices
+                .iter()
+                .filter(|d| d.role == Role::Pf && f(d))
+                .map(|d| d.address)
+                .collect(),
+        }
+    }
+}
+
+impl fmt::Debug for SplitPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "SplitPolicy(configured)"
+        } else {
+            "SplitPolicy(none)"
+        })
+    }
 }
 
 /// One function of an active claim.
@@ -94,6 +143,12 @@ pub enum Reason {
         vf: PciAddress,
         claim_id: i64,
     },
+    /// It is a PF that is split into VFs (`vfs` of them now), or that the configuration splits
+    /// (`by_policy`): a claim would take it whole and the kernel would drop every VF.
+    Split {
+        vfs: u32,
+        by_policy: bool,
+    },
     /// A task holds it.
     Busy {
         task_id: i64,
@@ -124,6 +179,7 @@ impl Reason {
             Reason::Claimed { .. } | Reason::PfClaimed { .. } | Reason::VfClaimed { .. } => {
                 "claimed"
             }
+            Reason::Split { .. } => "split into VFs",
             Reason::Busy { .. } => "busy with a task",
             Reason::Cleaning(_) => "being cleaned",
             Reason::Quarantined(_) => "quarantined",
@@ -158,6 +214,21 @@ impl fmt::Display for Reason {
             }
             Reason::VfClaimed { vf, claim_id } => {
                 write!(f, "has its VF {vf} held by claim {claim_id}")
+            }
+            Reason::Split { vfs, by_policy } => {
+                let split = match (vfs, by_policy) {
+                    (0, true) => "is to be split into VFs by the configuration".to_string(),
+                    (0, false) => "is split into VFs".to_string(),
+                    (n, true) => format!("is split into {n} VFs by the configuration"),
+                    (n, false) => format!("is split into {n} VFs"),
+                };
+                write!(
+                    f,
+                    "{split}: taking it whole would remove every VF, which is a mode change, not \
+                     a claim (claim one of its VFs, `vfioctl claim --parent` with its address; \
+                     or have it kept whole first: mode = \"pf\" in its [[select]] entry, then \
+                     `vfioctl reload`)"
+                )
             }
             Reason::Busy { task_id } => write!(f, "is busy: task {task_id} is working on it"),
             Reason::Cleaning(why) => {
@@ -198,6 +269,9 @@ pub enum Unavailable {
 pub enum Policy {
     Protected,
     NotManaged,
+    /// A PF that is split (or that the configuration splits): claiming it whole is a mode
+    /// change the caller must ask for as one.
+    Split,
 }
 
 impl Reason {
@@ -206,6 +280,7 @@ impl Reason {
         match self {
             Reason::Protected(_) => Some(Policy::Protected),
             Reason::NotManaged => Some(Policy::NotManaged),
+            Reason::Split { .. } => Some(Policy::Split),
             Reason::GroupMate { reason, .. } => reason.policy(),
             _ => None,
         }
@@ -301,6 +376,7 @@ struct Index<'a> {
     busy: HashMap<PciAddress, i64>,
     cleaning: HashMap<PciAddress, &'a CleanHold>,
     groups: HashMap<u32, Vec<&'a Device>>,
+    splits: &'a [PciAddress],
 }
 
 impl<'a> Index<'a> {
@@ -337,6 +413,7 @@ impl<'a> Index<'a> {
             busy,
             cleaning: s.cleaning.iter().map(|h| (h.address, h)).collect(),
             groups,
+            splits: &s.splits,
         }
     }
 
@@ -370,6 +447,15 @@ impl<'a> Index<'a> {
         if d.role == Role::Pf {
             if let Some(&(vf, claim_id)) = self.held_vfs.get(&d.address).and_then(|v| v.first()) {
                 return Some(Reason::VfClaimed { vf, claim_id });
+            }
+        }
+        if d.role == Role::Pf {
+            let by_policy = self.splits.contains(&d.address);
+            if by_policy || d.mode == Mode::Vf || d.num_vfs > 0 {
+                return Some(Reason::Split {
+                    vfs: d.num_vfs,
+                    by_policy,
+                });
             }
         }
         if let Some(&task_id) = self.busy.get(&d.address) {
@@ -648,11 +734,11 @@ mod tests {
     #[test]
     fn a_pf_and_its_vfs_exclude_each_other() {
         let mut s = host();
-        let pf = Requirements {
-            address: Some(a("0000:3b:00.0")),
-            ..Default::default()
-        };
-        claim_n(&mut s, &pf, 1);
+        // A PF held whole (claimed before it was split: a claim no longer takes a split PF).
+        s.held.push(Held {
+            address: a("0000:3b:00.0"),
+            claim_id: 1,
+        });
         let on_3b = Requirements {
             parent: Some(a("0000:3b:00.0")),
             ..Default::default()
@@ -688,6 +774,121 @@ mod tests {
             e.to_string(),
             "0000:5e:00.0 matches address=0000:5e:00.0 but has its VF 0000:5e:02.2 held by claim 1"
         );
+    }
+
+    /// Issue 33: a PF that is split (VFs enabled now) or that the configuration splits is
+    /// never the answer to a request that does not name it (a kind, a role, an id), and a
+    /// request that names it is refused as a mode change, with the way out.
+    #[test]
+    fn a_split_pf_is_never_claimed_whole() {
+        let pf = a("0000:3b:00.0");
+        // (the PF's mode, its VFs now, whether policy splits it, whether its VFs are recorded;
+        // what a request for kind nic gets; what a request naming the PF is told)
+        let cases: [(Mode, u32, bool, bool, &str, Option<&str>); 5] = [
+            (
+                Mode::Vf,
+                3,
+                false,
+                true,
+                "0000:3b:02.1",
+                Some("is split into 3 VFs:"),
+            ),
+            (
+                Mode::Vf,
+                64,
+                true,
+                true,
+                "0000:3b:02.1",
+                Some("is split into 64 VFs by the configuration:"),
+            ),
+            // Policy splits it, the split is not done yet (or failed): still not whole.
+            (
+                Mode::Pf,
+                0,
+                true,
+                false,
+                "0000:5e:00.0",
+                Some("is to be split into VFs by the configuration:"),
+            ),
+            // Whole, and policy keeps it so: claimable by kind and by name.
+            (Mode::Pf, 0, false, false, "0000:3b:00.0", None),
+            // The mode the record shows is enough (a split by hand, policy silent).
+            (
+                Mode::Vf,
+                0,
+                false,
+                false,
+                "0000:5e:00.0",
+                Some("is split into VFs"),
+            ),
+        ];
+        for (mode, vfs, by_policy, with_vfs, by_kind, named) in cases {
+            let case = format!("{mode:?} {vfs} VFs, policy splits: {by_policy}");
+            let mut s = host();
+            // Only the PFs and the GPU: the other PF (5e) is whole and kept whole, so that a
+            // request by kind has a PF to fall back on.
+            s.devices
+                .retain(|d| d.role != Role::Vf || (with_vfs && d.parent_pf == Some(pf)));
+            for d in s.devices.iter_mut().filter(|d| d.role == Role::Pf) {
+                d.mode = Mode::Pf;
+            }
+            let d = s.devices.iter_mut().find(|d| d.address == pf).unwrap();
+            d.mode = mode;
+            d.num_vfs = vfs;
+            if by_policy {
+                s.splits.push(pf);
+            }
+            let kind = Requirements {
+                kind: Some(Kind::Nic),
+                ..Default::default()
+            };
+            // Node 0 and 1 are both empty: the lowest address wins among the claimable.
+            assert_eq!(choose(&s, &kind).unwrap().device, a(by_kind), "{case}");
+            let pfs = Requirements {
+                role: Some(Role::Pf),
+                kind: Some(Kind::Nic),
+                ..Default::default()
+            };
+            assert_eq!(
+                candidates(&s, &pfs).contains(&pf),
+                named.is_none(),
+                "{case}"
+            );
+            let name = Requirements {
+                address: Some(pf),
+                ..Default::default()
+            };
+            match named {
+                None => assert_eq!(choose(&s, &name).unwrap().device, pf, "{case}"),
+                Some(says) => {
+                    let e = choose(&s, &name).unwrap_err();
+                    let text = e.to_string();
+                    assert!(text.contains(says), "{case}: {text}");
+                    assert!(
+                        text.contains("a mode change, not a claim")
+                            && text.contains("vfioctl claim --parent")
+                            && text.contains("mode = \"pf\""),
+                        "{case}: the refusal says why and the way out: {text}"
+                    );
+                    assert_eq!(e.policy(), Some(Policy::Split), "{case}");
+                    assert_eq!(e.busy_task(), None, "{case}");
+                }
+            }
+        }
+        // Among several matches, split PFs are counted as such.
+        let e = choose(
+            &host(),
+            &Requirements {
+                role: Some(Role::Pf),
+                ..Default::default()
+            },
+        )
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "none of the 2 functions matching role=pf can be claimed: 2 split into VFs"
+        );
+        assert_eq!(e.policy(), None);
     }
 
     #[test]

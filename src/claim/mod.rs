@@ -13,6 +13,7 @@ pub mod lifecycle;
 pub mod requirements;
 
 pub use choice::{
-    candidates, choose, unavailable, Choice, ClaimFunction, Held, Reason, Snapshot, Unavailable,
+    candidates, choose, unavailable, Choice, ClaimFunction, Held, Reason, Snapshot, SplitPolicy,
+    Unavailable,
 };
 pub use requirements::{Owner, Requirements};

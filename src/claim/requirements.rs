@@ -140,7 +140,53 @@ fn check_vm_name(n: &str) -> Result<(), String> {
             crate::config::Quoted(n)
         ));
     }
+    if let Some(c) = n.chars().find(|c| is_invisible(*c)) {
+        return Err(format!(
+            "vm_name {} has the invisible character U+{:04X} (a bidirectional control, a \
+             zero-width or other format character): a name must read as it is; use the \
+             domain's plain name",
+            crate::config::Quoted(n),
+            u32::from(c)
+        ));
+    }
+    if n.trim().is_empty() {
+        return Err(format!(
+            "vm_name {} is blank: name the domain (or give vm_uuid only)",
+            crate::config::Quoted(n)
+        ));
+    }
     Ok(())
+}
+
+/// Characters that change how a name reads without showing (Unicode's format characters,
+/// category Cf: bidirectional controls such as U+202E, zero-width spaces and joiners, the byte
+/// order mark, tags), and the line and paragraph separators: a name with one can pass for
+/// another in every listing and log.
+fn is_invisible(c: char) -> bool {
+    matches!(
+        u32::from(c),
+        0x00AD
+            | 0x0600..=0x0605
+            | 0x061C
+            | 0x06DD
+            | 0x070F
+            | 0x0890..=0x0891
+            | 0x08E2
+            | 0x180E
+            | 0x200B..=0x200F
+            | 0x2028..=0x202E
+            | 0x2060..=0x2064
+            | 0x2066..=0x206F
+            | 0xFEFF
+            | 0xFFF9..=0xFFFB
+            | 0x110BD
+            | 0x110CD
+            | 0x13430..=0x1343F
+            | 0x1BCA0..=0x1BCA3
+            | 0x1D173..=0x1D17A
+            | 0xE0001
+            | 0xE0020..=0xE007F
+    )
 }
 
 /// `6ba7b8109dad11d180b400c04fd430c8` or with dashes, any case -> lower case with dashes.
@@ -196,6 +242,16 @@ mod tests {
             (Some(""), Some(""), 0, "needs vm_name or vm_uuid"),
             (Some("a/b"), None, 0, "'/'"),
             (Some("a\nb"), None, 0, "control"),
+            // Issue 33: blank, or with a character that does not show.
+            (Some(" "), None, 0, "is blank"),
+            (Some("\u{3000}\t"), None, 0, "control"),
+            (Some("\u{3000}"), None, 0, "is blank"),
+            (Some("\u{202E}cba-mv"), None, 0, "U+202E"),
+            (Some("vm\u{200B}1"), None, 0, "U+200B"),
+            (Some("\u{2066}vm1\u{2069}"), None, 0, "U+2066"),
+            (Some("vm1\u{FEFF}"), None, 0, "U+FEFF"),
+            (Some("vm\u{2028}1"), None, 0, "U+2028"),
+            (Some("vm\u{E0041}"), None, 0, "U+E0041"),
             (
                 None,
                 Some("6ba7b810-9dad-11d1-80b4-00c04fd430c"),
@@ -223,6 +279,10 @@ mod tests {
         ] {
             let e = Owner::new(name, uuid, lease, false).unwrap_err();
             assert!(e.contains(wanted), "{name:?} {uuid:?}: {e}");
+        }
+        // Names libvirt users do write: spaces inside, accents, other scripts.
+        for ok in ["web 1", "répétiteur", "虚拟机", "vm-1.example", "עברית"] {
+            Owner::new(Some(ok), None, 0, false).unwrap_or_else(|e| panic!("{ok}: {e}"));
         }
         let long = "x".repeat(MAX_VM_NAME + 1);
         assert!(Owner::new(Some(&long), None, 0, false)

@@ -9,9 +9,16 @@
 //! domain. After its deadline the hook decides from what it already has: its own parse of the
 //! XML runs on a thread of its own from the start, and one that has not finished by then is not
 //! waited for.
+//!
+//! Each run is sent with when it was sent and the last moment vfiod may answer it
+//! (`HookWithOptions`, [`crate::hook::deadline`]), so that vfiod never carries out a run this
+//! hook has already answered alone. A start (prepare, start, restore) of a domain that assigns no
+//! PCI function is answered at once, without vfiod: there is nothing for vfiod to claim, bind or
+//! refuse, and such a domain must start whether vfiod answers or not.
 
 use crate::config::{HookSettings, Settings, DEFAULT_CONFIG_PATH, DEFAULT_DROPIN_DIR};
 use crate::dbus::BusTarget;
+use crate::hook::deadline::{Stamp, Timing};
 use crate::hook::{HostUses, Operation};
 use crate::model::pci::PciAddress;
 use std::io::Read;
@@ -141,11 +148,15 @@ pub async fn run(
         hooks.notify_deadline_ms
     }));
     let started = Instant::now();
+    let timing = Timing::of(Stamp::now(), deadline);
+    if answers_alone(op, &xml) {
+        return pass_unchanged();
+    }
     // What the fallback needs, read at once beside the call: a slow parse is then bounded by
     // the same deadline, and none runs after it.
     let parsed = op.may_fail().then(|| parse_on_a_thread(xml.clone()));
     let socket = state_dir.join(crate::dbus::hook_socket::SOCKET_NAME);
-    let asked = tokio::time::timeout(deadline, ask(bus, &socket, args, &xml)).await;
+    let asked = tokio::time::timeout(deadline, ask(bus, &socket, args, &xml, timing)).await;
     let why = match asked {
         Ok(Ok((exit_code, stdout, message))) => {
             return Outcome {
@@ -200,27 +211,61 @@ fn parse_on_a_thread(
     rx
 }
 
+/// Whether the hook answers a run at once, without vfiod: a start (prepare, start, restore)
+/// of a domain whose XML assigns no PCI function (vfiod would pass it too). A `migrate` is
+/// always asked: its XML may carry vfiod's metadata or pooled sessions without a hostdev.
+/// Pure.
+pub fn answers_alone(op: Operation, xml: &str) -> bool {
+    matches!(
+        op,
+        Operation::Prepare | Operation::Start | Operation::Restore
+    ) && crate::host::libvirt::assigned_functions(xml).is_ok_and(|f| f.is_empty())
+}
+
 /// vfiod's answer: through its hook socket when one answers there, else on the bus. Once the
 /// call is sent on either, its failure is the answer (the call may have been carried out:
-/// asking again elsewhere could do it twice).
+/// asking again elsewhere could do it twice); but for a vfiod too old to know
+/// `HookWithOptions`, which then carried nothing out and is asked with `Hook`.
 async fn ask(
     bus: &BusTarget,
     socket: &Path,
     a: &HookArgs,
     xml: &str,
+    timing: Timing,
 ) -> Result<(i32, String, String), String> {
+    let options: crate::dbus::wire::Dict = [
+        ("sent_ms", crate::dbus::variant(timing.sent.0)),
+        ("deadline_ms", crate::dbus::variant(timing.deadline.0)),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
     if let Some(conn) = direct(socket).await {
-        let args = (&a.domain, &a.operation, &a.sub_operation, &a.extra, xml);
-        let reply = conn
-            .call_method(
-                None::<&str>,
-                crate::dbus::ROOT_PATH,
-                Some(crate::dbus::hook_socket::INTERFACE),
-                "Hook",
-                &args,
-            )
-            .await
-            .map_err(bus_error)?;
+        let call = |method: &'static str| {
+            let conn = conn.clone();
+            let options = options.clone();
+            async move {
+                let path = crate::dbus::ROOT_PATH;
+                let interface = Some(crate::dbus::hook_socket::INTERFACE);
+                let plain = (&a.domain, &a.operation, &a.sub_operation, &a.extra, xml);
+                match method {
+                    "Hook" => {
+                        conn.call_method(None::<&str>, path, interface, method, &plain)
+                            .await
+                    }
+                    _ => {
+                        let args = (plain.0, plain.1, plain.2, plain.3, plain.4, options);
+                        conn.call_method(None::<&str>, path, interface, method, &args)
+                            .await
+                    }
+                }
+            }
+        };
+        let reply = match call("HookWithOptions").await {
+            Err(e) if unknown_method(&e) => call("Hook").await,
+            other => other,
+        }
+        .map_err(bus_error)?;
         return reply
             .body()
             .deserialize::<(i32, String, String)>()
@@ -232,9 +277,35 @@ async fn ask(
     let m = super::manager(&conn)
         .await
         .map_err(|e| crate::error_chain(&e))?;
-    m.hook(&a.domain, &a.operation, &a.sub_operation, &a.extra, xml)
+    match m
+        .hook_with_options(
+            &a.domain,
+            &a.operation,
+            &a.sub_operation,
+            &a.extra,
+            xml,
+            options,
+        )
         .await
-        .map_err(bus_error)
+    {
+        Err(e) if unknown_method(&e) => {
+            m.hook(&a.domain, &a.operation, &a.sub_operation, &a.extra, xml)
+                .await
+        }
+        other => other,
+    }
+    .map_err(bus_error)
+}
+
+/// Whether vfiod does not know the method (an older vfiod): nothing was carried out.
+fn unknown_method(e: &zbus::Error) -> bool {
+    match e {
+        zbus::Error::MethodError(name, _, _) => {
+            name.as_str() == "org.freedesktop.DBus.Error.UnknownMethod"
+        }
+        zbus::Error::FDO(e) => matches!(**e, zbus::fdo::Error::UnknownMethod(_)),
+        _ => false,
+    }
 }
 
 /// A peer-to-peer connection to vfiod's hook socket, or `None` when nothing answers there
@@ -322,12 +393,13 @@ fn alone(
             if ours.is_empty() {
                 return pass_unchanged();
             }
-            fail_closed(&what, &ours, why)
+            fail_closed(&what, &ours, Known::Managed, why)
         }
         // Not even the records: any PCI hostdev may be one vfiod manages, or the host's.
         Err(e) => fail_closed(
             &what,
             &functions,
+            Known::Unknown,
             &format!("{why}, and its records cannot be read: {e}"),
         ),
     }
@@ -388,14 +460,27 @@ fn pass_unchanged() -> Outcome {
     }
 }
 
-fn fail_closed(what: &str, functions: &[PciAddress], why: &str) -> Outcome {
+/// What the fallback knows of the functions it refuses for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Known {
+    /// vfiod's records say it manages them.
+    Managed,
+    /// The records cannot be read: any of them may be vfiod's, or the host's own.
+    Unknown,
+}
+
+fn fail_closed(what: &str, functions: &[PciAddress], known: Known, why: &str) -> Outcome {
     let list: Vec<String> = functions.iter().map(|f| f.to_string()).collect();
+    let which = match known {
+        Known::Managed => "that vfiod manages",
+        Known::Unknown => "that vfiod may manage (or the host may use)",
+    };
     Outcome {
         exit_code: 1,
         stdout: String::new(),
         stderr: format!(
-            "vfiod: {what} refused: the domain has {} that vfiod manages and vfiod cannot check \
-             them ({why}); start vfiod (systemctl start vfiod) and try again",
+            "vfiod: {what} refused: the domain has {} {which} and vfiod cannot check them \
+             ({why}); start vfiod (systemctl start vfiod) and try again",
             list.join(", ")
         ),
     }

@@ -74,6 +74,15 @@ pub trait Manager {
         extra: &str,
         xml: &str,
     ) -> zbus::Result<(i32, String, String)>;
+    fn hook_with_options(
+        &self,
+        domain: &str,
+        operation: &str,
+        sub_operation: &str,
+        extra: &str,
+        xml: &str,
+        options: Dict,
+    ) -> zbus::Result<(i32, String, String)>;
     fn reload(&self) -> zbus::Result<()>;
     fn rescan(&self) -> zbus::Result<()>;
     fn find_devices(&self, requirements: Dict) -> zbus::Result<Vec<zbus::OwnedObjectPath>>;

@@ -67,6 +67,9 @@ impl From<StoreError> for Error {
             StoreError::Unclaimable(u) => match u.policy() {
                 Some(Policy::Protected) => Error::Protected(u.to_string()),
                 Some(Policy::NotManaged) => Error::NotManaged(u.to_string()),
+                // Claiming a split PF whole is a mode change: the caller asks for a VF, or for
+                // the mode change first.
+                Some(Policy::Split) => Error::InvalidArgument(u.to_string()),
                 None => Error::NoDeviceAvailable(u.to_string()),
             },
             // The database's own refusal of a double booking: another claim got there first.

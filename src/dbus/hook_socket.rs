@@ -160,8 +160,56 @@ impl HookEndpoint {
             sub_operation,
             extra,
             xml,
+            timing: None,
         };
         answer(&self.engine, call).await
+    }
+
+    /// [`Self::hook`] with `options`: [`HOOK_OPTIONS`] (see [`timing`]).
+    async fn hook_with_options(
+        &self,
+        domain: String,
+        operation: String,
+        sub_operation: String,
+        extra: String,
+        xml: String,
+        options: crate::dbus::wire::Dict,
+    ) -> Result<(i32, String, String), super::error::Error> {
+        let call = HookCall {
+            domain,
+            operation,
+            sub_operation,
+            extra,
+            xml,
+            timing: timing(options)?,
+        };
+        answer(&self.engine, call).await
+    }
+}
+
+/// The options `HookWithOptions` takes, on either door: when the hook sent the run and the
+/// last moment vfiod may answer it with its work done, both in milliseconds of the host's
+/// `CLOCK_MONOTONIC` (see [`crate::hook::deadline`]).
+pub const HOOK_OPTIONS: &[&str] = &["sent_ms", "deadline_ms"];
+
+/// The timing `HookWithOptions`' options give: both keys or neither.
+pub(super) fn timing(
+    options: crate::dbus::wire::Dict,
+) -> Result<Option<crate::hook::deadline::Timing>, super::error::Error> {
+    use crate::hook::deadline::{Stamp, Timing};
+    let q = crate::dbus::wire::Query::new(options, HOOK_OPTIONS)?;
+    match (q.u64("sent_ms")?, q.u64("deadline_ms")?) {
+        (None, None) => Ok(None),
+        (Some(sent), Some(deadline)) if deadline >= sent => Ok(Some(Timing {
+            sent: Stamp(sent),
+            deadline: Stamp(deadline),
+        })),
+        (Some(sent), Some(deadline)) => Err(super::error::Error::InvalidArgument(format!(
+            "deadline_ms {deadline} is before sent_ms {sent}"
+        ))),
+        _ => Err(super::error::Error::InvalidArgument(
+            "sent_ms and deadline_ms go together: give both or neither".into(),
+        )),
     }
 }
 

@@ -482,6 +482,38 @@ impl Manager {
             sub_operation,
             extra,
             xml,
+            timing: None,
+        };
+        super::hook_socket::answer(&o.engine, call).await
+    }
+
+    /// `Hook` with options: `sent_ms` and `deadline_ms`, when the hook sent the run and the
+    /// last moment vfiod may answer it with its work done, in milliseconds of the host's
+    /// `CLOCK_MONOTONIC`. A run whose deadline has passed, or that a later run for its domain
+    /// overtook, is not carried out; one finished after its deadline is undone. Root only.
+    #[allow(clippy::too_many_arguments)]
+    async fn hook_with_options(
+        &self,
+        domain: String,
+        operation: String,
+        sub_operation: String,
+        extra: String,
+        xml: String,
+        options: Dict,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] conn: &Connection,
+    ) -> Result<(i32, String, String), Error> {
+        let o = &self.objects;
+        o.authorizer
+            .require_root(&o.requesters, conn, &header, "Manager.HookWithOptions")
+            .await?;
+        let call = crate::engine::HookCall {
+            domain,
+            operation,
+            sub_operation,
+            extra,
+            xml,
+            timing: super::hook_socket::timing(options)?,
         };
         super::hook_socket::answer(&o.engine, call).await
     }

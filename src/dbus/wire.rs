@@ -185,6 +185,10 @@ impl Query {
         self.get::<i64>(key, "a 64-bit integer (x)")
     }
 
+    pub fn u64(&self, key: &str) -> Result<Option<u64>, Error> {
+        self.get::<u64>(key, "an unsigned 64-bit integer (t)")
+    }
+
     pub fn u32(&self, key: &str) -> Result<Option<u32>, Error> {
         self.get::<u32>(key, "an unsigned 32-bit integer (u)")
     }

@@ -117,10 +117,12 @@ impl Core {
         )
         .map_err(|e| EngineError::Internal(format!("cannot start the libvirt worker: {e}")))?;
         store.set_clean_policy(crate::store::CleanPolicy::of(&settings));
+        let settings = Arc::new(settings);
+        store.set_split_policy(crate::mode::policy::split_policy(Arc::clone(&settings)));
         Ok(Core {
             sysfs,
             store,
-            settings: RwLock::new(Arc::new(settings)),
+            settings: RwLock::new(settings),
             source,
             libvirt,
             libvirt_events: std::sync::Mutex::new(Some(rx)),
@@ -282,6 +284,8 @@ impl Core {
                 *self.settings.write().unwrap_or_else(|p| p.into_inner()) = Arc::clone(&effective);
                 self.store
                     .set_clean_policy(crate::store::CleanPolicy::of(&effective));
+                self.store
+                    .set_split_policy(crate::mode::policy::split_policy(Arc::clone(&effective)));
                 self.store.record_event(NewEvent::new(
                     None,
                     EventKind::Config,

@@ -4,10 +4,11 @@
 //! It never asks libvirt (libvirt waits for the hook: a call back would deadlock it), and the
 //! whole answer is bounded by `[hooks]` deadlines.
 
-use super::job::attach::bind_to_vfio;
+use super::job::attach::{bind_to_vfio, give_back, Bound};
 use super::Engine;
 use crate::claim::lifecycle::Step;
 use crate::claim::{Owner, Requirements};
+use crate::hook::deadline::{self, Admit, Stamp, Timing};
 use crate::hook::{self, AfterStop, DomainId, HostUses, Operation, Verdict};
 use crate::host::libvirt;
 use crate::host::sysfs::hostuse;
@@ -28,6 +29,29 @@ pub struct HookCall {
     pub sub_operation: String,
     pub extra: String,
     pub xml: String,
+    /// When the hook sent it and stops waiting (`HookWithOptions`); `None` from a hook that
+    /// does not say (`Hook`): then from when it arrived and `[hooks]` deadlines.
+    pub timing: Option<Timing>,
+}
+
+/// Each domain's hook runs, served one at a time in the order they arrive, with the newest
+/// send stamp seen for the domain (see [`crate::hook::deadline`]).
+#[derive(Default)]
+pub(super) struct HookOrder {
+    domains:
+        std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Mutex<Option<Stamp>>>>>,
+}
+
+impl HookOrder {
+    fn domain(&self, name: &str) -> Arc<tokio::sync::Mutex<Option<Stamp>>> {
+        let mut m = self.domains.lock().unwrap_or_else(|p| p.into_inner());
+        // Domains that come and go leave an entry each: a few bytes, dropped once idle when
+        // the map grows.
+        if m.len() > 4096 {
+            m.retain(|_, lock| Arc::strong_count(lock) > 1);
+        }
+        Arc::clone(m.entry(name.to_string()).or_default())
+    }
 }
 
 /// The domain XML as the hook needs it: its UUID and PCI hostdevs.
@@ -100,6 +124,20 @@ pub(super) fn hook_owner(name: &str, uuid: Option<&str>, verb: &str) -> Result<O
         .map_err(|e| format!("vfiod: domain {quoted} cannot {verb}: {e}"))
 }
 
+/// The answer to a run that is not carried out (`why`): refused when it may fail, else passed
+/// as not recorded, as the hook said when it gave up.
+fn not_carried_out(op: Operation, what: &str, why: &str) -> Verdict {
+    if op.may_fail() {
+        Verdict::fail(format!(
+            "vfiod: {what} not carried out: {why}; nothing was changed"
+        ))
+    } else {
+        Verdict::pass(format!(
+            "vfiod: {what} not recorded: {why}; the reconcile will catch up"
+        ))
+    }
+}
+
 /// A notification's verdict: it passes whatever happened, and says what it recorded.
 fn notified(
     done: Result<Result<Vec<String>, StoreError>, super::EngineError>,
@@ -115,47 +153,95 @@ fn notified(
 
 impl Engine {
     /// Answers one run of the hook, within its deadline: an operation that may stop libvirt
-    /// fails closed when the answer does not come in time, a notification passes.
+    /// fails closed when the answer does not come in time, a notification passes. A domain's
+    /// runs are served one at a time; a run whose deadline has passed, or that a later run of
+    /// its domain overtook, is not carried out, and one that finishes after its deadline is
+    /// undone ([`crate::hook::deadline`]): what libvirt was told is what happened.
     pub async fn hook(self: &Arc<Self>, call: HookCall) -> Verdict {
         let op = Operation::parse(&call.operation);
         let settings = self.settings().hooks.clone();
-        let deadline = Duration::from_millis(u64::from(if op.may_fail() {
+        let hook_deadline = Duration::from_millis(u64::from(if op.may_fail() {
             settings.deadline_ms
         } else {
             settings.notify_deadline_ms
         }));
+        // A hook that does not say (`Hook`): its deadline from now, its place in its domain's
+        // order from when its turn comes (two such runs are never each other's stale copy).
+        let given = call.timing;
+        let answer_by = given
+            .unwrap_or_else(|| Timing::of(Stamp::now(), hook_deadline))
+            .deadline;
         let what = format!(
             "{} {} {} of {}",
             call.operation, call.sub_operation, call.extra, call.domain
         );
         let asked = std::time::Instant::now();
-        let verdict = match tokio::time::timeout(deadline, self.decide_hook(op, &call)).await {
-            Ok(v) => v,
+        let (operation, domain) = (call.operation.clone(), call.domain.clone());
+        let order = self.hook_order.domain(&call.domain);
+        let me = Arc::clone(self);
+        let w = what.clone();
+        // The work runs to its end even when the answer goes out at the deadline first: a
+        // run cut off half-way would leave half its claims, and its end undoes a late run.
+        let work = tokio::spawn(async move {
+            let mut newest = order.lock_owned().await;
+            let now = Stamp::now();
+            let timing = given.unwrap_or(Timing {
+                sent: now,
+                deadline: answer_by,
+            });
+            let admitted = deadline::admit(now, timing, *newest);
+            *newest = Some(deadline::newest(*newest, timing.sent));
+            match admitted {
+                Admit::Go => me.decide_hook(op, &call, timing).await,
+                Admit::TooLate { late } => not_carried_out(
+                    op,
+                    &w,
+                    &format!(
+                        "its hook gave up waiting {} ms ago (vfiod was not answering)",
+                        late.as_millis()
+                    ),
+                ),
+                Admit::Overtaken { .. } => not_carried_out(
+                    op,
+                    &w,
+                    "a later run of the hook for this domain was already answered",
+                ),
+            }
+        });
+        let left = Stamp::now().until(answer_by);
+        let verdict = match tokio::time::timeout(left, work).await {
+            Ok(Ok(v)) => v,
+            Ok(Err(e)) => Verdict::fail(format!("vfiod: internal error answering {what}: {e}")),
             Err(_) if op.may_fail() => Verdict::fail(format!(
                 "vfiod: no answer for {what} within {} ms",
-                deadline.as_millis()
+                hook_deadline.as_millis()
             )),
             Err(_) => Verdict::pass(format!(
                 "vfiod: {what} not recorded within {} ms; the reconcile will catch up",
-                deadline.as_millis()
+                hook_deadline.as_millis()
             )),
         };
         self.metrics
-            .hook_answered(&call.operation, verdict.exit_code == 0, asked.elapsed());
+            .hook_answered(&operation, verdict.exit_code == 0, asked.elapsed());
         if verdict.exit_code != 0 {
-            tracing::warn!(domain = %call.domain, "hook {what}: {}", verdict.message);
+            tracing::warn!(domain = %domain, "hook {what}: {}", verdict.message);
         } else if !verdict.message.is_empty() {
-            tracing::info!(domain = %call.domain, "hook {what}: {}", verdict.message);
+            tracing::info!(domain = %domain, "hook {what}: {}", verdict.message);
         }
         verdict
     }
 
-    async fn decide_hook(self: &Arc<Self>, op: Operation, call: &HookCall) -> Verdict {
+    async fn decide_hook(
+        self: &Arc<Self>,
+        op: Operation,
+        call: &HookCall,
+        timing: Timing,
+    ) -> Verdict {
         if matches!(op, Operation::Other | Operation::Attach | Operation::Start) {
             return Verdict::pass("");
         }
         if op == Operation::Migrate {
-            return self.hook_migrate(&call.domain, &call.xml).await;
+            return self.hook_migrate(&call.domain, &call.xml, timing).await;
         }
         if op == Operation::Reconnect {
             // Never fails (libvirt kills the VM if it does), and never waits for libvirt.
@@ -186,7 +272,7 @@ impl Engine {
             Err(e) => return Verdict::pass(format!("cannot read the domain XML: {e}")),
         };
         match op {
-            Operation::Prepare => self.hook_prepare(call, parsed).await,
+            Operation::Prepare => self.hook_prepare(call, parsed, timing).await,
             Operation::Restore => {
                 let functions: Vec<PciAddress> = parsed.assigned.iter().map(|(f, _)| *f).collect();
                 match self.host_guard(&call.domain, "start", &functions).await {
@@ -201,7 +287,12 @@ impl Engine {
         }
     }
 
-    async fn hook_prepare(self: &Arc<Self>, call: &HookCall, parsed: Parsed) -> Verdict {
+    async fn hook_prepare(
+        self: &Arc<Self>,
+        call: &HookCall,
+        parsed: Parsed,
+        timing: Timing,
+    ) -> Verdict {
         let name = call.domain.clone();
         // The claims this run makes name the domain as a D-Bus `Claim` would: the same checks
         // first, so that no claim for "" or for a name no domain has is recorded (nor echoed).
@@ -216,7 +307,7 @@ impl Engine {
         // A domain that starts again at once (`virsh destroy`, then `virsh start`) finds its
         // functions still being cleaned after the claim its stop ended: it waits for them
         // rather than failing, within most of the hook's deadline.
-        let budget = Duration::from_millis(u64::from(self.settings().hooks.deadline_ms) * 3 / 4);
+        let budget = Stamp::now().until(timing.deadline) * 3 / 4;
         self.wait_for_cleans(&functions, budget).await;
         let (n, u, fs) = (name.clone(), uuid.clone(), functions.clone());
         let decided = self
@@ -293,18 +384,31 @@ impl Engine {
                 }
             }
         }
+        let mut bound = None;
         if !plan.to_bind.is_empty() {
             let me = Arc::clone(self);
             let to_bind = plan.to_bind.clone();
-            let bound = self
+            let done = self
                 .read(move |_| {
                     let cx = me.job_context();
-                    bind_to_vfio(&cx, to_bind[0], &to_bind, &mut |_, _, _| {})
+                    let mut bound = Bound::default();
+                    let result =
+                        bind_to_vfio(&cx, to_bind[0], &to_bind, &mut bound, &mut |_, _, _| {});
+                    // A bind that failed half-way: what moved goes back (the start is refused).
+                    if result.is_err() {
+                        if let Err(e) = give_back(&cx, to_bind[0], &bound) {
+                            tracing::warn!(device = %to_bind[0], "{e}");
+                        }
+                    }
+                    (result, (to_bind[0], bound))
                 })
                 .await;
-            let failed = match bound {
-                Ok(Ok(())) => None,
-                Ok(Err(e)) => Some(e.to_string()),
+            let failed = match done {
+                Ok((Ok(()), b)) => {
+                    bound = Some(b);
+                    None
+                }
+                Ok((Err(e), _)) => Some(e),
                 Err(e) => Some(e.to_string()),
             };
             if let Some(e) = failed {
@@ -312,6 +416,30 @@ impl Engine {
                     .await;
                 return Verdict::fail(format!("vfiod: domain {name}: {e}"));
             }
+        }
+        // Done after the hook gave up: libvirt did not start the domain, so nothing of this
+        // run may stay.
+        if !deadline::in_time(Stamp::now(), timing) {
+            let me = Arc::clone(self);
+            if let Some((device, bound)) = bound {
+                let _ = self
+                    .read(move |_| {
+                        if let Err(e) = give_back(&me.job_context(), device, &bound) {
+                            tracing::warn!(%device, "{e}");
+                        }
+                    })
+                    .await;
+            }
+            self.release_all(
+                &made,
+                "its hook gave up before vfiod answered: the start was refused",
+            )
+            .await;
+            self.flush().await;
+            return Verdict::fail(format!(
+                "vfiod: domain {name} cannot start: vfiod answered after the hook's deadline; \
+                 what it did for this start is undone"
+            ));
         }
         self.flush().await;
         if claimed.is_empty() {
@@ -322,20 +450,35 @@ impl Engine {
     }
 
     /// Waits, at most `within`, until none of `functions` is held for a clean that is still to
-    /// come (a quarantine is not waited for: it lasts until an operator clears it).
+    /// come or under a clean that still runs (a quarantine is not waited for: it lasts until an
+    /// operator clears it).
     async fn wait_for_cleans(self: &Arc<Self>, functions: &[PciAddress], within: Duration) {
         use crate::model::clean::HoldState;
         let deadline = tokio::time::Instant::now() + within;
         let mut changes = self.subscribe_changes();
         loop {
             let fs = functions.to_vec();
+            // Held for a clean to come, or under a clean still running: a clean gives its
+            // functions back (drops their holds) a moment before its task ends, and until it
+            // ends the task makes them busy.
             let pending = self
                 .read(move |core| {
-                    core.store().clean_holds().map(|holds| {
-                        holds
-                            .iter()
-                            .any(|h| h.state == HoldState::Pending && fs.contains(&h.address))
-                    })
+                    let store = core.store();
+                    let held = store
+                        .clean_holds()?
+                        .iter()
+                        .any(|h| h.state == HoldState::Pending && fs.contains(&h.address));
+                    if held {
+                        return Ok(true);
+                    }
+                    for f in &fs {
+                        if store.blocking_task(*f)?.is_some_and(|t| {
+                            t.kind == crate::model::task::TaskKind::Clean && !t.state.is_final()
+                        }) {
+                            return Ok(true);
+                        }
+                    }
+                    Ok::<_, StoreError>(false)
                 })
                 .await;
             if !matches!(pending, Ok(Ok(true))) {

@@ -71,7 +71,12 @@ impl Engine {
 
     /// The destination's `migrate begin` hook: claims what the domain's metadata lists and the
     /// incoming XML does not carry as a hostdev (the source detached it), or refuses.
-    pub(super) async fn hook_migrate(self: &Arc<Self>, name: &str, xml: &str) -> Verdict {
+    pub(super) async fn hook_migrate(
+        self: &Arc<Self>,
+        name: &str,
+        xml: &str,
+        timing: crate::hook::deadline::Timing,
+    ) -> Verdict {
         // Both parses off the async threads: the deadline must be able to fire while they run.
         let text = xml.to_string();
         let both = super::hook::off_the_executor(move || {
@@ -202,6 +207,20 @@ impl Engine {
                 }
             }
         };
+        // Done after the hook gave up: libvirt refused the migration, so no claim of this run
+        // may stay.
+        if !crate::hook::deadline::in_time(crate::hook::deadline::Stamp::now(), timing) {
+            self.release_all(
+                &made,
+                "its hook gave up before vfiod answered: the migration was refused",
+            )
+            .await;
+            self.flush().await;
+            return Verdict::fail(format!(
+                "vfiod: domain {name} cannot come here: vfiod answered after the hook's deadline; \
+                 what it claimed for it is released"
+            ));
+        }
         let made_text = made
             .iter()
             .map(|i| format!("claim {i}"))

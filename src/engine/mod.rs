@@ -59,6 +59,8 @@ pub struct Engine {
     clean_retries: clean::Retries,
     /// Claims made for domains migrating here, attached once they run (see [`migration`]).
     incoming: migration::Incoming,
+    /// Each domain's hook runs, one at a time, and the newest seen (see [`hook`]).
+    hook_order: hook::HookOrder,
     /// The pools' clients and the queue of pooled steps (see [`pooled`]).
     pools: pool::Pools,
     /// Counts committed changes of devices, claims and tasks: a watcher (the fleet reporter)
@@ -84,6 +86,7 @@ impl Engine {
             claims: Arc::default(),
             clean_retries: clean::Retries::default(),
             incoming: migration::Incoming::default(),
+            hook_order: hook::HookOrder::default(),
             pools: pool::Pools::default(),
             changes: Arc::new(watch::channel(0).0),
             libvirt_link: libvirt_link::LinkRecord::default(),
@@ -322,22 +325,74 @@ impl Engine {
         }
     }
 
-    /// An operator's reset of the task in error that holds `address`.
+    /// An operator's reset of the task in error that holds `address`. A mode task's device is
+    /// then re-read and brought back to its configured mode at once (the reset says the
+    /// device may be used again; a task cut short, by a failure or a kill, can have left it
+    /// half-way: VFs without a driver): its task exists before this returns, so that nothing
+    /// is handed out from the state the failure left.
     pub async fn reset_task(
         self: &Arc<Self>,
         address: PciAddress,
         by: &str,
     ) -> Result<TaskRecord, JobError> {
         let me = Arc::clone(self);
-        let by = by.to_string();
-        self.read(move |core| {
-            let t = core.store().reset_task(address, &by)?;
-            me.task_changed(&t, task::Change::State);
-            Ok::<_, StoreError>(t)
-        })
-        .await
-        .map_err(|e| JobError::Internal(crate::error_chain(&e)))?
-        .map_err(JobError::from)
+        let who = by.to_string();
+        let t = self
+            .read(move |core| {
+                let t = core.store().reset_task(address, &who)?;
+                me.task_changed(&t, task::Change::State);
+                Ok::<_, StoreError>(t)
+            })
+            .await
+            .map_err(|e| JobError::Internal(crate::error_chain(&e)))?
+            .map_err(JobError::from)?;
+        if is_mode_kind(t.kind) {
+            if let Err(e) = self.refresh().await {
+                tracing::error!(
+                    device = %t.address,
+                    "inventory pass after a task reset failed: {}",
+                    crate::error_chain(&e)
+                );
+            }
+            self.reconcile_device(t.address, &format!("vfiod (task {} reset by {by})", t.id))
+                .await;
+        }
+        Ok(t)
+    }
+
+    /// Brings one device to its policy target, as [`Engine::reconcile`] does for all: a task
+    /// when it is not there, none when it is or when the policy leaves it alone.
+    async fn reconcile_device(self: &Arc<Self>, address: PciAddress, requested_by: &str) {
+        let plan = self
+            .read(move |core| {
+                crate::mode::planner::plan_device(
+                    core.sysfs(),
+                    core.store(),
+                    &core.settings(),
+                    address,
+                )
+            })
+            .await;
+        let wanted = match plan {
+            Ok(Ok(p)) => {
+                matches!(p.decision, Decision::Target { .. }) && p.program != Program::Nothing
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(device = %address, "cannot plan its mode: {}", crate::error_chain(&e));
+                false
+            }
+            Err(e) => {
+                tracing::warn!(device = %address, "cannot plan its mode: {}", crate::error_chain(&e));
+                false
+            }
+        };
+        if !wanted {
+            return;
+        }
+        let job = job::ModeJob::new(address, None);
+        if let Err(e) = self.start_task(Box::new(job), requested_by).await {
+            tracing::warn!(device = %address, "not reconciled: {}", crate::error_chain(&e));
+        }
     }
 
     /// Brings every selected device to its policy target, one task each; devices already there
@@ -437,6 +492,15 @@ impl crate::metrics::textfile::Source for Engine {
     fn write_failed(&self) {
         self.metrics.textfile_failed();
     }
+}
+
+/// Whether a task of `kind` is a mode job's (its device's mode and drivers are the policy's).
+fn is_mode_kind(kind: crate::model::task::TaskKind) -> bool {
+    use crate::model::task::TaskKind as K;
+    matches!(
+        kind,
+        K::Check | K::Split | K::Restore | K::Resplit | K::Rebind | K::Bind | K::Unbind
+    )
 }
 
 /// Counts one more committed change.

@@ -161,6 +161,7 @@ pub(crate) mod tests {
             }],
             busy: vec![],
             cleaning: vec![],
+            splits: vec![],
         };
         let r = Report::build(&snapshot, &[]);
         let addrs: Vec<_> = r.records.iter().map(|r| r.address.to_string()).collect();

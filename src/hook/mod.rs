@@ -26,6 +26,8 @@
 //! take it from its host driver. A function vfiod does not know is left to libvirt.
 //! `[hooks] guard_host_devices = false` turns the guard off.
 
+pub mod deadline;
+
 use crate::model::claim::ClaimState;
 use crate::model::device::{Device, State};
 use crate::model::pci::PciAddress;

@@ -7,9 +7,11 @@
 //! [`exec`] runs an operator's command (no shell, bounded, output kept); [`download`] fetches FPGA images over HTTP(S) (async, unlike the others); [`image_source`]
 //! reads an image from a descriptor a caller passed or a path root named, within deadlines and
 //! never blocked by a FIFO or a pipe that stays open; [`record`] reads what vfiod reads of the
-//! host into a recording for a bug report (`vfioctl record`). Each is small, blocking, and tested for
+//! host into a recording for a bug report (`vfioctl record`); [`clock`] reads the monotonic clock
+//! the hook and vfiod compare deadlines on. Each is small, blocking, and tested for
 //! real (the simulated kernel, a real libvirtd, real pipes and FIFOs).
 
+pub mod clock;
 pub mod download;
 pub mod exec;
 pub mod image_source;

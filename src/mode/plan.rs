@@ -398,18 +398,42 @@ pub fn rollback(before: &Snapshot, now: &Snapshot) -> Plan {
         }
     }
     for (b, n) in before.group.iter().zip(&now.group) {
-        if b != n {
-            match &b.driver {
-                Some(d) if b.driver_override.as_deref() == Some(d.as_str()) => {
-                    bind_steps(&mut steps, n, d)
-                }
-                other => unbind_steps(&mut steps, n, other.as_deref()),
-            }
-        }
+        back_to(&mut steps, b, n);
     }
     Plan {
         device: pf,
         program: Program::Nothing,
+        steps,
+    }
+}
+
+/// Puts one function from `now` back to `before`: its driver, and its override where it had
+/// one for that driver. Nothing when it is as it was.
+fn back_to(steps: &mut Vec<Step>, before: &Binding, now: &Binding) {
+    if before == now {
+        return;
+    }
+    match &before.driver {
+        Some(d) if before.driver_override.as_deref() == Some(d.as_str()) => {
+            bind_steps(steps, now, d)
+        }
+        other => unbind_steps(steps, now, other.as_deref()),
+    }
+}
+
+/// The plan that gives functions back the bindings they had before a [`bind_plan`] (an attach
+/// that failed after it bound them): `before` and `now` by address; a function missing from
+/// `now` (gone) gets no step. Pure.
+pub fn give_back(device: PciAddress, before: &[Binding], now: &[Binding]) -> Plan {
+    let mut steps = Vec::new();
+    for b in before {
+        if let Some(n) = now.iter().find(|n| n.address == b.address) {
+            back_to(&mut steps, b, n);
+        }
+    }
+    Plan {
+        device,
+        program: Program::Unbind,
         steps,
     }
 }
@@ -590,5 +614,54 @@ mod tests {
                 .ends_with("echo '1' > /sys/bus/pci/devices/0000:3b:00.0/sriov_drivers_autoprobe"),
             "{t}"
         );
+    }
+
+    /// Issue 33: an attach that bound a GPU and its audio function to vfio-pci and then failed
+    /// gives each back the binding it had; one that was on vfio-pci already, or that is gone,
+    /// gets no step.
+    #[test]
+    fn give_back_returns_each_function_to_its_binding_before() {
+        let before = [
+            b("0000:17:00.0", Some("nouveau"), None),
+            b("0000:17:00.1", Some("snd_hda_intel"), None),
+            b("0000:3b:02.0", Some("vfio-pci"), Some("vfio-pci")),
+            b("0000:3b:02.1", None, None),
+            b("0000:3b:02.2", Some("vfio-pci"), None),
+        ];
+        let now = [
+            b("0000:17:00.0", Some("vfio-pci"), Some("vfio-pci")),
+            b("0000:17:00.1", Some("vfio-pci"), Some("vfio-pci")),
+            b("0000:3b:02.0", Some("vfio-pci"), Some("vfio-pci")),
+            b("0000:3b:02.1", Some("vfio-pci"), Some("vfio-pci")),
+        ];
+        let text = give_back(a("0000:17:00.0"), &before, &now).to_string();
+        let order = [
+            "echo '' > /sys/bus/pci/devices/0000:17:00.0/driver_override",
+            "echo '0000:17:00.0' > /sys/bus/pci/drivers/vfio-pci/unbind",
+            "echo '0000:17:00.0' > /sys/bus/pci/drivers_probe",
+            "# expect 0000:17:00.0 bound to nouveau",
+            "echo '' > /sys/bus/pci/devices/0000:17:00.1/driver_override",
+            "echo '0000:17:00.1' > /sys/bus/pci/drivers/vfio-pci/unbind",
+            "echo '0000:17:00.1' > /sys/bus/pci/drivers_probe",
+            "# expect 0000:17:00.1 bound to snd_hda_intel",
+            "echo '' > /sys/bus/pci/devices/0000:3b:02.1/driver_override",
+            "echo '0000:3b:02.1' > /sys/bus/pci/drivers/vfio-pci/unbind",
+        ];
+        let mut at = 0;
+        for o in order {
+            let pos = text[at..]
+                .find(o)
+                .unwrap_or_else(|| panic!("missing or out of order: {o}\n{text}"));
+            at += pos + o.len();
+        }
+        assert!(!text.contains("3b:02.0"), "unchanged: no step\n{text}");
+        assert!(!text.contains("3b:02.2"), "gone: no step\n{text}");
+        assert!(
+            !text.contains("echo '0000:3b:02.1' > /sys/bus/pci/drivers_probe"),
+            "a function that had no driver is not probed\n{text}"
+        );
+        assert!(give_back(a("0000:17:00.0"), &before[2..3], &now[2..3])
+            .steps
+            .is_empty());
     }
 }

@@ -46,6 +46,23 @@ impl Decision {
     }
 }
 
+/// Which PFs this policy splits, for the claim rules (see [`crate::claim::SplitPolicy`]): a PF
+/// whose target is VF mode, whatever its mode now.
+pub fn split_policy(
+    settings: std::sync::Arc<crate::config::Settings>,
+) -> crate::claim::SplitPolicy {
+    crate::claim::SplitPolicy::new(move |d| {
+        let rule = settings.rule_for(d.address, d.vendor_id, d.device_id, d.class);
+        matches!(
+            decide(d, rule, settings.scenario),
+            Decision::Target {
+                target: Target::Vf { .. },
+                ..
+            }
+        )
+    })
+}
+
 /// The policy table. `rule` is the first `[[select]]` entry matching the device, if any. A VF
 /// is always left alone (its PF's mode decides), whatever `rule` is.
 pub fn decide(device: &Device, rule: Option<&DeviceRule>, scenario: Scenario) -> Decision {

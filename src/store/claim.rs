@@ -513,12 +513,24 @@ impl Store {
     }
 
     fn snapshot_in(&self, conn: &Connection, action: &'static str) -> Result<Snapshot, StoreError> {
+        let devices = self.devices_in(conn)?;
+        let splits = self
+            .split_policy
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .splits(&devices);
         Ok(Snapshot {
-            devices: self.devices_in(conn)?,
+            devices,
             held: self.held_in(conn, action)?,
             busy: self.busy_in(conn, action)?,
             cleaning: self.clean_holds_in(conn, action)?,
+            splits,
         })
+    }
+
+    /// Replaces the policy that says which PFs are split (the engine's, from its settings).
+    pub fn set_split_policy(&self, policy: crate::claim::SplitPolicy) {
+        *self.split_policy.lock().unwrap_or_else(|p| p.into_inner()) = policy;
     }
 
     fn held_in(&self, conn: &Connection, action: &'static str) -> Result<Vec<Held>, StoreError> {

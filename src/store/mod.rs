@@ -143,7 +143,7 @@ pub enum StoreError {
         new: PciAddress,
     },
     /// The device already has an active task (prepare, running, or error not yet reset), its
-    /// own or one whose scope covers it (another function of its IOMMU group, its PF).
+    /// own or one whose scope covers it (another function of its IOMMU group), or its PF's or a VF's of it.
     #[error("device {address} is busy: task {} {}{} is {}", .task.id, .task.kind,
         if .task.address == *.address { String::new() } else { format!(" on {}", .task.address) },
         .task.status())]
@@ -286,6 +286,8 @@ pub struct Store {
     events: tokio::sync::watch::Sender<u64>,
     /// Which functions a claim's end holds out of the pool for a clean (see `clean`).
     clean_policy: Mutex<clean::CleanPolicy>,
+    /// Which PFs the configuration splits: no claim takes them whole (see `claim::choice`).
+    split_policy: Mutex<crate::claim::SplitPolicy>,
     /// Woken when a write held functions for a clean: the engine's cleaner starts their tasks.
     clean_wanted: std::sync::Arc<tokio::sync::Notify>,
 }
@@ -409,6 +411,7 @@ impl Store {
             path,
             events: tokio::sync::watch::channel(0).0,
             clean_policy: Mutex::new(clean::CleanPolicy::none()),
+            split_policy: Mutex::new(crate::claim::SplitPolicy::none()),
             clean_wanted: std::sync::Arc::default(),
         })
     }

@@ -268,7 +268,8 @@ impl Store {
 
     /// [`Store::create_task`] for a task that also changes the functions in `covers` (its IOMMU
     /// group, its VFs). Refused with `Busy` when an active task has `address` or any of `covers`
-    /// as its device or in its own scope; the error names that task.
+    /// as its device or in its own scope, or has an SR-IOV relative of one of them (a VF's PF,
+    /// a PF's VFs, as the inventory recorded them) so; the error names that task.
     pub fn create_task_covering(
         &self,
         address: PciAddress,
@@ -301,6 +302,15 @@ impl Store {
             }
             if let Some((blocked, active)) = self.active_covering(conn, action, address, &scope)? {
                 return Err(busy(blocked, active));
+            }
+            // A PF's task changes its VFs (a restore removes them), and a VF's task (a clean)
+            // works on what its PF's would take away: neither starts while the other runs.
+            let functions: Vec<PciAddress> = std::iter::once(address)
+                .chain(scope.iter().copied())
+                .collect();
+            let family = self.sriov_family(conn, action, &functions)?;
+            if let Some(active) = self.active_on_any(conn, action, &family)? {
+                return Err(busy(address, active));
             }
             let now = now_ms();
             let inserted = conn
@@ -397,6 +407,61 @@ impl Store {
             })
             .map_err(|e| self.sqlite(action, e))?;
         Ok(text.flatten().and_then(|t| t.parse().ok()))
+    }
+
+    /// The SR-IOV relatives of `functions` as the inventory recorded them (each VF's PF, each
+    /// PF's VFs), but none of `functions` themselves.
+    fn sriov_family(
+        &self,
+        conn: &Connection,
+        action: &'static str,
+        functions: &[PciAddress],
+    ) -> Result<Vec<PciAddress>, StoreError> {
+        let list = json_list(functions.iter().copied());
+        let mut stmt = conn
+            .prepare_cached(
+                "SELECT address FROM devices WHERE parent_pf IN (SELECT value FROM json_each(?1)) \
+                 UNION SELECT parent_pf FROM devices \
+                 WHERE parent_pf IS NOT NULL AND address IN (SELECT value FROM json_each(?1))",
+            )
+            .map_err(|e| self.sqlite(action, e))?;
+        let rows = stmt
+            .query_map([list], |r| r.get::<_, String>(0))
+            .map_err(|e| self.sqlite(action, e))?;
+        let mut out = Vec::new();
+        for r in rows {
+            if let Ok(a) = r.map_err(|e| self.sqlite(action, e))?.parse() {
+                if !functions.contains(&a) && !out.contains(&a) {
+                    out.push(a);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// The oldest active task that has one of `functions` as its device or in its scope.
+    fn active_on_any(
+        &self,
+        conn: &Connection,
+        action: &'static str,
+        functions: &[PciAddress],
+    ) -> Result<Option<TaskRecord>, StoreError> {
+        if functions.is_empty() {
+            return Ok(None);
+        }
+        let wanted = json_list(functions.iter().copied());
+        self.read_one(
+            conn,
+            action,
+            &format!(
+                "WHERE {} AND (address IN (SELECT value FROM json_each(?1)) \
+                 OR id IN (SELECT task_id FROM task_scope \
+                           WHERE address IN (SELECT value FROM json_each(?1)))) \
+                 ORDER BY id LIMIT 1",
+                active_sql()
+            ),
+            params![wanted],
+        )
     }
 
     /// The VFs of `pf` as the inventory recorded them.
@@ -700,20 +765,10 @@ impl Store {
         address: PciAddress,
         scope: &[PciAddress],
     ) -> Result<Option<(PciAddress, TaskRecord)>, StoreError> {
-        let wanted = json_list(std::iter::once(address).chain(scope.iter().copied()));
-        let Some(task) = self.read_one(
-            conn,
-            action,
-            &format!(
-                "WHERE {} AND (address IN (SELECT value FROM json_each(?1)) \
-                 OR id IN (SELECT task_id FROM task_scope \
-                           WHERE address IN (SELECT value FROM json_each(?1)))) \
-                 ORDER BY id LIMIT 1",
-                active_sql()
-            ),
-            params![wanted],
-        )?
-        else {
+        let wanted: Vec<PciAddress> = std::iter::once(address)
+            .chain(scope.iter().copied())
+            .collect();
+        let Some(task) = self.active_on_any(conn, action, &wanted)? else {
             return Ok(None);
         };
         // Name the function the two tasks share: the request's own device if it is covered.

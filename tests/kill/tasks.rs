@@ -1,6 +1,6 @@
 //! vfiod killed with SIGKILL at each step of a split (the `VFIOD_TEST_KILL_AT_STEP` hook), then
 //! restarted on the same (persistent) simulated host: the task shows `error: interrupted`, the
-//! device's state is consistent and re-read, and after a reset a new split succeeds.
+//! device's state is consistent and re-read, and a reset brings it to its configured mode.
 //! Also: a kill during an image download leaves a partial file that the next start removes.
 
 use crate::common;
@@ -139,11 +139,21 @@ fn killed_at_every_step_of_a_split_then_restarted() {
             "k={k}: the store re-read the device"
         );
 
-        // Busy until reset; then a new split succeeds from whatever state was left.
+        // Busy until reset; the reset brings it to its configured mode (issue 33) from
+        // whatever state was left, and a split asked for then finds it done.
         let (ok, out) = vfioctl(&addr, &["mode", FPGA, "vf", "--wait"]);
         assert!(!ok && out.contains("Busy"), "k={k}: {out}");
         let (ok, out) = vfioctl(&addr, &["task", "reset", FPGA]);
         assert!(ok, "k={k}: {out}");
+        common::eventually_blocking(
+            Duration::from_secs(60),
+            &format!("k={k}: the split after the reset is done"),
+            || {
+                let (_, out) = vfioctl(&addr, &["show", FPGA, "--json"]);
+                let shown: serde_json::Value = serde_json::from_str(&out).ok()?;
+                (shown["task_state"] == "idle").then_some(())
+            },
+        );
         let (ok, out) = vfioctl(&addr, &["mode", FPGA, "vf", "--wait"]);
         assert!(ok, "k={k}: {out}");
         assert_eq!(kernel_view(&root), (4, 4, 4), "k={k}");
@@ -376,4 +386,103 @@ fn killed_while_cleaning_then_restarted() {
     let (ok, out) = vfioctl(&addr, &["claim", "--address", NVME, "--vm", "tenant2"]);
     assert!(ok, "{out}");
     drop(second);
+}
+
+/// The FPGA's VFs as the kernel has them: (address, driver).
+fn vf_drivers(root: &Path) -> Vec<(String, Option<String>)> {
+    let dev = root.join("sys/bus/pci/devices").join(FPGA);
+    (0..4)
+        .filter_map(|i| std::fs::read_link(dev.join(format!("virtfn{i}"))).ok())
+        .map(|t| {
+            let vf = t.file_name().unwrap().to_str().unwrap().to_string();
+            let driver =
+                std::fs::read_link(root.join("sys/bus/pci/devices").join(&vf).join("driver"))
+                    .ok()
+                    .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()));
+            (vf, driver)
+        })
+        .collect()
+}
+
+/// Issue 33: SIGKILL part-way through a restore (two of the FPGA's four VFs already unbound),
+/// restart, `vfioctl task reset`: the records say the drivers sysfs shows, and the reset brings
+/// the device back to its configured mode at once, so that no claim ever hands out a VF
+/// without its driver (before the fix the two stayed driverless and "usable" until a reload).
+#[test]
+fn killed_during_a_restore_then_reset_hands_out_no_driverless_vf() {
+    let dir = common::fast_tempdir();
+    std::fs::write(dir.path().join("vfiod.toml"), CONFIG).unwrap();
+    let bus = PrivateBus::start(&dir.path().join("bus"), "").unwrap();
+    let addr = bus.address().to_string();
+    let root = dir.path().join("sim/root");
+    let idle = |what: &str| {
+        common::eventually_blocking(Duration::from_secs(60), what, || {
+            let (ok, out) = vfioctl(&addr, &["show", FPGA, "--json"]);
+            let shown: serde_json::Value = serde_json::from_str(&out).ok()?;
+            (ok && shown["task_state"] == "idle").then_some(())
+        })
+    };
+
+    // First run: the start-up reconciliation splits the FPGA onto vfio-pci.
+    let first = vfiod(dir.path(), &addr, None);
+    wait_ready(&addr);
+    idle("the split is done");
+    assert_eq!(kernel_view(&root), (4, 4, 4));
+    drop(first);
+
+    // Second run: a restore, killed before its third step (two VFs unbound).
+    let mut second = vfiod(dir.path(), &addr, Some(2));
+    wait_ready(&addr);
+    let _ = vfioctl(&addr, &["mode", FPGA, "pf"]);
+    let status = common::eventually_blocking(Duration::from_secs(60), "vfiod is killed", || {
+        second.0.try_wait().unwrap()
+    });
+    assert_eq!(status.signal(), Some(9), "{status:?}");
+    assert_eq!(kernel_view(&root), (4, 4, 2), "two VFs were unbound");
+
+    // Third run: the records say what sysfs says.
+    let third = vfiod(dir.path(), &addr, None);
+    wait_ready(&addr);
+    for (vf, driver) in vf_drivers(&root) {
+        let (_, out) = vfioctl(&addr, &["show", &vf, "--json"]);
+        let shown: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(
+            shown["driver"].as_str(),
+            driver.as_deref(),
+            "{vf}: the record is what sysfs shows: {shown}"
+        );
+    }
+    let (ok, out) = vfioctl(&addr, &["task", "reset", FPGA]);
+    assert!(ok, "{out}");
+    // At once: a claim gets no VF without its driver (none at all while the repair runs).
+    let claimed = |vm: &str| -> Option<String> {
+        let (ok, out) = vfioctl(&addr, &["claim", "--parent", FPGA, "--vm", vm, "--json"]);
+        if !ok {
+            return None;
+        }
+        let c: serde_json::Value = serde_json::from_str(&out).unwrap();
+        Some(c["address"].as_str().unwrap().to_string())
+    };
+    if let Some(vf) = claimed("right-after-the-reset") {
+        let driver = vf_drivers(&root)
+            .into_iter()
+            .find(|(a, _)| *a == vf)
+            .unwrap()
+            .1;
+        assert_eq!(
+            driver.as_deref(),
+            Some("vfio-pci"),
+            "{vf} was handed out without its driver"
+        );
+    }
+    idle("the repair is done");
+    assert_eq!(kernel_view(&root), (4, 4, 4), "back in its configured mode");
+    let vf = claimed("later").expect("a VF is claimable once repaired");
+    let driver = vf_drivers(&root)
+        .into_iter()
+        .find(|(a, _)| *a == vf)
+        .unwrap()
+        .1;
+    assert_eq!(driver.as_deref(), Some("vfio-pci"));
+    drop(third);
 }

@@ -532,3 +532,113 @@ async fn vfiods_own_shortage_during_a_clean_blames_nothing_on_the_device() {
     common::cleaned(&h, &vf).await;
     assert_eq!(show(&h, &vf).await.reset_health.unwrap().failures_in_row, 0);
 }
+
+/// The VFs of the NIC as the store has them.
+fn nic_vfs(h: &Harness) -> Vec<String> {
+    h.store()
+        .devices()
+        .unwrap()
+        .into_iter()
+        .filter(|d| d.parent_pf == Some(addr(NIC)))
+        .map(|d| d.address.to_string())
+        .collect()
+}
+
+/// The number at the end of a task's object path.
+fn task_id(path: &zbus::OwnedObjectPath) -> String {
+    path.as_str().rsplit('/').next().unwrap().to_string()
+}
+
+/// Issue 33: a PF's task covers its VFs for every job. While the NIC's restore runs (held on
+/// its write of `sriov_numvfs`), `Clean` of each of its VFs is refused with Busy naming that
+/// task, and nothing is reset.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pf_task_makes_every_vf_busy_for_a_clean() {
+    let h = start().await;
+    let vfs = nic_vfs(&h);
+    assert_eq!(vfs.len(), 4, "{vfs:?}");
+    h.kernel.inject(
+        FaultTarget::DeviceAttr(addr(NIC), "sriov_numvfs".into()),
+        FaultAction::Hang(Duration::from_secs(600)),
+        Some(1),
+    );
+    let nic = vfiod::client::device(&h.client, NIC).await.unwrap();
+    let restore = nic
+        .set_mode("pf", vfiod::client::mode_options(None))
+        .await
+        .unwrap();
+    let id = task_id(&restore);
+    for vf in &vfs {
+        let d = vfiod::client::device(&h.client, vf).await.unwrap();
+        let (name, message) = common::refusal(d.clean(dict(&[])).await, "clean of a VF");
+        assert_eq!(name, "org.vfiod.Vfiod1.Error.Busy", "{vf}: {message}");
+        assert!(
+            message.contains(&format!("task {id} ")) && message.contains(NIC),
+            "{vf}: the refusal names the PF's task: {message}"
+        );
+        assert!(h.kernel.resets(addr(vf)).is_empty(), "{vf} was reset");
+    }
+    h.kernel.release_hangs();
+}
+
+/// Issue 33, the other way round: while a VF's clean runs (its reset hangs), a mode change of
+/// its PF (`SetMode`, `Apply`) is refused with Busy naming the clean, and nothing is written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vf_clean_makes_its_pf_busy_for_a_mode_change() {
+    let h = start_with(&CONFIG.replace("reset_timeout = 1", "reset_timeout = 600")).await;
+    let vf = first_vf(&h);
+    h.kernel
+        .set_reset_behaviour(addr(&vf), "flr", ResetBehaviour::Hangs)
+        .unwrap();
+    let d = vfiod::client::device(&h.client, &vf).await.unwrap();
+    let clean = d.clean(dict(&[])).await.unwrap();
+    let id = task_id(&clean);
+    h.kernel.take_write_log();
+    let nic = vfiod::client::device(&h.client, NIC).await.unwrap();
+    for (what, r) in [
+        (
+            "SetMode pf",
+            nic.set_mode("pf", vfiod::client::mode_options(None)).await,
+        ),
+        ("Apply", nic.apply().await),
+    ] {
+        let (name, message) = common::refusal(r, what);
+        assert_eq!(name, "org.vfiod.Vfiod1.Error.Busy", "{what}: {message}");
+        assert!(
+            message.contains(&format!("task {id} ")) && message.contains(&vf),
+            "{what}: the refusal names the VF's clean: {message}"
+        );
+    }
+    assert!(h.kernel.take_write_log().is_empty(), "nothing written");
+    assert_eq!(h.kernel.num_vfs(addr(NIC)), Some(4));
+    h.kernel.release_hangs();
+}
+
+/// Issue 33: a clean started for a claim whose clean has already succeeded (the cleaner read
+/// its hold a moment before that clean gave the function back) is refused before any task: the
+/// function is reset once, and it may be another VM's by then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clean_for_a_claim_already_cleaned_is_not_run_again() {
+    let h = start().await;
+    let vf = first_vf(&h);
+    let c = claim(&h, &vf, "tenant1").await;
+    let claim_id: i64 = task_id(&c).parse().unwrap();
+    release(&h, c).await;
+    common::cleaned(&h, &vf).await;
+    assert_eq!(h.kernel.resets(addr(&vf)), ["flr"]);
+    let tasks = h.store().tasks(Some(addr(&vf)), 100).unwrap().len();
+    let late = vfiod::engine::job::CleanJob::after_claim(vec![addr(&vf)], claim_id);
+    let r = h
+        .engine()
+        .start_task(Box::new(late), &format!("vfiod (claim {claim_id} ended)"))
+        .await;
+    let e = r.expect_err("a second clean of a function already clean");
+    assert!(e.to_string().contains("its clean is done"), "{e}");
+    assert_eq!(
+        h.store().tasks(Some(addr(&vf)), 100).unwrap().len(),
+        tasks,
+        "no task was created"
+    );
+    assert_eq!(h.kernel.resets(addr(&vf)), ["flr"], "reset once");
+    assert_eq!(show(&h, &vf).await.state, "usable");
+}

@@ -1128,3 +1128,320 @@ async fn the_hook_socket_answers_root_only() {
     assert_eq!(r.code, 0, "{}", r.stderr);
     assert_eq!(claims_now(&h).await.len(), 1);
 }
+
+/// The real `vfiod --simulate --sim-root DIR/sim` on its own bus (for what the in-process
+/// harness cannot do: stop it with SIGSTOP, or give it a test hook's variable), stopped with
+/// SIGKILL whatever happens to the test.
+struct Vfiod {
+    child: std::process::Child,
+    dir: tempfile::TempDir,
+    bus: vfiod::sim::bus::PrivateBus,
+    log: std::path::PathBuf,
+}
+
+impl Vfiod {
+    /// Starts it with `CONFIG` and `env`, and waits until the NIC's VFs are split and idle.
+    fn start(env: &[(&str, &str)]) -> Vfiod {
+        let dir = common::fast_tempdir();
+        std::fs::write(dir.path().join("vfiod.toml"), CONFIG).unwrap();
+        let bus = vfiod::sim::bus::PrivateBus::start(&dir.path().join("bus"), "").unwrap();
+        let log = dir.path().join("vfiod.log");
+        let mut command = Command::new(env!("CARGO_BIN_EXE_vfiod"));
+        command
+            .args(["--simulate", "--sim-root"])
+            .arg(dir.path().join("sim"))
+            .arg("--config")
+            .arg(dir.path().join("vfiod.toml"))
+            .args(["--bus", bus.address()])
+            .env("VFIOD_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap());
+        for (k, v) in env {
+            command.env(k, v);
+        }
+        let child = command.spawn().expect("start vfiod");
+        let v = Vfiod {
+            child,
+            dir,
+            bus,
+            log,
+        };
+        common::eventually_blocking(Duration::from_secs(120), "vfiod splits the NIC", || {
+            [VF0, VF1]
+                .iter()
+                .all(|vf| {
+                    let (ok, out) = common::vfioctl(v.bus(), &["show", vf, "--json"]);
+                    ok && serde_json::from_str::<serde_json::Value>(&out)
+                        .is_ok_and(|d| d["state"] == "usable" && d["task_state"] == "idle")
+                })
+                .then_some(())
+        });
+        v
+    }
+
+    fn bus(&self) -> &str {
+        self.bus.address()
+    }
+
+    fn signal(&self, s: nix::sys::signal::Signal) {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), s).unwrap();
+    }
+
+    /// A hook configuration with these deadlines, whose state directory is `state` (vfiod's
+    /// own, `DIR/sim/state`, when `None`).
+    fn hook_config(&self, state: Option<&std::path::Path>, extra: &str) -> std::path::PathBuf {
+        let own = self.dir.path().join("sim/state");
+        let path = self.dir.path().join("hook.toml");
+        std::fs::write(
+            &path,
+            format!(
+                "state_dir = \"{}\"\n{CONFIG}[hooks]\n{extra}",
+                state.unwrap_or(&own).display()
+            ),
+        )
+        .unwrap();
+        path
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn claims(&self) -> Vec<serde_json::Value> {
+        let (ok, out) = common::vfioctl(self.bus(), &["claims", "--json"]);
+        assert!(ok, "{out}");
+        serde_json::from_str(&out).unwrap()
+    }
+}
+
+impl Drop for Vfiod {
+    fn drop(&mut self) {
+        self.signal(nix::sys::signal::Signal::SIGCONT);
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Issue 33: a run of the hook that vfiod gets only after the hook gave up is not carried out.
+/// vfiod is stopped (SIGSTOP) while the hook asks on the bus (no hook socket where it looks;
+/// dbus-daemon keeps the calls for vfiod): `prepare` of ghost-a and ghost-b are refused at the
+/// deadline and libvirt starts neither, and ghost-b's `release` passes "not recorded". Once vfiod
+/// runs again it answers the three queued calls without carrying any out: no claim for a
+/// domain that never started.
+#[test]
+fn runs_the_hook_gave_up_on_are_never_carried_out() {
+    use nix::sys::signal::Signal;
+    let v = Vfiod::start(&[]);
+    let elsewhere = v.dir.path().join("no-socket-here");
+    let config = v.hook_config(
+        Some(&elsewhere),
+        "deadline_ms = 1000\nnotify_deadline_ms = 500\n",
+    );
+    v.signal(Signal::SIGSTOP);
+    for (domain, vf) in [("ghost-a", VF0), ("ghost-b", VF1)] {
+        let r = hook(
+            v.bus(),
+            &config,
+            &[domain, "prepare", "begin", "-"],
+            &domain_xml(domain, &[vf]),
+        );
+        assert_eq!(r.code, 1, "{domain}: refused at the deadline: {}", r.stderr);
+        assert!(r.stderr.contains("did not answer"), "{}", r.stderr);
+    }
+    let r = hook(
+        v.bus(),
+        &config,
+        &["ghost-b", "release", "end", "-"],
+        &domain_xml("ghost-b", &[VF1]),
+    );
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    v.signal(Signal::SIGCONT);
+    // vfiod logs its answer to each prepare, carried out or not.
+    common::eventually_blocking(
+        Duration::from_secs(60),
+        "vfiod answers the queued prepares",
+        || {
+            let log = v.log_text();
+            (log.contains("prepare begin - of ghost-a:")
+                && log.contains("prepare begin - of ghost-b:"))
+            .then_some(())
+        },
+    );
+    // A call after them on the same bus is answered after them: the claims are final.
+    assert!(
+        v.claims().is_empty(),
+        "claims for domains that never started: {:?}",
+        v.claims()
+    );
+    let log = v.log_text();
+    assert!(
+        log.contains("not carried out: its hook gave up waiting"),
+        "vfiod says why: {log}"
+    );
+}
+
+/// Issue 33: the same order kept when both runs reach vfiod in time but out of order: a
+/// `prepare` sent before a `release` of its domain that vfiod has already answered is not
+/// carried out (it was given up on), and claims nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_overtaken_by_a_later_one_of_its_domain_is_not_carried_out() {
+    let (h, _config, _bus) = harness().await;
+    let m = h.manager().await;
+    let now = vfiod::host::clock::monotonic_ms();
+    let options = |sent: u64| {
+        dict(&[
+            ("sent_ms", Variant::from(sent)),
+            ("deadline_ms", Variant::from(now + 60_000)),
+        ])
+    };
+    let xml = domain_xml("vm1", &[VF0]);
+    let (code, _, message) = m
+        .hook_with_options("vm1", "release", "end", "-", &xml, options(now))
+        .await
+        .unwrap();
+    assert_eq!(code, 0, "{message}");
+    let (code, _, message) = m
+        .hook_with_options("vm1", "prepare", "begin", "-", &xml, options(now - 100))
+        .await
+        .unwrap();
+    assert_eq!(code, 1, "{message}");
+    assert!(
+        message.contains("not carried out: a later run of the hook for this domain"),
+        "{message}"
+    );
+    assert!(claims_now(&h).await.is_empty());
+    // Past its deadline: not carried out either; a run in time is.
+    let late = dict(&[
+        ("sent_ms", Variant::from(now - 20_000)),
+        ("deadline_ms", Variant::from(now - 10_000)),
+    ]);
+    let (code, _, message) = m
+        .hook_with_options(
+            "vm2",
+            "prepare",
+            "begin",
+            "-",
+            &domain_xml("vm2", &[VF1]),
+            late,
+        )
+        .await
+        .unwrap();
+    assert_eq!(code, 1, "{message}");
+    assert!(message.contains("its hook gave up waiting"), "{message}");
+    assert!(claims_now(&h).await.is_empty());
+    let (code, _, message) = m
+        .hook_with_options(
+            "vm2",
+            "prepare",
+            "begin",
+            "-",
+            &domain_xml("vm2", &[VF1]),
+            options(vfiod::host::clock::monotonic_ms()),
+        )
+        .await
+        .unwrap();
+    assert_eq!(code, 0, "{message}");
+    assert_eq!(claims_now(&h).await.len(), 1);
+    // Half the timing, or a deadline before the send: a bad request.
+    for bad in [
+        dict(&[("sent_ms", Variant::from(now))]),
+        dict(&[
+            ("sent_ms", Variant::from(now)),
+            ("deadline_ms", Variant::from(now - 1)),
+        ]),
+    ] {
+        let (name, message) = common::refusal(
+            m.hook_with_options("vm3", "prepare", "begin", "-", &xml, bad)
+                .await,
+            "bad timing",
+        );
+        assert_eq!(name, "org.vfiod.Vfiod1.Error.InvalidArgument", "{message}");
+    }
+}
+
+/// Issue 33: a domain restarted at once (`prepare`, `release`, `prepare`) with two VFs is not
+/// refused because the clean its release started has given the VFs back but not yet ended
+/// (held open here by the `clean:given-back` test hook, a window real runs hit once in a
+/// hundred): `prepare` waits for the clean's task as for its hold.
+#[test]
+fn a_domain_restarted_at_once_waits_for_the_end_of_its_clean() {
+    let v = Vfiod::start(&[("VFIOD_TEST_PAUSE_AT", "clean:given-back")]);
+    let config = v.hook_config(None, "deadline_ms = 10000\nnotify_deadline_ms = 2000\n");
+    let xml = domain_xml("vm1", &[VF0, VF1]);
+    for op in ["prepare", "started"] {
+        let r = hook(v.bus(), &config, &["vm1", op, "begin", "-"], &xml);
+        assert_eq!(r.code, 0, "{op}: {}", r.stderr);
+    }
+    for op in ["stopped", "release"] {
+        let r = hook(v.bus(), &config, &["vm1", op, "end", "-"], &xml);
+        assert_eq!(r.code, 0, "{op}: {}", r.stderr);
+    }
+    let r = hook(v.bus(), &config, &["vm1", "prepare", "begin", "-"], &xml);
+    assert_eq!(r.code, 0, "the restart is refused: {}", r.stderr);
+    assert_eq!(v.claims().len(), 2);
+}
+
+/// Issue 33: with vfiod not answering, a start of a domain that assigns no PCI function is
+/// answered at once by the hook alone (there is nothing for vfiod to check), not at the end of
+/// the deadline (here a minute: the wait below fails first); and when vfiod's records cannot be
+/// read, the refusal of a domain with PCI functions does not call them vfiod's.
+#[test]
+fn without_an_answer_a_domain_without_pci_functions_starts_at_once() {
+    let dir = common::fast_tempdir();
+    let socket = dir.path().join("silent");
+    let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    let _keep = std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for c in listener.incoming() {
+            held.push(c);
+        }
+    });
+    let config = dir.path().join("hook.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "state_dir = \"{}\"\n[hooks]\ndeadline_ms = 60000\n",
+            dir.path().join("state").display()
+        ),
+    )
+    .unwrap();
+    let bus = format!("unix:path={}", socket.display());
+    for op in ["prepare", "start", "restore"] {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (b, c) = (bus.clone(), config.clone());
+        std::thread::spawn(move || {
+            let _ = tx.send(hook(
+                &b,
+                &c,
+                &["vm3", op, "begin", "-"],
+                &domain_xml("vm3", &[]),
+            ));
+        });
+        let r = rx
+            .recv_timeout(Duration::from_secs(30))
+            .unwrap_or_else(|_| panic!("{op}: the hook waited for vfiod"));
+        assert_eq!(r.code, 0, "{op}: {}", r.stderr);
+        assert_eq!(r.stderr, "", "{op}");
+    }
+    let short = dir.path().join("short.toml");
+    std::fs::write(
+        &short,
+        format!(
+            "state_dir = \"{}\"\n[hooks]\ndeadline_ms = 500\n",
+            dir.path().join("state").display()
+        ),
+    )
+    .unwrap();
+    let r = hook(
+        &bus,
+        &short,
+        &["vm1", "prepare", "begin", "-"],
+        &domain_xml("vm1", &[HOST_NIC]),
+    );
+    assert_eq!(r.code, 1, "{}", r.stderr);
+    assert!(
+        !r.stderr.contains("that vfiod manages") && r.stderr.contains("may manage"),
+        "a function vfiod's records do not name is not called vfiod's: {}",
+        r.stderr
+    );
+}

@@ -264,3 +264,52 @@ async fn the_migrate_job_is_refused_by_another_running_domain_and_an_open_vfio_g
     assert!(h.kernel.take_write_log().is_empty(), "nothing written");
     no_qemu(&h);
 }
+
+/// Issue 33: an attach that fails after it bound the claim's functions to vfio-pci (here
+/// libvirt knows no domain of that name, as with no libvirtd) puts each back on the driver it
+/// had, forgets the original drivers it recorded, and releases the claim: nothing on the host
+/// is left changed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_attach_puts_the_drivers_back() {
+    const GPU: &str = "0000:17:00.0";
+    const AUDIO: &str = "0000:17:00.1";
+    let dir = tempfile::tempdir().unwrap();
+    let uri = libvirt_host(dir.path(), "none.xml", &[]);
+    let h = Harness::start(&format!(
+        "libvirt_uri = \"{uri}\"\n{}",
+        common::STEADY_CONFIG
+    ))
+    .await;
+    assert_eq!(h.kernel.driver_of(addr(GPU)).as_deref(), Some("nouveau"));
+    let path = claim(&h, GPU, "ghost").await;
+    let p = ClaimProxy::builder(&h.client)
+        .path(path.clone())
+        .build()
+        .await
+        .unwrap();
+    let (name, message) = refusal(
+        p.attach("ghost", claim::attach_options(&["config"])).await,
+        "attach to a domain libvirt does not have",
+    );
+    assert_eq!(name, "org.vfiod.Vfiod1.Error.AttachFailed", "{message}");
+    assert_eq!(
+        (
+            h.kernel.driver_of(addr(GPU)),
+            h.kernel.driver_of(addr(AUDIO))
+        ),
+        (
+            Some("nouveau".to_string()),
+            Some("snd_hda_intel".to_string())
+        ),
+        "the drivers they had before the attach: {message}"
+    );
+    assert_eq!(h.kernel.driver_override_of(addr(GPU)), None);
+    assert_eq!(h.kernel.driver_override_of(addr(AUDIO)), None);
+    let store = h.store();
+    assert_eq!(store.original_driver(addr(GPU)).unwrap(), None);
+    assert_eq!(store.original_driver(addr(AUDIO)).unwrap(), None);
+    assert!(
+        store.active_claim_records().unwrap().is_empty(),
+        "the claim is released"
+    );
+}

@@ -1,7 +1,8 @@
 //! The attach job: a claim's functions onto `vfio-pci` (vfiod owns the binding), then into a
 //! libvirt domain as `<hostdev managed='no'>`, live and/or in its configuration, and the guest
-//! address read back. A failure takes back what was attached and releases the claim (the rule:
-//! a failed attach gives the device back), with libvirt's message.
+//! address read back. A failure takes back what was attached, puts the functions back on the
+//! drivers they had, and releases the claim (the rule: a failed attach gives the device back, as
+//! it was), with libvirt's message.
 
 use super::guard;
 use crate::claim::lifecycle::{self, Affect, Step};
@@ -28,7 +29,9 @@ pub struct AttachJob {
     claim: ClaimRecord,
     domain: String,
     flags: Vec<String>,
-    /// What run did, for the rollback: the domain, what it changed, the aliases attached.
+    /// What run did, for the rollback: the drivers it changed, the domain, what it changed,
+    /// the aliases attached.
+    bound: Bound,
     done: Option<(DomainInfo, Affect)>,
     attached: Vec<String>,
     /// Why run failed, for the claim's release.
@@ -42,6 +45,7 @@ impl AttachJob {
             claim,
             domain: domain.to_string(),
             flags,
+            bound: Bound::default(),
             done: None,
             attached: Vec::new(),
             failure: None,
@@ -85,12 +89,30 @@ pub(super) fn libvirt_message(e: &LibvirtError) -> String {
     crate::error_chain(e)
 }
 
+/// What [`bind_to_vfio`] changed, so that [`give_back`] can undo it: the functions' bindings
+/// before its first write, and those whose original driver it recorded.
+#[derive(Clone, Debug, Default)]
+pub struct Bound {
+    before: Vec<plan::Binding>,
+    recorded: Vec<PciAddress>,
+}
+
+impl Bound {
+    /// Whether anything was (or may have been) written.
+    pub fn is_empty(&self) -> bool {
+        self.before.is_empty()
+    }
+}
+
 /// Binds `functions` (of `device`) to vfio-pci where they are not, remembering the drivers they
 /// had so that a restore can return them. `progress(done, total, step)` follows the writes.
+/// `bound` learns what it is about to change before the first write, so that even a bind that
+/// fails half-way can be given back.
 pub fn bind_to_vfio(
     cx: &JobContext,
     device: PciAddress,
     functions: &[PciAddress],
+    bound: &mut Bound,
     progress: &mut dyn FnMut(usize, usize, &str),
 ) -> Result<(), String> {
     let mut bindings = Vec::new();
@@ -109,17 +131,67 @@ pub fn bind_to_vfio(
         return Ok(());
     }
     cx.modules.ensure_loaded(&cx.sysfs, VFIO_PCI)?;
+    bound.before = bindings.clone();
     for b in &bindings {
-        if b.driver.as_deref() != Some(VFIO_PCI) {
-            cx.store
+        if b.driver.as_deref() != Some(VFIO_PCI)
+            && cx
+                .store
                 .remember_original_driver(b.address, b.driver.as_deref())
-                .map_err(|e| crate::error_chain(&e))?;
+                .map_err(|e| crate::error_chain(&e))?
+        {
+            bound.recorded.push(b.address);
         }
     }
     convert::run(&cx.sysfs, &bind, &mut |done, total, step| {
         progress(done, total, &step.to_string())
     })
     .map_err(|e| format!("cannot bind to vfio-pci: {}", crate::error_chain(&e)))
+}
+
+/// Undoes a [`bind_to_vfio`]: each function back on the driver (and override) it had, and the
+/// original drivers it recorded forgotten again. Returns the functions it moved.
+pub fn give_back(
+    cx: &JobContext,
+    device: PciAddress,
+    bound: &Bound,
+) -> Result<Vec<PciAddress>, String> {
+    if bound.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut now = Vec::new();
+    for b in &bound.before {
+        match convert::binding(&cx.sysfs, b.address) {
+            Ok(n) => now.push(n),
+            // Gone meanwhile: nothing to give back.
+            Err(e) if e.is_not_found() => {}
+            Err(e) => {
+                return Err(format!(
+                    "cannot read {}: {}",
+                    b.address,
+                    crate::error_chain(&e)
+                ))
+            }
+        }
+    }
+    let back = plan::give_back(device, &bound.before, &now);
+    let moved: Vec<PciAddress> = bound
+        .before
+        .iter()
+        .filter(|b| now.iter().any(|n| n.address == b.address && n != *b))
+        .map(|b| b.address)
+        .collect();
+    convert::run(&cx.sysfs, &back, &mut |_, _, _| {}).map_err(|e| {
+        format!(
+            "cannot put back the drivers it had: {}",
+            crate::error_chain(&e)
+        )
+    })?;
+    for a in &bound.recorded {
+        cx.store
+            .forget_original_driver(*a)
+            .map_err(|e| crate::error_chain(&e))?;
+    }
+    Ok(moved)
 }
 
 impl Job for AttachJob {
@@ -216,6 +288,7 @@ impl Job for AttachJob {
             cx,
             self.claim.address,
             &functions,
+            &mut self.bound,
             &mut |done, total, step| progress.step(done, total, step),
         ) {
             return Err(self.fail(e));
@@ -320,6 +393,10 @@ impl Job for AttachJob {
                 left.join("; ")
             )));
         }
+        // No domain has them now: back on the drivers they had before this attach.
+        let given_back = give_back(cx, self.claim.address, &self.bound).map_err(|e| {
+            JobFailure::new(format!("{e}; the claim is kept, and the task in error"))
+        })?;
         let why = self
             .failure
             .clone()
@@ -338,11 +415,17 @@ impl Job for AttachJob {
                 )
                 .map_err(|e| JobFailure::from_error(&e))?;
         }
+        let drivers = if given_back.is_empty() {
+            String::new()
+        } else {
+            let list: Vec<String> = given_back.iter().map(|a| a.to_string()).collect();
+            format!("put {} back on their drivers, ", list.join(", "))
+        };
         Ok(if undone.is_empty() {
-            format!("released claim {}", self.claim.id)
+            format!("{drivers}released claim {}", self.claim.id)
         } else {
             format!(
-                "detached {} again and released claim {}",
+                "detached {} again, {drivers}released claim {}",
                 undone.join(", "),
                 self.claim.id
             )

@@ -110,6 +110,21 @@ impl CleanJob {
     }
 }
 
+/// Those of `functions` still held for a clean to come, in their order.
+fn still_held(cx: &JobContext, functions: &[PciAddress]) -> Result<Vec<PciAddress>, JobError> {
+    let mut held = Vec::new();
+    for &a in functions {
+        if cx
+            .store
+            .clean_hold(a)?
+            .is_some_and(|h| h.state == crate::model::clean::HoldState::Pending)
+        {
+            held.push(a);
+        }
+    }
+    Ok(held)
+}
+
 /// The words of `argv` with `{address}` and `{group}` replaced.
 pub fn command_words(argv: &[String], address: PciAddress, group: Option<u32>) -> Vec<String> {
     let group = group.map(|g| g.to_string()).unwrap_or_default();
@@ -180,6 +195,20 @@ impl Job for CleanJob {
         if !device.managed {
             return Err(JobError::NotManaged(self.address));
         }
+        if matches!(self.why, Why::ClaimEnded(_) | Why::Held) {
+            // The cleaner read the holds a moment ago: a clean that ended since then may have
+            // given these functions back already, and they may be another VM's by now.
+            self.functions = still_held(cx, &self.functions)?;
+            match self.functions.first() {
+                Some(first) => self.address = *first,
+                None => {
+                    return Err(JobError::Invalid {
+                        address: self.address,
+                        reason: "no longer held for a clean: its clean is done".into(),
+                    })
+                }
+            }
+        }
         if let Why::Operator(_) = self.why {
             // The device and its IOMMU group-mates: a reset may reach them all, and they go to
             // a VM together.
@@ -210,6 +239,16 @@ impl Job for CleanJob {
     }
 
     fn prepare(&mut self, cx: &JobContext) -> Result<TaskKind, JobError> {
+        // Inside the task, which now holds the functions: what admit saw still holds, or the
+        // clean it raced with has given them back (then this one does nothing).
+        if matches!(self.why, Why::ClaimEnded(_) | Why::Held)
+            && still_held(cx, &self.functions)?.is_empty()
+        {
+            return Err(JobError::Invalid {
+                address: self.address,
+                reason: "no longer held for a clean: its clean is done".into(),
+            });
+        }
         let settings = &cx.settings;
         let primary = self.device(cx, self.address)?;
         let rule = settings.clean_rule(
@@ -458,6 +497,7 @@ impl Job for CleanJob {
         cx.store
             .clean_finished(&outcome)
             .map_err(|e| JobFailure::from_error(&e))?;
+        super::pause_point("clean:given-back");
         let text = summary(
             &outcome,
             command_output.as_deref(),

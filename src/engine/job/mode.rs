@@ -120,8 +120,8 @@ impl Job for ModeJob {
             }
         };
         // The task holds the endpoints of the device's IOMMU group (a GPU's task moves its
-        // audio function). A PF's VFs need no entry: they cannot have tasks of their own, and the
-        // store finds a VF's blocking task through its PF.
+        // audio function). A PF's VFs need no entry: the store keeps a PF's task and its VFs'
+        // (a clean) from running at once through the inventory's record of which PF a VF has.
         let scope = match device.iommu_group {
             Some(g) => cx
                 .store
