@@ -170,6 +170,24 @@ impl Host {
         d.0.wait().unwrap();
     }
 
+    /// Waits until a VF can be claimed (`vfioctl find --vf` lists one).
+    fn wait_claimable(&self, what: &str) {
+        let deadline = std::time::Instant::now() + SLOW;
+        while !self
+            .ctl(&["find", "--vf"])
+            .1
+            .lines()
+            .any(|l| l.starts_with("0000:3b:"))
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{what}: no VF claimable within {SLOW:?}:\n{}",
+                self.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     fn wal_len(&self) -> u64 {
         std::fs::metadata(self.wal()).map(|m| m.len()).unwrap_or(0)
     }
@@ -275,6 +293,11 @@ fn a_damaged_log_after_a_kill_is_refused_or_loses_nothing() {
                     events.contains("--accept-store-loss"),
                     "{what}: no store event: {events}"
                 );
+                // The store went back to a moment before the lost changes: a split that had
+                // ended may be running there, and is interrupted now (the devices in
+                // error). The operator looks and resets it; then VFs can be claimed again.
+                let _ = host.ctl(&["task", "reset", "0000:3b:00.0"]);
+                host.wait_claimable(what);
                 // What it holds is what the next acknowledgements build on.
                 acknowledged = host.claims();
                 d
