@@ -65,6 +65,12 @@ struct Args {
     /// store (the daemon refuses to start on one: it is a database that lost its content).
     #[arg(long, conflicts_with_all = ["simulate", "check_config"])]
     init_state: bool,
+    /// Start although the state database lacks changes vfiod acknowledged (its write-ahead
+    /// log was damaged or removed, or an older copy was restored), going on with what it
+    /// holds. Without it vfiod refuses to start on such a database and says what is missing.
+    /// The loss is logged and recorded as a `store` event.
+    #[arg(long, conflicts_with_all = ["init_state", "check_config"])]
+    accept_store_loss: bool,
     /// The pooled demo's old place: it is `cargo run --release --example pool-demo` now (it
     /// runs the reference pool service, which vfiod no longer links). Says so and exits 2.
     // Hidden, and only for one release: for someone who learnt the old command.
@@ -114,7 +120,12 @@ fn daemon_man_sections() -> String {
          .TP\n\\fB/etc/vfiod/vfiod.toml\\fR, \\fB{dropins}/*.toml\\fR\n\
          The configuration, see \\fBvfiod.toml\\fR(5).\n\
          .TP\n\\fB/var/lib/vfiod/vfiod.db\\fR\n\
-         The state database (claims, tasks, history), under the configuration's state_dir.\n\
+         The state database (claims, tasks, history), under the configuration's state_dir; its \
+         write\\-ahead log \\fBvfiod.db\\-wal\\fR is emptied into it at a clean stop.\n\
+         .TP\n\\fB/var/lib/vfiod/vfiod.acknowledged\\fR\n\
+         The last change vfiod acknowledged, written after each commit: a database found behind \
+         it at start lost acknowledged changes, and vfiod refuses to start (see \
+         \\fB\\-\\-accept\\-store\\-loss\\fR).\n\
          .SH ENVIRONMENT\n\
          .TP\n\\fBVFIOD_LOG\\fR\n\
          The log filter: a level (\\fBdebug\\fR), or levels per target (\\fBvfiod=debug,zbus=warn\\fR); default \\fBinfo\\fR.\n\
@@ -246,8 +257,29 @@ async fn run(args: Args) -> Result<ExitCode, String> {
         Authorizer::Polkit,
         false,
         None,
+        args.accept_store_loss,
     )
     .await
+}
+
+/// `--accept-store-loss`: the store opened as it is, under the state lock, a loss it finds
+/// logged and recorded, and its acknowledged mark started again; the daemon then starts on it.
+fn accept_loss(dir: &std::path::Path) -> Result<(), String> {
+    let _lock = vfiod::store::lock::StateDirLock::acquire(dir).map_err(|e| error_chain(&e))?;
+    let (store, loss) =
+        vfiod::store::Store::open_accepting_loss(dir).map_err(|e| error_chain(&e))?;
+    match loss {
+        // Store::open_accepting_loss logged it, with what is missing.
+        Some(_) => tracing::warn!(
+            "starting on {} with the loss accepted (--accept-store-loss)",
+            store.path().display()
+        ),
+        None => tracing::info!(
+            "--accept-store-loss: {} lacks nothing vfiod acknowledged; nothing to accept",
+            store.path().display()
+        ),
+    }
+    Ok(())
 }
 
 /// `--init-state`: the store created (or an empty file taken as a new one), under the state
@@ -413,7 +445,11 @@ async fn serve(
     authorizer: Authorizer,
     simulated: bool,
     on_ready: Option<ReadyHook>,
+    accept_store_loss: bool,
 ) -> Result<ExitCode, String> {
+    if accept_store_loss {
+        accept_loss(&settings.state_dir)?;
+    }
     // Handlers first: a SIGTERM during start-up (a reconcile waiting on a slow device) ends vfiod
     // too, instead of the default action killing it between two writes.
     let shutdown = shutdown_signal();
@@ -668,6 +704,7 @@ async fn run_simulation(
         Authorizer::SameUser,
         true,
         Some(on_ready),
+        args.accept_store_loss,
     )
     .await;
     drop(bus_guard);

@@ -36,10 +36,13 @@ pub enum EventKind {
     /// Cleaning between tenants: a function held for a clean, cleaned and back in the pool,
     /// quarantined, or released from quarantine.
     Clean,
+    /// The state store: vfiod started on a database that lacks changes it acknowledged, as the
+    /// operator accepted (`vfiod --accept-store-loss`).
+    Store,
 }
 
 text_enum!(EventKind as "event kind",
     Added => "added", Removed => "removed", Changed => "changed", Broken => "broken",
     Recovered => "recovered", Protected => "protected", Unprotected => "unprotected",
     Config => "config", Aer => "aer", Task => "task", Claim => "claim", Image => "image", Pool => "pool",
-    Clean => "clean");
+    Clean => "clean", Store => "store");

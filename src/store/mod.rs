@@ -10,12 +10,17 @@
 //! `spawn_blocking`. One connection behind a mutex serves the whole daemon: vfiod is the only
 //! writer, SQLite serialises writers anyway, and one connection keeps the per-connection settings
 //! (`synchronous`, `foreign_keys`, `busy_timeout`) in one place.
+//!
+//! What keeps the database whole when its write-ahead log is not (checkpoints, the log watch,
+//! the acknowledged mark that makes a lost change an error at the next start) is
+//! [`integrity`]'s.
 
 mod claim;
 mod clean;
 mod device_row;
 mod event_feed;
 pub mod image;
+pub mod integrity;
 pub mod lock;
 mod schema;
 mod original_drivers;
@@ -26,6 +31,7 @@ mod task;
 pub use claim::{ClaimChange, ClaimDetails, ClaimRecord};
 pub use clean::{CleanOutcome, CleanPolicy, FunctionClean};
 pub use image::{ImageError, ImageRecord, ImageState, NewImage};
+pub use integrity::{Loss, Mark, ACK_FILE_NAME};
 pub use pool::{NewPooled, PooledStep};
 pub use task::{TaskRecord, REFUSED_BY};
 pub use task_state::TaskState;
@@ -34,6 +40,7 @@ use crate::model::device::{Device, State};
 use crate::model::event::EventKind;
 use crate::model::pci::PciAddress;
 use device_row::{DecodeError, Fields};
+use rusqlite::config::DbConfig;
 use rusqlite::{params, Connection, ErrorCode, TransactionBehavior};
 use serde::Serialize;
 use std::fs::DirBuilder;
@@ -51,6 +58,15 @@ const _: () = assert!(
 
 /// File name of the database inside the state directory.
 pub const DB_FILE_NAME: &str = "vfiod.db";
+
+/// Pages (4 KiB each) the write-ahead log may hold before a commit copies them into the main
+/// file (SQLite's automatic PASSIVE checkpoint; its default is 1,000). Changes wait in the log
+/// for at most about a megabyte: the log is where a damaged file loses them.
+pub const WAL_CHECKPOINT_PAGES: i64 = 256;
+
+/// Bytes the log file is cut back to when a checkpoint lets it start over: a burst that grew
+/// it (a checkpoint held back by a reader) does not leave a large file behind.
+const WAL_SIZE_LIMIT: i64 = 4 << 20;
 
 /// How long a statement waits for another process's lock (a `sqlite3` shell, a backup, a second
 /// vfiod that is starting) before failing with "database is locked".
@@ -71,7 +87,11 @@ pub enum StoreError {
         #[source]
         source: rusqlite::Error,
     },
-    #[error("state database {} is not an SQLite database, or is corrupt", .path.display())]
+    #[error(
+        "state database {} is not an SQLite database, or is corrupt; refusing to use it: \
+         restore it from a backup",
+        .path.display()
+    )]
     NotADatabase {
         path: PathBuf,
         #[source]
@@ -112,6 +132,44 @@ pub enum StoreError {
         version: u32,
         #[source]
         source: rusqlite::Error,
+    },
+    /// The database is behind what vfiod acknowledged (its mark in `vfiod.acknowledged`):
+    /// recovery dropped committed changes (a write-ahead log damaged, cut short, or removed
+    /// while vfiod ran), or the file was replaced by an older copy.
+    #[error(
+        "state database {} lacks changes vfiod acknowledged (recorded in {}): {}; its \
+         write-ahead log ({}-wal) was damaged, cut short or removed, or the file was replaced \
+         by an older copy. Refusing to start on it: restore vfiod.db from a backup (with its \
+         -wal file), or start once with `vfiod --accept-store-loss` to go on with what it \
+         holds (the loss is recorded as an event)",
+        .path.display(), .ack_path.display(), .loss.describe(), .path.display()
+    )]
+    Lost {
+        path: PathBuf,
+        ack_path: PathBuf,
+        /// Boxed: a `Result<_, StoreError>` stays small.
+        loss: Box<Loss>,
+    },
+    /// The database file is gone, but vfiod acknowledged changes to it: a first start would
+    /// forget them.
+    #[error(
+        "state database {} is missing, but vfiod acknowledged changes to it (recorded in {}): \
+         {}. Refusing to start with a new, empty store: restore vfiod.db from a backup, or \
+         start once with `vfiod --accept-store-loss` (or run `vfiod --init-state`) to start \
+         afresh",
+        .path.display(), .ack_path.display(), .loss.describe()
+    )]
+    Missing {
+        path: PathBuf,
+        ack_path: PathBuf,
+        /// Boxed: a `Result<_, StoreError>` stays small.
+        loss: Box<Loss>,
+    },
+    #[error("cannot read or write the acknowledged mark {}", .path.display())]
+    AckFile {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
     },
     #[error("state database {}: cannot {action}", .path.display())]
     Sqlite {
@@ -195,6 +253,14 @@ pub enum StoreError {
 enum Existing {
     Refuse,
     Initialize,
+}
+
+/// What [`Store::open_with`] does with a database behind the acknowledged mark.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Behind {
+    Refuse,
+    /// The operator accepts the loss (`vfiod --accept-store-loss`): an event records it.
+    Accept,
 }
 
 /// One entry of the history, as stored.
@@ -290,6 +356,9 @@ pub struct Store {
     split_policy: Mutex<crate::claim::SplitPolicy>,
     /// Woken when a write held functions for a clean: the engine's cleaner starts their tasks.
     clean_wanted: std::sync::Arc<tokio::sync::Notify>,
+    /// The checks after each use of the connection: the log watch, the acknowledged mark.
+    /// Locked only while `conn` is held.
+    integrity: Mutex<integrity::Tracker>,
 }
 
 /// The functions the configuration selected, as the daemon last recorded them, read without a
@@ -321,20 +390,33 @@ impl Store {
     /// Opens `<state_dir>/vfiod.db`, creating the directory (mode 0700) and the database if
     /// missing, and migrates it to [`SCHEMA_VERSION`].
     ///
-    /// Refuses, without modifying it, a file that is not SQLite, another program's database, or a
-    /// vfiod database newer than this build: an older vfiod must never "downgrade" state it does
-    /// not understand.
+    /// Refuses, without modifying it, a file that is not SQLite, another program's database, a
+    /// vfiod database newer than this build (an older vfiod must never "downgrade" state it does
+    /// not understand), a damaged one, and one that lacks changes vfiod acknowledged
+    /// ([`StoreError::Lost`], [`StoreError::Missing`]; see [`integrity`]).
     pub fn open(state_dir: &Path) -> Result<Store, StoreError> {
-        Self::open_with(state_dir, Existing::Refuse)
+        Self::open_with(state_dir, Existing::Refuse, Behind::Refuse).map(|(store, _)| store)
     }
 
     /// As [`Store::open`], and an empty database file is taken as a new store (`vfiod
-    /// --init-state`): the operator says it is not a database that lost its content.
+    /// --init-state`): the operator says it is not a database that lost its content. A new
+    /// store (the file was missing or empty) starts a new acknowledged mark.
     pub fn init(state_dir: &Path) -> Result<Store, StoreError> {
-        Self::open_with(state_dir, Existing::Initialize)
+        Self::open_with(state_dir, Existing::Initialize, Behind::Refuse).map(|(store, _)| store)
     }
 
-    fn open_with(state_dir: &Path, empty: Existing) -> Result<Store, StoreError> {
+    /// As [`Store::open`], and a database behind the acknowledged mark is used as it is (`vfiod
+    /// --accept-store-loss`): the loss is logged, recorded as a `store` event, and the mark
+    /// starts again from what the database holds. Returns the loss accepted, if there was one.
+    pub fn open_accepting_loss(state_dir: &Path) -> Result<(Store, Option<Loss>), StoreError> {
+        Self::open_with(state_dir, Existing::Refuse, Behind::Accept)
+    }
+
+    fn open_with(
+        state_dir: &Path,
+        empty: Existing,
+        behind: Behind,
+    ) -> Result<(Store, Option<Loss>), StoreError> {
         // An existing directory keeps its mode: systemd's StateDirectory= or the packager chose it.
         DirBuilder::new()
             .recursive(true)
@@ -345,16 +427,45 @@ impl Store {
                 source,
             })?;
         let path = state_dir.join(DB_FILE_NAME);
+        let ack_path = state_dir.join(ACK_FILE_NAME);
+        let ack_error = {
+            let path = ack_path.clone();
+            move |source| StoreError::AckFile {
+                path: path.clone(),
+                source,
+            }
+        };
+        // What vfiod acknowledged before this start, read before anything is created.
+        let recorded = integrity::read_ack(&ack_path).map_err(&ack_error)?;
         // Whether a file was there before SQLite opens (and so creates) it: a new store only
         // where there was none. Any other failure to look is SQLite's to report.
         let existed = !matches!(
             std::fs::symlink_metadata(&path),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound
         );
+        // A new store where one was acknowledged: refused before the file is created.
+        let mut accepted = None;
+        if !existed && empty == Existing::Refuse {
+            if let Some(loss) = integrity::loss(Mark::EMPTY, recorded.mark()) {
+                if behind == Behind::Refuse {
+                    return Err(StoreError::Missing {
+                        path,
+                        ack_path,
+                        loss: Box::new(loss),
+                    });
+                }
+                accepted = Some(loss);
+            }
+        }
         let mut conn = Connection::open(&path).map_err(|source| StoreError::Open {
             path: path.clone(),
             source,
         })?;
+        // A refused database stays as it was, its log included: SQLite's checkpoint when the
+        // last connection closes would copy a damaged log's intact frames into the file and
+        // delete the log, the evidence of what was lost. Back on once the store is open.
+        conn.set_db_config(DbConfig::SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, true)
+            .map_err(|source| open_error(&path, source))?;
         // Before the first read, so that even that read waits for another process's lock. The
         // pragma, not `Connection::busy_timeout`: rusqlite's method also calls
         // sqlite3_set_clientdata, which needs SQLite 3.44 and does not link against the 3.40 of
@@ -366,7 +477,19 @@ impl Store {
         let found = schema::user_version(&conn).map_err(|source| open_error(&path, source))?;
         check_identity(&conn, &path, found)?;
         if existed && found == 0 && empty == Existing::Refuse {
-            return Err(StoreError::Empty { path });
+            // An empty file where changes were acknowledged: say what is missing.
+            match integrity::loss(Mark::EMPTY, recorded.mark()) {
+                None => return Err(StoreError::Empty { path }),
+                Some(loss) if behind == Behind::Refuse => {
+                    return Err(StoreError::Lost {
+                        path,
+                        ack_path,
+                        loss: Box::new(loss),
+                    })
+                }
+                // Accepted: the empty file becomes a new store.
+                Some(loss) => accepted = Some(loss),
+            }
         }
         if found > 0 {
             // Before anything writes: a damaged file stays as it was for whoever repairs it. It
@@ -380,6 +503,18 @@ impl Store {
                     detail: verdict,
                 });
             }
+            // Whole, but is it all there? Also before anything writes.
+            let held = integrity::read_mark(&conn).map_err(|source| open_error(&path, source))?;
+            if let Some(loss) = integrity::loss(held, recorded.mark()) {
+                if behind == Behind::Refuse {
+                    return Err(StoreError::Lost {
+                        path,
+                        ack_path,
+                        loss: Box::new(loss),
+                    });
+                }
+                accepted = Some(loss);
+            }
         }
 
         // WAL: readers (vfioctl, a backup) do not block the daemon's writes. It is a property
@@ -391,11 +526,7 @@ impl Store {
         if !mode.eq_ignore_ascii_case("wal") {
             tracing::warn!(path = %path.display(), %mode, "state database is not in WAL mode");
         }
-        // FULL, not WAL's usual NORMAL: NORMAL may lose the last commits on power loss, and a
-        // D-Bus reply promises that its change is on disk. Both pragmas are per connection.
-        conn.pragma_update(None, "synchronous", "FULL")
-            .and_then(|()| conn.pragma_update(None, "foreign_keys", true))
-            .map_err(|source| open_error(&path, source))?;
+        configure(&conn).map_err(|source| open_error(&path, source))?;
 
         let (before, after) =
             schema::migrate(&mut conn, schema::MIGRATIONS).map_err(|e| StoreError::Migration {
@@ -406,14 +537,70 @@ impl Store {
         if before != after {
             tracing::info!(path = %path.display(), from = before, to = after, "migrated state database");
         }
-        Ok(Store {
-            conn: Mutex::new(conn),
-            path,
-            events: tokio::sync::watch::channel(0).0,
-            clean_policy: Mutex::new(clean::CleanPolicy::none()),
-            split_policy: Mutex::new(crate::claim::SplitPolicy::none()),
-            clean_wanted: std::sync::Arc::default(),
-        })
+        let sqlite = |action, source| StoreError::Sqlite {
+            path: path.clone(),
+            action,
+            source,
+        };
+        if let Some(loss) = &accepted {
+            let message = format!(
+                "vfiod started on a state database that lacks changes it acknowledged, as the \
+                 operator accepted (--accept-store-loss): {}",
+                loss.describe()
+            );
+            tracing::error!(path = %path.display(), "{message}");
+            insert_event(
+                &conn,
+                &NewEvent::new(None, EventKind::Store, message),
+                now_ms(),
+            )
+            .map_err(|e| sqlite("record the accepted loss", e))?;
+        }
+        let mark = integrity::read_mark(&conn).map_err(|e| sqlite("read the change counter", e))?;
+        let ack = integrity::AckFile::open(&ack_path).map_err(&ack_error)?;
+        let new_store = !existed || found == 0;
+        match recorded {
+            // A new mark: a first start, a new store on purpose, a loss accepted, a file that
+            // held no intact mark.
+            integrity::Recorded::None | integrity::Recorded::Unreadable => {
+                if recorded == integrity::Recorded::Unreadable {
+                    tracing::warn!(
+                        "{} holds no intact mark; the store could not be checked against what \
+                         vfiod acknowledged, and a new mark starts now",
+                        ack_path.display()
+                    );
+                }
+                ack.reset(&mark).map_err(&ack_error)?;
+            }
+            integrity::Recorded::Mark(_) if accepted.is_some() || new_store => {
+                ack.reset(&mark).map_err(&ack_error)?;
+            }
+            integrity::Recorded::Mark(_) => ack.record(&mark).map_err(&ack_error)?,
+        }
+        conn.set_db_config(DbConfig::SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, false)
+            .map_err(|e| sqlite("set the checkpoint on close", e))?;
+        let integrity = integrity::Tracker::new(&path, ack, mark);
+        Ok((
+            Store {
+                conn: Mutex::new(conn),
+                path,
+                events: tokio::sync::watch::channel(0).0,
+                clean_policy: Mutex::new(clean::CleanPolicy::none()),
+                split_policy: Mutex::new(crate::claim::SplitPolicy::none()),
+                clean_wanted: std::sync::Arc::default(),
+                integrity: Mutex::new(integrity),
+            },
+            accepted,
+        ))
+    }
+
+    /// Copies every change in the write-ahead log into the main file and empties the log
+    /// (`wal_checkpoint(TRUNCATE)`): at a clean stop, so that `vfiod.db` alone holds the whole
+    /// store. Waits up to the busy timeout for another process's reader; returns whether the
+    /// log could be emptied (a reader that stays keeps its frames there, which are safe).
+    pub fn checkpoint(&self) -> Result<bool, StoreError> {
+        let conn = self.lock();
+        integrity::checkpoint(&conn).map_err(|e| self.sqlite("checkpoint the write-ahead log", e))
     }
 
     /// A receiver that changes after a write that may have added events: read the events
@@ -762,6 +949,7 @@ impl Store {
         event_feed::Guard::new(
             self.conn.lock().unwrap_or_else(PoisonError::into_inner),
             &self.events,
+            &self.integrity,
         )
     }
 
@@ -782,6 +970,18 @@ impl Store {
             source: e.source,
         }
     }
+}
+
+/// The per-connection settings, at open and wherever the connection is set up again.
+fn configure(conn: &Connection) -> rusqlite::Result<()> {
+    // FULL, not WAL's usual NORMAL: NORMAL may lose the last commits on power loss, and a
+    // D-Bus reply promises that its change is on disk.
+    conn.pragma_update(None, "synchronous", "FULL")?;
+    conn.pragma_update(None, "foreign_keys", true)?;
+    // Checkpoints as the log grows, and a log file cut back after one (see integrity).
+    conn.pragma_update(None, "wal_autocheckpoint", WAL_CHECKPOINT_PAGES)?;
+    conn.pragma_update(None, "journal_size_limit", WAL_SIZE_LIMIT)?;
+    Ok(())
 }
 
 /// Maps an error of the opening sequence, telling a file that is not a database apart.

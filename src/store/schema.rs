@@ -26,6 +26,7 @@ pub(super) const MIGRATIONS: &[&str] = &[
     V6_IMAGE_SOURCE,
     V7_POOLED,
     V8_CLEANING,
+    V9_CHANGE_COUNTER,
 ];
 
 /// Version 1: the inventory, its history, and the tables claims, tasks and driver restore will
@@ -293,6 +294,85 @@ CREATE TABLE reset_health (
     failures_in_row INTEGER NOT NULL DEFAULT 0 CHECK (failures_in_row >= 0),
     cleans          INTEGER NOT NULL DEFAULT 0 CHECK (cleans >= 0)
 );
+";
+
+/// Version 9: the change counter (src/store/integrity.rs). Every row inserted, updated or
+/// deleted in any table bumps it, in the change's own transaction, by these triggers; after each
+/// commit vfiod writes it to `vfiod.acknowledged`, and a database found behind that mark at the
+/// next start lost acknowledged changes. A table added later gets the same three triggers
+/// (`tests/library/store_integrity.rs` fails otherwise).
+const V9_CHANGE_COUNTER: &str = "
+CREATE TABLE change_counter (
+    id      INTEGER PRIMARY KEY CHECK (id = 1),
+    changes INTEGER NOT NULL CHECK (changes >= 0)
+);
+INSERT INTO change_counter (id, changes) VALUES (1, 0);
+CREATE TRIGGER devices_counted_insert AFTER INSERT ON devices
+    BEGIN UPDATE change_counter SET changes = changes + 1; END;
+CREATE TRIGGER devices_counted_update AFTER UPDATE ON devices
+    BEGIN UPDATE change_counter SET changes = changes + 1; END;
+CREATE TRIGGER devices_counted_delete AFTER DELETE ON devices
+    BEGIN UPDATE change_counter SET changes = changes + 1; END;
+CREATE TRIGGER events_counted_insert AFTER INSERT ON events
+    BEGIN UPDATE change_counter SET changes = changes + 1; END;
+CREATE TRIGGER events_counted_update AFTER UPDATE ON events
+    BEGIN UPDATE change_counter SET changes = changes + 1; END;
+CREATE TRIGGER events_counted_delete AFTER DELETE ON events
+    BEGIN UPDATE change_counter SET changes = changes + 1; END;
+CREATE TRIGGER claims_counted_insert AFTER INSERT ON claims
+    BEGIN UPDATE change_counter SET changes = changes + 1; END;
+CREATE TRIGGER claims_counted_update AFTER UPDATE ON claims
+    BEGIN UPDATE change_counter SET changes = changes + 1; END;
+CREATE TRIGGER claims_counted_delete AFTER DELETE ON claims
+    BEGIN UPDATE change_counter SET changes = changes + 1; END;
+CREATE TRIGGER tasks_counted_insert AFTER INSERT ON tasks
+    BEGIN UPDATE change_counter SET changes = changes + 1; END;
+CREATE TRIGGER tasks_counted_update AFTER UPDATE ON tasks
+    BEGIN UPDATE change_counter SET changes = changes + 1; END;
+CREATE TRIGGER tasks_counted_delete AFTER DELETE ON tasks
+    BEGIN UPDATE change_counter SET changes = changes + 1; END;
+CREATE TRIGGER original_drivers_counted_insert AFTER INSERT ON original_drivers
+    BEGIN UPDATE change_counter SET changes = changes + 1; END;
+CREATE TRIGGER original_drivers_counted_update AFTER UPDATE ON original_drivers
+    BEGIN UPDATE change_counter SET changes = changes + 1; END;
+CREATE TRIGGER original_drivers_counted_delete AFTER DELETE ON original_drivers
+    BEGIN UPDATE change_counter SET changes = changes + 1; END;
+CREATE TRIGGER task_scope_counted_insert AFTER INSERT ON task_scope
+    BEGIN UPDATE change_counter SET changes = changes + 1; END;
+CREATE TRIGGER task_scope_counted_update AFTER UPDATE ON task_scope
+    BEGIN UPDATE change_counter SET changes = changes + 1; END;
+CREATE TRIGGER task_scope_counted_delete AFTER DELETE ON task_scope
+    BEGIN UPDATE change_counter SET changes = changes + 1; END;
+CREATE TRIGGER claim_functions_counted_insert AFTER INSERT ON claim_functions
+    BEGIN UPDATE change_counter SET changes = changes + 1; END;
+CREATE TRIGGER claim_functions_counted_update AFTER UPDATE ON claim_functions
+    BEGIN UPDATE change_counter SET changes = changes + 1; END;
+CREATE TRIGGER claim_functions_counted_delete AFTER DELETE ON claim_functions
+    BEGIN UPDATE change_counter SET changes = changes + 1; END;
+CREATE TRIGGER images_counted_insert AFTER INSERT ON images
+    BEGIN UPDATE change_counter SET changes = changes + 1; END;
+CREATE TRIGGER images_counted_update AFTER UPDATE ON images
+    BEGIN UPDATE change_counter SET changes = changes + 1; END;
+CREATE TRIGGER images_counted_delete AFTER DELETE ON images
+    BEGIN UPDATE change_counter SET changes = changes + 1; END;
+CREATE TRIGGER pooled_claims_counted_insert AFTER INSERT ON pooled_claims
+    BEGIN UPDATE change_counter SET changes = changes + 1; END;
+CREATE TRIGGER pooled_claims_counted_update AFTER UPDATE ON pooled_claims
+    BEGIN UPDATE change_counter SET changes = changes + 1; END;
+CREATE TRIGGER pooled_claims_counted_delete AFTER DELETE ON pooled_claims
+    BEGIN UPDATE change_counter SET changes = changes + 1; END;
+CREATE TRIGGER cleaning_counted_insert AFTER INSERT ON cleaning
+    BEGIN UPDATE change_counter SET changes = changes + 1; END;
+CREATE TRIGGER cleaning_counted_update AFTER UPDATE ON cleaning
+    BEGIN UPDATE change_counter SET changes = changes + 1; END;
+CREATE TRIGGER cleaning_counted_delete AFTER DELETE ON cleaning
+    BEGIN UPDATE change_counter SET changes = changes + 1; END;
+CREATE TRIGGER reset_health_counted_insert AFTER INSERT ON reset_health
+    BEGIN UPDATE change_counter SET changes = changes + 1; END;
+CREATE TRIGGER reset_health_counted_update AFTER UPDATE ON reset_health
+    BEGIN UPDATE change_counter SET changes = changes + 1; END;
+CREATE TRIGGER reset_health_counted_delete AFTER DELETE ON reset_health
+    BEGIN UPDATE change_counter SET changes = changes + 1; END;
 ";
 
 /// Why [`migrate`] stopped: the step that failed (1-based target version) and SQLite's error.

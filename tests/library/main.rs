@@ -24,4 +24,5 @@ mod store;
 mod store_claims;
 mod store_clean;
 mod store_empty;
+mod store_integrity;
 mod store_tasks;

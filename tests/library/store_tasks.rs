@@ -731,8 +731,8 @@ fn a_version_1_database_migrates_and_keeps_its_rows() {
     }
 
     let store = Store::open(dir.path()).unwrap();
-    assert_eq!(SCHEMA_VERSION, 8);
-    assert_eq!(store.schema_version().unwrap(), 8);
+    assert_eq!(SCHEMA_VERSION, 9);
+    assert_eq!(store.schema_version().unwrap(), 9);
     let tasks = store.tasks(None, 10).unwrap();
     assert_eq!(tasks.len(), 3);
     let old_error = &tasks[2];

@@ -78,7 +78,7 @@ enum Command {
         #[arg(value_parser = spelling)]
         address: Option<String>,
         /// Only events of this kind: added, removed, changed, broken, recovered, protected,
-        /// unprotected, config, aer, task, claim, image, pool, clean.
+        /// unprotected, config, aer, task, claim, image, pool, clean, store.
         #[arg(long)]
         kind: Option<String>,
         /// How many entries (1..=10000).
