@@ -64,6 +64,11 @@ pub(super) async fn off_the_executor<T: Send + 'static>(
         .map_err(|e| format!("the parse did not finish: {e}"))?
 }
 
+/// The host's uses read now, with the console GPUs the settings allow left out.
+fn detect_now(core: &super::core::Core) -> hostuse::HostUse {
+    hostuse::detect(core.sysfs(), &core.settings().host.allow_console_gpu)
+}
+
 /// What the host uses among everything vfiod knows (the records and the host's uses read now),
 /// for the host guard; nothing when `[hooks] guard_host_devices` is off, with a warning naming
 /// what the guard would have refused in `functions`.
@@ -74,7 +79,7 @@ fn host_uses_now(
     functions: &[PciAddress],
     guard: bool,
 ) -> HostUses {
-    let uses = hook::host_uses(devices, &hostuse::detect(core.sysfs()));
+    let uses = hook::host_uses(devices, &detect_now(core));
     if guard {
         return uses;
     }
@@ -397,7 +402,7 @@ impl Engine {
                     .map_err(|e| crate::error_chain(&e))?;
                 let hostdevs = libvirt::xml::hostdevs(&xml)?;
                 let devices = core.store().devices().map_err(|e| crate::error_chain(&e))?;
-                let uses = hook::host_uses(&devices, &hostuse::detect(core.sysfs()));
+                let uses = hook::host_uses(&devices, &detect_now(core));
                 let Some((f, line)) =
                     hook::hot_plugged_host_device(&name, &alias, &hostdevs, &uses, |a| {
                         super::job::detach::claim_of_alias(a).is_some()

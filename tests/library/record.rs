@@ -210,8 +210,8 @@ fn a_replay_gives_the_inventory_the_host_gives_read_only_or_writable() {
     let read_only = scan(&replay.sysfs());
     assert_eq!(read_only, original, "read-only replay");
     assert_eq!(
-        vfiod::host::sysfs::hostuse::detect(&replay.sysfs()),
-        vfiod::host::sysfs::hostuse::detect(&kernel.sysfs()),
+        vfiod::host::sysfs::hostuse::detect(&replay.sysfs(), &[]),
+        vfiod::host::sysfs::hostuse::detect(&kernel.sysfs(), &[]),
         "the host's own use of its devices"
     );
 
@@ -465,7 +465,8 @@ fn the_mount_table_is_the_running_vfiods_own() {
     let file = dir.path().join("ns.tar.gz");
     rec.write_file(&file, false).unwrap();
     let replay = Replay::open(&file, &dir.path().join("u")).unwrap();
-    let uses = vfiod::host::sysfs::hostuse::detect(&replay.sysfs());
+    let uses = vfiod::host::sysfs::hostuse::detect(&replay.sysfs(), &[]);
     let boot = uses[&addr("0000:3d:00.0")].join("; ");
     assert!(boot.contains("mounted at /var/lib/vfiod"), "{boot}");
 }
+

@@ -6,6 +6,7 @@
 //! implements the same trait and reacts to writes the way Linux does.
 
 mod function;
+pub mod console;
 pub mod dfl;
 pub mod hostuse;
 pub mod reset;
