@@ -255,6 +255,14 @@ impl Engine {
             Ok(Err(e)) => return Verdict::fail(format!("vfiod: {}", crate::error_chain(&e))),
             Err(e) => return Verdict::fail(format!("vfiod: {}", crate::error_chain(&e))),
         };
+        if !plan.to_claim.is_empty() || !plan.to_bind.is_empty() {
+            let iommu = self
+                .read(|core| crate::host::sysfs::iommu::read(core.sysfs()))
+                .await;
+            if let Ok(Err(e)) = iommu.map(|i| i.passthrough()) {
+                return Verdict::fail(format!("vfiod: domain {name} cannot start: {e}"));
+            }
+        }
         let mut claimed = Vec::new();
         // What this run claimed: given back if the start is refused after all.
         let mut made = Vec::new();

@@ -470,3 +470,44 @@ fn the_mount_table_is_the_running_vfiods_own() {
     assert!(boot.contains("mounted at /var/lib/vfiod"), "{boot}");
 }
 
+/// The console GPU (its `boot_vga`, the framebuffer console on it, fbcon bound) is recorded and
+/// replayed, read-only and writable, as the same host use; a host without an IOMMU replays
+/// without one.
+#[test]
+fn a_replay_shows_the_console_gpu_and_a_missing_iommu_as_the_host_does() {
+    use vfiod::host::sysfs::{console, hostuse, iommu};
+    use vfiod::model::iommu::Iommu;
+    let dir = fast_tempdir();
+    let kernel = SimKernel::build(&dir.path().join("root"), &HostModel::console_gpu()).unwrap();
+    let uses = hostuse::detect(&kernel.sysfs(), &[]);
+    assert_eq!(
+        uses[&addr(GPU)],
+        ["boot VGA device driving the host console (fb0)"]
+    );
+    assert!(!hostuse::detect(&kernel.sysfs(), &[addr(GPU)]).contains_key(&addr(GPU)));
+    let facts = console::read_facts(&kernel.sysfs());
+    assert_eq!(facts.boot_vga, [addr(GPU)]);
+    assert_eq!(facts.framebuffers[0].driver, "nouveaudrmfb");
+
+    let file = record_to(kernel.root(), dir.path(), "console");
+    let replay = Replay::open(&file, &dir.path().join("unpacked")).expect("open");
+    assert_eq!(console::read_facts(&replay.sysfs()), facts, "read-only");
+    assert_eq!(hostuse::detect(&replay.sysfs(), &[]), uses, "read-only");
+    let (writable, _) = replay
+        .build_writable(&dir.path().join("writable"))
+        .expect("writable");
+    assert_eq!(console::read_facts(&writable.sysfs()), facts, "writable");
+    assert_eq!(hostuse::detect(&writable.sysfs(), &[]), uses, "writable");
+    assert_eq!(iommu::read(&writable.sysfs()), Iommu::Present);
+
+    let none = SimKernel::build(&dir.path().join("none"), &HostModel::no_iommu()).unwrap();
+    assert_eq!(iommu::read(&none.sysfs()), Iommu::Absent);
+    assert_eq!(iommu::read(&kernel.sysfs()), Iommu::Present);
+    let file = record_to(none.root(), dir.path(), "none");
+    let replay = Replay::open(&file, &dir.path().join("none-unpacked")).expect("open");
+    assert_eq!(iommu::read(&replay.sysfs()), Iommu::Absent, "read-only");
+    let (writable, _) = replay
+        .build_writable(&dir.path().join("none-writable"))
+        .expect("writable");
+    assert_eq!(iommu::read(&writable.sysfs()), Iommu::Absent, "writable");
+}

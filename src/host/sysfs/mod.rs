@@ -8,6 +8,7 @@
 mod function;
 pub mod console;
 pub mod dfl;
+pub mod iommu;
 pub mod hostuse;
 pub mod reset;
 mod writer;
