@@ -267,7 +267,7 @@ pub fn scan(
     previous: &BTreeMap<PciAddress, Device>,
 ) -> Result<Vec<Device>, SysfsError> {
     let addresses = sysfs.list_functions()?;
-    let host_use = hostuse::detect(sysfs);
+    let host_use = hostuse::detect(sysfs, &settings.host.allow_console_gpu);
     let raws = read_all(sysfs, &addresses);
 
     // Direct protection: host use, then the config's protect list.

@@ -19,7 +19,8 @@ pub const BUSY: u8 = 4;
 pub const NOT_AUTHORIZED: u8 = 5;
 /// No device matches the requirements, or every one that does is taken.
 pub const NO_DEVICE: u8 = 6;
-/// The policy refuses: the device is protected, or the configuration does not manage it.
+/// The policy refuses: the device is protected, or the configuration does not manage it, or
+/// the host has no IOMMU.
 pub const REFUSED: u8 = 7;
 
 /// Every code with its meaning, as README and the man page list them.
@@ -39,7 +40,7 @@ pub const TABLE: &[(u8, &str)] = &[
     (NO_DEVICE, "no device available that matches"),
     (
         REFUSED,
-        "refused by policy: the device is protected or not managed",
+        "refused by policy: the device is protected or not managed, or the host has no IOMMU",
     ),
 ];
 
@@ -52,7 +53,7 @@ pub fn code_for(error: &str) -> u8 {
         Some("Busy" | "InUse") => BUSY,
         Some("NotAuthorized") => NOT_AUTHORIZED,
         Some("NoDeviceAvailable") => NO_DEVICE,
-        Some("Protected" | "NotManaged") => REFUSED,
+        Some("Protected" | "NotManaged" | "NoIommu") => REFUSED,
         Some(_) => FAILURE,
         // A task's or claim's object that is gone: the bus says so, not vfiod.
         None if error == "org.freedesktop.DBus.Error.UnknownObject" => NOT_FOUND,
@@ -165,6 +166,7 @@ mod tests {
             ("org.vfiod.Vfiod1.Error.NoDeviceAvailable", NO_DEVICE),
             ("org.vfiod.Vfiod1.Error.Protected", REFUSED),
             ("org.vfiod.Vfiod1.Error.NotManaged", REFUSED),
+            ("org.vfiod.Vfiod1.Error.NoIommu", REFUSED),
             ("org.vfiod.Vfiod1.Error.Failed", FAILURE),
             ("org.vfiod.Vfiod1.Error.InvalidArgument", FAILURE),
             ("org.vfiod.Vfiod1.Error.AttachFailed", FAILURE),

@@ -49,6 +49,9 @@ pub trait Manager {
     /// Not cached either: the daemon does not signal it.
     #[zbus(property(emits_changed_signal = "false"))]
     fn fleet(&self) -> zbus::Result<Dict>;
+    /// "present", "absent" or "" (before the first pass); not signalled.
+    #[zbus(property(emits_changed_signal = "false"))]
+    fn iommu(&self) -> zbus::Result<String>;
     fn get_metrics(&self) -> zbus::Result<String>;
     fn get_device(&self, address: &str) -> zbus::Result<zbus::OwnedObjectPath>;
     fn get_events(&self, query: Dict) -> zbus::Result<Vec<Dict>>;

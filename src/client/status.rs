@@ -33,6 +33,10 @@ pub struct StatusView {
     pub pools: Vec<PoolView>,
     /// Unix milliseconds: when this was read (the ages shown count to it).
     pub read_ms: i64,
+    /// Why nothing can be passed through on this host (it has no IOMMU), with how to turn it
+    /// on; absent when it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub no_iommu: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -135,6 +139,8 @@ pub async fn read(conn: &Connection) -> Result<StatusView, ClientError> {
         read_ms: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_millis() as i64),
+        no_iommu: (m.iommu().await? == crate::model::iommu::Iommu::Absent.as_str())
+            .then(|| crate::model::iommu::NoIommu.to_string()),
     })
 }
 
@@ -168,6 +174,9 @@ pub fn render(s: &StatusView, time: impl Fn(i64) -> String) -> String {
         out.push_str("SIMULATION: this vfiod runs on a simulated host\n");
     }
     out.push_str(&format!("vfiod {}  scenario {}\n", s.version, s.scenario));
+    if let Some(why) = &s.no_iommu {
+        out.push_str(&format!("{why}\n"));
+    }
     out.push_str(&format!(
         "devices: {} ({} usable, {} protected, {} broken{})\n",
         s.devices,
@@ -274,6 +283,7 @@ mod tests {
             fleet: None,
             pools: vec![],
             read_ms: 1_000_000,
+            no_iommu: None,
         }
     }
 
@@ -365,6 +375,19 @@ mod tests {
             render(&late(0), t).ends_with("fleet: no report since vfiod started (every 30 s)\n")
         );
         assert!(render(&late(0), t).contains("fleet: no report"));
+        let no_iommu = StatusView {
+            no_iommu: Some("no IOMMU: passthrough is unsafe".into()),
+            ..base()
+        };
+        assert_eq!(
+            render(&no_iommu, t),
+            "vfiod 0.1.0  scenario private\n\
+             no IOMMU: passthrough is unsafe\n\
+             devices: 9 (6 usable, 2 protected, 1 broken)\n\
+             libvirt: off in this configuration\n\
+             claims: none\n\
+             tasks in error: none\n"
+        );
     }
 
     #[test]

@@ -70,6 +70,14 @@ impl<'a, T> Located<'a, T> {
     }
 }
 
+impl<'a, U> Located<'a, Vec<Spanned<U>>> {
+    /// The items of an array value, each located where it was written.
+    pub fn items(&self) -> impl Iterator<Item = Located<'a, U>> + 'a {
+        let source = self.source;
+        self.value.iter().map(move |s| Located::new(source, s))
+    }
+}
+
 /// One entry of an array of tables.
 #[derive(Debug)]
 pub(crate) struct Entry<'a, T> {

@@ -49,7 +49,8 @@
 //!  stage 3    merge                   raw, located
 //!  stage 2    raw                     the sections' raw structs, bounded, position, error
 //!  sections   select, protect, claims selector and the leaves
-//!             hooks, fpga, images,    the leaves (fpga: selector too)
+//!             hooks, host, fpga,      the leaves (fpga: selector too)
+//!             images,
 //!             pool, fleet, metrics
 //!             selector                the leaves
 //!  stage 1    files                   error
@@ -88,6 +89,7 @@ mod fleet;
 mod clean;
 mod fpga;
 mod hook;
+mod host;
 mod image;
 mod daemon;
 mod error;
@@ -112,6 +114,7 @@ pub use files::{MAX_DROPINS, MAX_FILE_BYTES, MAX_TOTAL_BYTES};
 pub use fleet::{check_host_name, FleetSettings, DEFAULT_DOWN_AFTER};
 pub use fpga::{FpgaBackend, FpgaRule};
 pub use hook::HookSettings;
+pub use host::{HostSettings, MAX_CONSOLE_GPUS};
 pub use image::{ImageSettings, MAX_DOWNLOAD_SECONDS};
 pub use metrics::MetricsSettings;
 pub use pool::{PoolSettings, QuiesceAt, MAX_POOL_TIMEOUT_MS};
@@ -154,6 +157,8 @@ pub struct Settings {
     pub claims: ClaimSettings,
     /// `[hooks]`.
     pub hooks: HookSettings,
+    /// `[host]`: what vfiod may take from the host on purpose (the console GPU).
+    pub host: HostSettings,
     /// `[images]`: downloads of FPGA images.
     pub images: ImageSettings,
     /// `[[fpga]]`: how FPGA devices are programmed, in file order; the first match applies.
@@ -188,6 +193,7 @@ impl Default for Settings {
             protect: Vec::new(),
             claims: ClaimSettings::default(),
             hooks: HookSettings::default(),
+            host: HostSettings::default(),
             images: ImageSettings::default(),
             fpga: Vec::new(),
             clean: Vec::new(),
@@ -420,6 +426,7 @@ fn settle(inputs: &Inputs) -> Result<Settings, Vec<ConfigError>> {
     });
     let claims = found.section(claim::validate(inputs.values(|f| f.claims.as_ref())));
     let hooks = found.section(hook::validate(inputs.values(|f| f.hooks.as_ref())));
+    let host = found.section(host::validate(inputs.values(|f| f.host.as_ref())));
     let images = found.section(image::validate(inputs.values(|f| f.images.as_ref())));
     let fpga = found.array(inputs.entries(|f| &f.fpga), |e| {
         fpga::validate(e.into_iter())
@@ -438,6 +445,7 @@ fn settle(inputs: &Inputs) -> Result<Settings, Vec<ConfigError>> {
         Some(protect),
         Some(claims),
         Some(hooks),
+        Some(host),
         Some(images),
         Some(fpga),
         Some(clean),
@@ -445,7 +453,7 @@ fn settle(inputs: &Inputs) -> Result<Settings, Vec<ConfigError>> {
         Some(fleet),
         Some(metrics),
     ) = (
-        daemon, select, protect, claims, hooks, images, fpga, clean, pools, fleet, metrics,
+        daemon, select, protect, claims, hooks, host, images, fpga, clean, pools, fleet, metrics,
     )
     else {
         return Err(found.errors);
@@ -462,6 +470,7 @@ fn settle(inputs: &Inputs) -> Result<Settings, Vec<ConfigError>> {
         protect,
         claims,
         hooks,
+        host,
         images,
         fpga,
         clean,
@@ -649,6 +658,40 @@ mod tests {
         ] {
             let e = parse_err(text);
             assert!(e.contains(wanted), "{text}: {e}");
+        }
+    }
+
+    #[test]
+    fn the_host_table_lists_console_gpus_by_address() {
+        assert!(Settings::default().host.allow_console_gpu.is_empty());
+        let gpu: PciAddress = "0000:17:00.0".parse().unwrap();
+        let s = parse("[host]\nallow_console_gpu = [\"0000:17:00.0\", \"0000:17:00.0\"]\n");
+        assert_eq!(s.host.allow_console_gpu, [gpu]);
+        assert!(parse("[host]\nallow_console_gpu = []\n")
+            .host
+            .allow_console_gpu
+            .is_empty());
+        let many = vec!["\"0000:17:00.0\""; MAX_CONSOLE_GPUS + 1].join(", ");
+        for (text, wanted) in [
+            (
+                "[host]\nallow_console_gpu = [\"0000:17:00.0\", \"17:00\"]\n",
+                "test.toml:2:38: `host.allow_console_gpu`: invalid PCI address \"17:00\"",
+            ),
+            (
+                "[host]\nallow_console_gpu = \"0000:17:00.0\"\n",
+                "test.toml:2:21: `allow_console_gpu`: invalid type: string \"0000:17:00.0\", expected a sequence",
+            ),
+            (
+                "[host]\nconsole = true\n",
+                "test.toml:2:1: unknown field `console`, expected `allow_console_gpu`",
+            ),
+            (
+                &format!("[host]\nallow_console_gpu = [{many}]\n"),
+                "test.toml:2:21: `host.allow_console_gpu`: at most 16 addresses, not 17",
+            ),
+        ] {
+            let e = parse_err(text);
+            assert!(e.starts_with(wanted), "{text}: {e}");
         }
     }
 

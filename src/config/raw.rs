@@ -17,6 +17,7 @@ use super::error::{bound_message, ConfigError, Key};
 use super::fleet::RawFleet;
 use super::fpga::RawFpga;
 use super::hook::RawHooks;
+use super::host::RawHost;
 use super::image::RawImages;
 use super::metrics::RawMetrics;
 use super::pool::RawPool;
@@ -46,6 +47,7 @@ pub(crate) struct RawFile {
     pub protect: Vec<Spanned<RawSelector>>,
     pub claims: Option<Spanned<RawClaims>>,
     pub hooks: Option<Spanned<RawHooks>>,
+    pub host: Option<Spanned<RawHost>>,
     pub images: Option<Spanned<RawImages>>,
     #[serde(default)]
     pub fpga: Vec<Spanned<RawFpga>>,

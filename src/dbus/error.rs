@@ -42,6 +42,9 @@ pub enum Error {
     /// Nothing was kept.
     TimedOut(String),
     InvalidConfig(String),
+    /// The host has no IOMMU: nothing is bound to vfio-pci, claimed or attached. The message
+    /// says how to turn it on.
+    NoIommu(String),
     Failed(String),
 }
 
@@ -107,6 +110,7 @@ impl From<JobError> for Error {
             JobError::Broken { .. } | JobError::Hardware { .. } => Error::HardwareFailed(chain),
             JobError::InUse { .. } => Error::InUse(chain),
             JobError::Cleaning { .. } => Error::Busy(chain),
+            JobError::NoIommu { .. } => Error::NoIommu(chain),
             JobError::Unavailable { .. }
             | JobError::Libvirt { .. }
             | JobError::Plan { .. }
@@ -121,6 +125,7 @@ impl From<crate::engine::ClaimError> for Error {
         match e {
             crate::engine::ClaimError::Store(s) => s.into(),
             crate::engine::ClaimError::Engine(e) => e.into(),
+            e @ crate::engine::ClaimError::NoIommu(_) => Error::NoIommu(crate::error_chain(&e)),
         }
     }
 }

@@ -165,6 +165,18 @@ impl Manager {
         wire::libvirt_link(self.objects.engine.libvirt_link().as_ref())
     }
 
+    /// The host's IOMMU: "present", or "absent" (no IOMMU group: vfiod binds nothing to
+    /// vfio-pci, claims and attaches nothing); "" before the first inventory pass. Not
+    /// signalled: read it when needed.
+    #[zbus(property(emits_changed_signal = "false"))]
+    fn iommu(&self) -> String {
+        self.objects
+            .engine
+            .iommu()
+            .map(|i| i.as_str().to_string())
+            .unwrap_or_default()
+    }
+
     /// The fleet reporter: empty when `[fleet]` is off; else `report_interval_s` u and
     /// `last_report_ms` t (Unix ms of the last report the database took, 0 when none since
     /// vfiod started). Not signalled: read it when needed.

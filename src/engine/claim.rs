@@ -44,6 +44,11 @@ impl super::Engine {
         owner: Owner,
         requested_by: &str,
     ) -> Result<ClaimRecord, ClaimError> {
+        self.read(|core| crate::host::sysfs::iommu::read(core.sysfs()))
+            .await
+            .map_err(ClaimError::Engine)?
+            .passthrough()
+            .map_err(ClaimError::NoIommu)?;
         let deadline = tokio::time::Instant::now() + CLEAN_WAIT;
         let mut changes = self.subscribe_changes();
         loop {
@@ -270,4 +275,7 @@ pub enum ClaimError {
     Store(#[from] StoreError),
     #[error(transparent)]
     Engine(EngineError),
+    /// The host has no IOMMU: nothing can be claimed for passthrough.
+    #[error(transparent)]
+    NoIommu(crate::model::iommu::NoIommu),
 }

@@ -11,6 +11,7 @@ use crate::host::sysfs::{Sysfs, SysfsError};
 use crate::inventory;
 use crate::model::device::{Device, Role};
 use crate::model::event::EventKind;
+use crate::model::iommu::{Iommu, NoIommu};
 use crate::model::pci::PciAddress;
 use crate::store::{DeviceChange, Event, NewEvent, Store, StoreError, TaskRecord};
 use std::collections::BTreeMap;
@@ -99,6 +100,8 @@ pub struct Core {
     libvirt_events: std::sync::Mutex<Option<tokio::sync::mpsc::UnboundedReceiver<LibvirtEvent>>>,
     modules: Arc<dyn ModuleLoader>,
     removals: Arc<Removals>,
+    /// The host's IOMMU as the last inventory pass found it; `None` before the first.
+    iommu: std::sync::Mutex<Option<Iommu>>,
 }
 
 impl Core {
@@ -128,6 +131,7 @@ impl Core {
             libvirt_events: std::sync::Mutex::new(Some(rx)),
             modules,
             removals: Arc::default(),
+            iommu: std::sync::Mutex::new(None),
         })
     }
 
@@ -182,8 +186,32 @@ impl Core {
         &self.removals
     }
 
+    /// The host's IOMMU as the last inventory pass found it; `None` before the first.
+    pub fn iommu(&self) -> Option<Iommu> {
+        *self.iommu.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Keeps what this pass found of the IOMMU, and says so once when it is missing (at the
+    /// first pass: vfiod's start) or comes back.
+    fn note_iommu(&self, now: Iommu) {
+        let before = self
+            .iommu
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .replace(now);
+        match (before, now) {
+            (Some(Iommu::Absent), Iommu::Absent)
+            | (None | Some(Iommu::Present), Iommu::Present) => {}
+            (None | Some(Iommu::Present), Iommu::Absent) => tracing::warn!("{}", NoIommu),
+            (Some(Iommu::Absent), Iommu::Present) => {
+                tracing::info!("an IOMMU is there now: passthrough is allowed again")
+            }
+        }
+    }
+
     /// One inventory pass: scan, diff against the store, commit.
     pub fn refresh(&self) -> Result<Pass, EngineError> {
+        self.note_iommu(crate::host::sysfs::iommu::read(&self.sysfs));
         let settings = self.settings();
         let previous: BTreeMap<PciAddress, Device> = self
             .store

@@ -88,6 +88,11 @@ pub(super) async fn off_the_executor<T: Send + 'static>(
         .map_err(|e| format!("the parse did not finish: {e}"))?
 }
 
+/// The host's uses read now, with the console GPUs the settings allow left out.
+fn detect_now(core: &super::core::Core) -> hostuse::HostUse {
+    hostuse::detect(core.sysfs(), &core.settings().host.allow_console_gpu)
+}
+
 /// What the host uses among everything vfiod knows (the records and the host's uses read now),
 /// for the host guard; nothing when `[hooks] guard_host_devices` is off, with a warning naming
 /// what the guard would have refused in `functions`.
@@ -98,7 +103,7 @@ fn host_uses_now(
     functions: &[PciAddress],
     guard: bool,
 ) -> HostUses {
-    let uses = hook::host_uses(devices, &hostuse::detect(core.sysfs()));
+    let uses = hook::host_uses(devices, &detect_now(core));
     if guard {
         return uses;
     }
@@ -341,6 +346,14 @@ impl Engine {
             Ok(Err(e)) => return Verdict::fail(format!("vfiod: {}", crate::error_chain(&e))),
             Err(e) => return Verdict::fail(format!("vfiod: {}", crate::error_chain(&e))),
         };
+        if !plan.to_claim.is_empty() || !plan.to_bind.is_empty() {
+            let iommu = self
+                .read(|core| crate::host::sysfs::iommu::read(core.sysfs()))
+                .await;
+            if let Ok(Err(e)) = iommu.map(|i| i.passthrough()) {
+                return Verdict::fail(format!("vfiod: domain {name} cannot start: {e}"));
+            }
+        }
         let mut claimed = Vec::new();
         // What this run claimed: given back if the start is refused after all.
         let mut made = Vec::new();
@@ -540,7 +553,7 @@ impl Engine {
                     .map_err(|e| crate::error_chain(&e))?;
                 let hostdevs = libvirt::xml::hostdevs(&xml)?;
                 let devices = core.store().devices().map_err(|e| crate::error_chain(&e))?;
-                let uses = hook::host_uses(&devices, &hostuse::detect(core.sysfs()));
+                let uses = hook::host_uses(&devices, &detect_now(core));
                 let Some((f, line)) =
                     hook::hot_plugged_host_device(&name, &alias, &hostdevs, &uses, |a| {
                         super::job::detach::claim_of_alias(a).is_some()

@@ -127,6 +127,11 @@ impl Engine {
     }
 
     /// The connection to the configured libvirt URI (None: no URI configured).
+    /// The host's IOMMU as the last inventory pass found it; `None` before the first.
+    pub fn iommu(&self) -> Option<crate::model::iommu::Iommu> {
+        self.core.iommu()
+    }
+
     pub fn libvirt_link(&self) -> Option<libvirt_link::Link> {
         self.libvirt_link.get(self.core.libvirt().uri().as_deref())
     }
@@ -448,6 +453,12 @@ impl Engine {
             let job = job::ModeJob::new(address, None);
             match self.start_task(Box::new(job), requested_by).await {
                 Ok(t) => started.push(t),
+                // The inventory pass said it once for the host, not once per device.
+                Err(e @ JobError::NoIommu { .. }) => tracing::debug!(
+                    device = %address,
+                    "not reconciled: {}",
+                    crate::error_chain(&e)
+                ),
                 Err(e) => tracing::warn!(
                     device = %address,
                     "not reconciled: {}",

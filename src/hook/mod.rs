@@ -487,7 +487,7 @@ mod tests {
     #[test]
     fn prepare_table() {
         let (_dir, kernel, devices) = inventory_devices(false);
-        let host = host_uses(&devices, &hostuse::detect(&kernel.sysfs()));
+        let host = host_uses(&devices, &hostuse::detect(&kernel.sysfs(), &[]));
         let none = HostUses::new();
         let claims = [
             claim(1, "0000:af:00.0", "vm1", ClaimState::Claimed, false),
@@ -573,7 +573,7 @@ mod tests {
     fn a_hot_plugged_host_function_is_an_error_naming_the_domain() {
         use crate::host::libvirt::xml::hostdevs;
         let (_dir, kernel, devices) = inventory_devices(false);
-        let uses = host_uses(&devices, &hostuse::detect(&kernel.sysfs()));
+        let uses = host_uses(&devices, &hostuse::detect(&kernel.sysfs(), &[]));
         let dev = |alias: &str, a: &str| {
             let p: PciAddress = a.parse().unwrap();
             format!(

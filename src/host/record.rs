@@ -15,6 +15,9 @@
 //!   partitions), the `dev/mapper` links and `sys/class/block` entries they resolve through
 //!   (down to the disks under a device-mapper or md device), and the `sys/class/net` entries of
 //!   interfaces that are up on a PCI device (`flags`, `operstate`);
+//! - for the console GPU: each function's `boot_vga` where it has one, the
+//!   `sys/class/vtconsole` entries (`name`, `bind`) and the `sys/class/graphics/fbN` entries
+//!   with a device (`name`, `device`);
 //! - `proc/sys/kernel/osrelease`.
 //!
 //! Never read: BARs (`resource*`), the `rom`, config space past 256 bytes, processes' open files
@@ -66,6 +69,10 @@ pub const FUNCTION_ATTRS: &[&str] = &[
 
 /// Links of a function that vfiod reads, besides `virtfnN`.
 pub const FUNCTION_LINKS: &[&str] = &["driver", "iommu_group", "physfn"];
+
+/// Attributes only some functions have, recorded when present and never missed where absent:
+/// `boot_vga` (VGA-class functions only; `host::sysfs::console`).
+pub const FUNCTION_OPTIONAL: &[&str] = &["boot_vga"];
 
 /// Write-only attributes whose presence vfiod reads (`host::sysfs::reset`): recorded as empty
 /// files, never opened.
@@ -349,6 +356,11 @@ impl Recorder<'_> {
                 self.link(&dir.join(e), &as_read(e));
             }
         }
+        for name in FUNCTION_OPTIONAL {
+            if entries.iter().any(|e| e == name) {
+                self.file(&dir.join(name), &as_read(name), MAX_ATTR_BYTES);
+            }
+        }
         for name in FUNCTION_PRESENCE {
             if entries.iter().any(|e| e == name) {
                 self.put(&dir.join(name), Member::File(Vec::new()));
@@ -532,6 +544,50 @@ impl Recorder<'_> {
         }
     }
 
+    /// The console (`host::sysfs::console`): every `sys/class/vtconsole` entry (`name`,
+    /// `bind`) and every `sys/class/graphics/fbN` with a device (`name`, the `device` link,
+    /// and the device's directory, so that a firmware framebuffer's platform device resolves).
+    fn consoles(&mut self) {
+        let vt = Path::new("sys/class/vtconsole");
+        for name in self.list(vt).unwrap_or_default() {
+            let class = vt.join(&name);
+            let Some(dir) = self.class_dir(&class) else {
+                continue;
+            };
+            for attr in ["name", "bind"] {
+                self.file(&dir.join(attr), &class.join(attr), 256);
+            }
+        }
+        let graphics = Path::new("sys/class/graphics");
+        for name in self.list(graphics).unwrap_or_default() {
+            if !name.starts_with("fb") {
+                continue;
+            }
+            let class = graphics.join(&name);
+            let Ok(device) = std::fs::canonicalize(self.abs(&class.join("device"))) else {
+                continue;
+            };
+            let Some(dir) = self.class_dir(&class) else {
+                continue;
+            };
+            self.file(&dir.join("name"), &class.join("name"), 256);
+            self.link(&dir.join("device"), &class.join("device"));
+            if let Ok(device) = device.strip_prefix(self.root).map(Path::to_path_buf) {
+                self.dir(&device);
+            }
+        }
+    }
+
+    /// A `sys/class` entry: its link recorded, and the directory it resolves to (relative to
+    /// the root), made a member.
+    fn class_dir(&mut self, class: &Path) -> Option<PathBuf> {
+        let canon = std::fs::canonicalize(self.abs(class)).ok()?;
+        let dir = canon.strip_prefix(self.root).ok()?.to_path_buf();
+        self.link(class, class)?;
+        self.dir(&dir);
+        Some(dir)
+    }
+
     /// Interfaces that are up on a PCI device: their `sys/class/net` link, `flags`, `operstate`.
     fn interfaces(&mut self) {
         let net = Path::new("sys/class/net");
@@ -596,6 +652,7 @@ pub fn record(root: &Path, options: &Options) -> Result<Recording, RecordError> 
         r.block(&name, 0, &mut seen);
     }
     r.interfaces();
+    r.consoles();
     let osrelease = Path::new("proc/sys/kernel/osrelease");
     let kernel_release = r
         .file(osrelease, osrelease, 256)

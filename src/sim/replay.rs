@@ -368,6 +368,8 @@ struct Seen {
     secondary_bus: Option<u8>,
     /// A bridge shows `reset_subordinate`.
     reset_subordinate: bool,
+    /// `boot_vga` reads 1.
+    boot_vga: bool,
     /// [`FUNCTION_ATTRS`] (and `config`) the recording does not have.
     missing: Vec<&'static str>,
 }
@@ -430,6 +432,9 @@ fn read_host(sysfs: &Sysfs) -> Result<SeenHost, ReplayError> {
         };
         functions.push(Seen {
             reset_subordinate: exists("reset_subordinate"),
+            boot_vga: sysfs
+                .read_text(&sysfs.device_attr(a, "boot_vga"))
+                .is_ok_and(|v| v == "1"),
             secondary_bus,
             address: a,
             raw: raw.ok(),
@@ -549,6 +554,7 @@ fn model(seen: &SeenHost) -> HostModel {
             .find(|p| by_address.contains_key(p));
         spec.secondary_bus = f.secondary_bus;
         spec.reset_subordinate = f.reset_subordinate;
+        spec.boot_vga = f.boot_vga;
         if let Some(s) = raw.and_then(|r| r.sriov.as_ref()) {
             let vfs: Vec<&Seen> = s
                 .vfs
@@ -599,6 +605,7 @@ fn model(seen: &SeenHost) -> HostModel {
             .collect(),
         mounts: Vec::new(),
         interfaces: Vec::new(),
+        consoles: Vec::new(),
         iommu_groups,
     }
 }
@@ -709,9 +716,9 @@ fn faults(kernel: &SimKernel, seen: &SeenHost, recorded: &HashMap<PathBuf, i32>,
 }
 
 /// Copies the host-use files from the recording: `proc/mounts`, `proc/swaps`, the `dev/mapper`
-/// links, and the `sys/class/block` and `sys/class/net` links with the directories they reach
-/// (a disk's `slaves/` included), replacing what the simulated kernel rendered for an empty
-/// model.
+/// links, and the `sys/class/block`, `sys/class/net`, `sys/class/graphics` and
+/// `sys/class/vtconsole` links with the directories they reach (a disk's `slaves/` included),
+/// replacing what the simulated kernel rendered for an empty model.
 fn copy_host_use(from: &Path, to: &Path) -> io::Result<()> {
     for f in ["proc/mounts", "proc/swaps"] {
         if from.join(f).is_file() {
@@ -719,7 +726,13 @@ fn copy_host_use(from: &Path, to: &Path) -> io::Result<()> {
             std::fs::copy(from.join(f), to.join(f))?;
         }
     }
-    for class in ["dev/mapper", "sys/class/block", "sys/class/net"] {
+    for class in [
+        "dev/mapper",
+        "sys/class/block",
+        "sys/class/net",
+        "sys/class/graphics",
+        "sys/class/vtconsole",
+    ] {
         let Ok(entries) = std::fs::read_dir(from.join(class)) else {
             continue;
         };

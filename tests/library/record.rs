@@ -210,8 +210,8 @@ fn a_replay_gives_the_inventory_the_host_gives_read_only_or_writable() {
     let read_only = scan(&replay.sysfs());
     assert_eq!(read_only, original, "read-only replay");
     assert_eq!(
-        vfiod::host::sysfs::hostuse::detect(&replay.sysfs()),
-        vfiod::host::sysfs::hostuse::detect(&kernel.sysfs()),
+        vfiod::host::sysfs::hostuse::detect(&replay.sysfs(), &[]),
+        vfiod::host::sysfs::hostuse::detect(&kernel.sysfs(), &[]),
         "the host's own use of its devices"
     );
 
@@ -465,7 +465,49 @@ fn the_mount_table_is_the_running_vfiods_own() {
     let file = dir.path().join("ns.tar.gz");
     rec.write_file(&file, false).unwrap();
     let replay = Replay::open(&file, &dir.path().join("u")).unwrap();
-    let uses = vfiod::host::sysfs::hostuse::detect(&replay.sysfs());
+    let uses = vfiod::host::sysfs::hostuse::detect(&replay.sysfs(), &[]);
     let boot = uses[&addr("0000:3d:00.0")].join("; ");
     assert!(boot.contains("mounted at /var/lib/vfiod"), "{boot}");
+}
+
+/// The console GPU (its `boot_vga`, the framebuffer console on it, fbcon bound) is recorded and
+/// replayed, read-only and writable, as the same host use; a host without an IOMMU replays
+/// without one.
+#[test]
+fn a_replay_shows_the_console_gpu_and_a_missing_iommu_as_the_host_does() {
+    use vfiod::host::sysfs::{console, hostuse, iommu};
+    use vfiod::model::iommu::Iommu;
+    let dir = fast_tempdir();
+    let kernel = SimKernel::build(&dir.path().join("root"), &HostModel::console_gpu()).unwrap();
+    let uses = hostuse::detect(&kernel.sysfs(), &[]);
+    assert_eq!(
+        uses[&addr(GPU)],
+        ["boot VGA device driving the host console (fb0)"]
+    );
+    assert!(!hostuse::detect(&kernel.sysfs(), &[addr(GPU)]).contains_key(&addr(GPU)));
+    let facts = console::read_facts(&kernel.sysfs());
+    assert_eq!(facts.boot_vga, [addr(GPU)]);
+    assert_eq!(facts.framebuffers[0].driver, "nouveaudrmfb");
+
+    let file = record_to(kernel.root(), dir.path(), "console");
+    let replay = Replay::open(&file, &dir.path().join("unpacked")).expect("open");
+    assert_eq!(console::read_facts(&replay.sysfs()), facts, "read-only");
+    assert_eq!(hostuse::detect(&replay.sysfs(), &[]), uses, "read-only");
+    let (writable, _) = replay
+        .build_writable(&dir.path().join("writable"))
+        .expect("writable");
+    assert_eq!(console::read_facts(&writable.sysfs()), facts, "writable");
+    assert_eq!(hostuse::detect(&writable.sysfs(), &[]), uses, "writable");
+    assert_eq!(iommu::read(&writable.sysfs()), Iommu::Present);
+
+    let none = SimKernel::build(&dir.path().join("none"), &HostModel::no_iommu()).unwrap();
+    assert_eq!(iommu::read(&none.sysfs()), Iommu::Absent);
+    assert_eq!(iommu::read(&kernel.sysfs()), Iommu::Present);
+    let file = record_to(none.root(), dir.path(), "none");
+    let replay = Replay::open(&file, &dir.path().join("none-unpacked")).expect("open");
+    assert_eq!(iommu::read(&replay.sysfs()), Iommu::Absent, "read-only");
+    let (writable, _) = replay
+        .build_writable(&dir.path().join("none-writable"))
+        .expect("writable");
+    assert_eq!(iommu::read(&writable.sysfs()), Iommu::Absent, "writable");
 }

@@ -38,7 +38,7 @@ fn hostdev(a: &str, guest_bus: u8) -> String {
     )
 }
 
-fn domain_xml(name: &str, devices: &[&str]) -> String {
+pub(crate) fn domain_xml(name: &str, devices: &[&str]) -> String {
     let hostdevs: String = devices
         .iter()
         .enumerate()
@@ -52,16 +52,16 @@ fn domain_xml(name: &str, devices: &[&str]) -> String {
     )
 }
 
-struct Ran {
-    code: i32,
-    stdout: String,
-    stderr: String,
+pub(crate) struct Ran {
+    pub code: i32,
+    pub stdout: String,
+    pub stderr: String,
     took: Duration,
 }
 
 /// Runs the hook as libvirt runs it (`qemu.d/vfiod`, the `vfiod-qemu-hook` binary) with
 /// `args` and `xml` on stdin.
-fn hook(bus: &str, config: &std::path::Path, args: &[&str], xml: &str) -> Ran {
+pub(crate) fn hook(bus: &str, config: &std::path::Path, args: &[&str], xml: &str) -> Ran {
     run_hook(
         Command::new(env!("CARGO_BIN_EXE_vfiod-qemu-hook")),
         bus,
@@ -114,7 +114,7 @@ async fn harness() -> (Harness, std::path::PathBuf, String) {
     harness_with(CONFIG, vfiod::sim::kernel::HostModel::reference()).await
 }
 
-async fn harness_with(
+pub(crate) async fn harness_with(
     config: &str,
     model: vfiod::sim::kernel::HostModel,
 ) -> (Harness, std::path::PathBuf, String) {

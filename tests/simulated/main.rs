@@ -20,6 +20,7 @@ mod introspection;
 mod job_guards;
 mod jobs;
 mod metrics;
+mod passthrough;
 mod replay;
 mod sigterm;
 mod simulate;

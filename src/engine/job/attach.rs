@@ -203,6 +203,7 @@ impl Job for AttachJob {
         let address = self.claim.address;
         self.claim = current(cx, self.claim.id)?;
         claim_refusal(&self.claim, Step::Attach)?;
+        JobError::unless_iommu(cx, address)?;
         if cx.libvirt.uri().is_none() {
             return Err(JobError::Unavailable {
                 address,

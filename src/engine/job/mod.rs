@@ -215,6 +215,13 @@ pub enum JobError {
         #[source]
         source: PlanError,
     },
+    /// The host has no IOMMU: nothing is bound to vfio-pci, nor attached to a VM.
+    #[error("{address} cannot be passed through")]
+    NoIommu {
+        address: PciAddress,
+        #[source]
+        source: crate::model::iommu::NoIommu,
+    },
     /// The store refused (Busy: another task holds the device) or failed.
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -224,6 +231,14 @@ pub enum JobError {
 }
 
 impl JobError {
+    /// The refusal of passthrough of `address` on a host without an IOMMU (read now), else
+    /// nothing.
+    pub fn unless_iommu(cx: &JobContext, address: PciAddress) -> Result<(), JobError> {
+        crate::host::sysfs::iommu::read(&cx.sysfs)
+            .passthrough()
+            .map_err(|source| JobError::NoIommu { address, source })
+    }
+
     /// The refusal of a job on a device that is not usable (protected, broken, being cleaned),
     /// else nothing. Whether it is being cleaned is its hold's to say (`store::clean`): its
     /// record may be older than the end of its clean.

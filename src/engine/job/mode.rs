@@ -133,8 +133,14 @@ impl Job for ModeJob {
             None => Vec::new(),
         };
         // The kind as the state looks now; prepare decides again once the task holds the device.
-        let (program, _, _) = planner::plan_to(&cx.sysfs, &cx.store, &device, &target)
+        let (program, plan, _) = planner::plan_to(&cx.sysfs, &cx.store, &device, &target)
             .map_err(|e| mode_error(address, e))?;
+        if plan
+            .as_ref()
+            .is_some_and(|p| drivers_bound_to(p).contains(&crate::mode::policy::VFIO_PCI))
+        {
+            JobError::unless_iommu(cx, address)?;
+        }
         let params = serde_json::to_value(&target).unwrap_or_else(|_| serde_json::json!({}));
         self.target = Some(target);
         Ok(Admission {

@@ -1,6 +1,7 @@
 //! Which PCI functions the host itself uses: the controllers behind mounted block devices (and
-//! swap), and the devices behind network interfaces that are up. vfiod must never take these
-//! away from the host, whatever its config says.
+//! swap), the devices behind network interfaces that are up, and the boot GPU driving the
+//! console (`console`). vfiod must never take these away from the host, whatever its config
+//! says.
 
 use super::Sysfs;
 use crate::model::pci::PciAddress;
@@ -96,9 +97,10 @@ fn block_endpoints(sysfs: &Sysfs, name: &str, depth: u8) -> Vec<PciAddress> {
     found
 }
 
-/// Scans the mount table, swap and network interfaces under the sysfs root.
-pub fn detect(sysfs: &Sysfs) -> HostUse {
-    let mut uses = HostUse::new();
+/// Scans the mount table, swap, network interfaces and the console GPU under the sysfs root;
+/// a console GPU in `allow_console_gpu` (`[host]`) is not a use.
+pub fn detect(sysfs: &Sysfs, allow_console_gpu: &[PciAddress]) -> HostUse {
+    let mut uses = super::console::detect(sysfs, allow_console_gpu);
     for (dev, mountpoint) in mounted_block_devices(sysfs) {
         for addr in block_endpoints(sysfs, &dev, 0) {
             let why = if mountpoint == "swap" {

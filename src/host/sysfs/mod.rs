@@ -6,7 +6,9 @@
 //! implements the same trait and reacts to writes the way Linux does.
 
 mod function;
+pub mod console;
 pub mod dfl;
+pub mod iommu;
 pub mod hostuse;
 pub mod reset;
 mod writer;

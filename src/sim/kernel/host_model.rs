@@ -70,6 +70,10 @@ pub struct FunctionSpec {
     /// domains, bridges the recording does not have). Its VFs are made beside it.
     #[serde(default)]
     pub sysfs_dir: Option<std::path::PathBuf>,
+    /// For a VGA-class function: the firmware booted on it (`boot_vga` reads 1; 0 on the
+    /// others of its class, which the kernel also shows).
+    #[serde(default)]
+    pub boot_vga: bool,
 }
 
 /// What one reset method does to a function when the kernel runs it: the outcomes users report
@@ -127,6 +131,7 @@ impl FunctionSpec {
             secondary_bus: None,
             dfl: None,
             sysfs_dir: None,
+            boot_vga: false,
         }
     }
     pub fn subsystem(mut self, vendor: u16, device: u16) -> Self {
@@ -152,6 +157,11 @@ impl FunctionSpec {
     }
     pub fn group_with(mut self, other: &str) -> Self {
         self.group = GroupSpec::With(other.parse().expect("model group peer"));
+        self
+    }
+    /// The firmware booted on it (`boot_vga` = 1).
+    pub fn boot_vga(mut self) -> Self {
+        self.boot_vga = true;
         self
     }
     pub fn no_iommu(mut self) -> Self {
@@ -251,12 +261,25 @@ pub struct InterfaceSpec {
     pub up: bool,
 }
 
+/// A framebuffer the host's console (fbcon) is bound to: `sys/class/graphics/fbN` and the
+/// `vtconsole` of fbcon, bound.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConsoleSpec {
+    /// N of `fbN`.
+    pub fb: u32,
+    /// The GPU whose DRM driver made it; `None`: the firmware's framebuffer (`EFI VGA`), a
+    /// platform device.
+    pub device: Option<PciAddress>,
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
 pub struct HostModel {
     pub functions: Vec<FunctionSpec>,
     pub drivers: Vec<DriverSpec>,
     pub mounts: Vec<MountSpec>,
     pub interfaces: Vec<InterfaceSpec>,
+    /// Framebuffers with the console on them (none: a headless host, the reference).
+    pub consoles: Vec<ConsoleSpec>,
     /// The IOMMU group a function gets whenever it appears (a VF too), as a replayed host
     /// numbered them; other groups are numbered from 0 up, skipping these numbers.
     pub iommu_groups: std::collections::BTreeMap<PciAddress, u32>,
@@ -369,8 +392,34 @@ impl HostModel {
                 name: "enp2s0".into(),
                 up: true,
             }],
+            consoles: Vec::new(),
             iommu_groups: Default::default(),
         }
+    }
+
+    /// The reference host whose GPU (`0000:17:00.0`) is the boot VGA device with the host's
+    /// console on its DRM framebuffer (`fb0`, fbcon bound): a desktop or a workstation.
+    pub fn console_gpu() -> HostModel {
+        let mut m = HostModel::reference();
+        let gpu: PciAddress = "0000:17:00.0".parse().unwrap();
+        for f in m.functions.iter_mut().filter(|f| f.address == gpu) {
+            f.boot_vga = true;
+        }
+        m.consoles.push(ConsoleSpec {
+            fb: 0,
+            device: Some(gpu),
+        });
+        m
+    }
+
+    /// The reference host with no IOMMU (VT-d off in the firmware, or a kernel booted without
+    /// `intel_iommu=on`): no function has an IOMMU group.
+    pub fn no_iommu() -> HostModel {
+        let mut m = HostModel::reference();
+        for f in &mut m.functions {
+            f.group = GroupSpec::None;
+        }
+        m
     }
 
     fn standard_drivers() -> Vec<DriverSpec> {

@@ -22,7 +22,7 @@ pub mod host_model;
 mod render;
 
 pub use host_model::{
-    DflSpec, DriverSpec, FunctionSpec, GroupSpec, HostModel, InterfaceSpec, MountSpec,
+    ConsoleSpec, DflSpec, DriverSpec, FunctionSpec, GroupSpec, HostModel, InterfaceSpec, MountSpec,
     ResetBehaviour, SriovSpec, REFERENCE_FPGA_AFU, REFERENCE_FPGA_INTERFACE,
 };
 
@@ -137,6 +137,8 @@ struct State {
     /// The host's own use of its devices, rendered under `proc/` and the devices' directories.
     mounts: Vec<MountSpec>,
     interfaces: Vec<InterfaceSpec>,
+    /// [`HostModel::consoles`].
+    consoles: Vec<ConsoleSpec>,
     /// [`HostModel::iommu_groups`].
     group_hints: BTreeMap<PciAddress, u32>,
 }
@@ -160,6 +162,8 @@ struct Persisted {
     mounts: Option<Vec<MountSpec>>,
     #[serde(default)]
     interfaces: Option<Vec<InterfaceSpec>>,
+    #[serde(default)]
+    consoles: Vec<ConsoleSpec>,
     #[serde(default)]
     group_hints: BTreeMap<PciAddress, u32>,
 }
@@ -212,6 +216,7 @@ impl SimKernel {
             let mut st = k.lock();
             st.mounts = model.mounts.clone();
             st.interfaces = model.interfaces.clone();
+            st.consoles = model.consoles.clone();
             st.group_hints = model.iommu_groups.clone();
             for d in &model.drivers {
                 st.drivers.insert(d.name.clone(), d.clone());
@@ -287,6 +292,7 @@ impl SimKernel {
             seqnum: p.seqnum,
             mounts: p.mounts.unwrap_or_else(|| reference().mounts),
             interfaces: p.interfaces.unwrap_or_else(|| reference().interfaces),
+            consoles: p.consoles,
             group_hints: p.group_hints,
             ..State::default()
         };
@@ -331,6 +337,7 @@ impl SimKernel {
             seqnum: st.seqnum,
             mounts: Some(st.mounts.clone()),
             interfaces: Some(st.interfaces.clone()),
+            consoles: st.consoles.clone(),
             group_hints: st.group_hints.clone(),
         };
         let text = serde_json::to_vec(&p).map_err(io::Error::other)?;

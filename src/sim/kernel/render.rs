@@ -344,6 +344,13 @@ pub(super) fn device(root: &Path, st: &State, dev: &SimDevice) -> io::Result<()>
     if s.reset_subordinate && s.secondary_bus.is_some() {
         write(&dir.join("reset_subordinate"), "")?;
     }
+    // The kernel shows `boot_vga` on VGA-compatible display functions only.
+    if s.class.0 >> 8 == 0x0300 {
+        write(
+            &dir.join("boot_vga"),
+            if s.boot_vga { "1\n" } else { "0\n" },
+        )?;
+    }
     rel_link(root, &dev.dev_rel("subsystem"), Path::new("sys/bus/pci"))?;
     if let Some(g) = dev.group {
         let gdir = PathBuf::from(format!("sys/kernel/iommu_groups/{g}"));
@@ -510,12 +517,56 @@ pub(super) fn host_use(root: &Path, st: &State) -> io::Result<()> {
         )?;
         rel_link(root, &Path::new("sys/class/net").join(&i.name), &ndir)?;
     }
+    consoles(root, st)?;
     // The loopback interface: up, but no PCI device behind it.
     let lo = Path::new("sys/devices/virtual/net/lo");
     fs::create_dir_all(root.join(lo))?;
     write(&root.join(lo).join("flags"), "0x9\n")?;
     write(&root.join(lo).join("operstate"), "unknown\n")?;
     rel_link(root, Path::new("sys/class/net/lo"), lo)?;
+    Ok(())
+}
+
+/// The console on framebuffers: `sys/class/graphics/fbN` (in the GPU's directory, or on the
+/// firmware's platform device) and fbcon's `vtconsole`, bound; the dummy console beside it, as
+/// the kernel has it. Nothing for a host without a console (the reference).
+fn consoles(root: &Path, st: &State) -> io::Result<()> {
+    if st.consoles.is_empty() {
+        return Ok(());
+    }
+    for c in &st.consoles {
+        let name = format!("fb{}", c.fb);
+        let (device, driver) = match c.device.and_then(|a| st.devices.get(&a)) {
+            Some(gpu) => (
+                gpu.dir.clone(),
+                format!("{}drmfb", gpu.spec.driver.as_deref().unwrap_or("")),
+            ),
+            None => (
+                PathBuf::from("sys/devices/platform/efi-framebuffer.0"),
+                "EFI VGA".to_string(),
+            ),
+        };
+        fs::create_dir_all(root.join(&device))?;
+        let fb_dir = device.join("graphics").join(&name);
+        fs::create_dir_all(root.join(&fb_dir))?;
+        write(&root.join(&fb_dir).join("name"), format!("{driver}\n"))?;
+        rel_link(root, &fb_dir.join("device"), &device)?;
+        rel_link(root, &Path::new("sys/class/graphics").join(&name), &fb_dir)?;
+    }
+    for (n, text, bind) in [
+        (0, "(S) dummy device", "0"),
+        (1, "(M) frame buffer device", "1"),
+    ] {
+        let dir = PathBuf::from(format!("sys/devices/virtual/vtconsole/vtcon{n}"));
+        fs::create_dir_all(root.join(&dir))?;
+        write(&root.join(&dir).join("name"), format!("{text}\n"))?;
+        write(&root.join(&dir).join("bind"), format!("{bind}\n"))?;
+        rel_link(
+            root,
+            &Path::new("sys/class/vtconsole").join(format!("vtcon{n}")),
+            &dir,
+        )?;
+    }
     Ok(())
 }
 
