@@ -45,7 +45,10 @@ pub struct Snapshot {
 /// [`Snapshot::splits`]; the engine hands it to the store at start and at each reload, as it
 /// does the clean policy, so that every claim (D-Bus, hooks) follows the configuration in force.
 #[derive(Clone, Default)]
-pub struct SplitPolicy(Option<Arc<dyn Fn(&Device) -> bool + Send + Sync>>);
+pub struct SplitPolicy(Option<Arc<SplitsFn>>);
+
+/// Whether the configuration splits a PF.
+type SplitsFn = dyn Fn(&Device) -> bool + Send + Sync;
 
 impl SplitPolicy {
     /// Nothing is split by policy (a store opened without a daemon): only a PF whose record
@@ -784,7 +787,8 @@ mod tests {
         let pf = a("0000:3b:00.0");
         // (the PF's mode, its VFs now, whether policy splits it, whether its VFs are recorded;
         // what a request for kind nic gets; what a request naming the PF is told)
-        let cases: [(Mode, u32, bool, bool, &str, Option<&str>); 5] = [
+        type Case<'a> = (Mode, u32, bool, bool, &'a str, Option<&'a str>);
+        let cases: [Case; 5] = [
             (
                 Mode::Vf,
                 3,
