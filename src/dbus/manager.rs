@@ -517,7 +517,7 @@ impl Manager {
     ) -> Result<(i32, String, String), Error> {
         let o = &self.objects;
         o.authorizer
-            .require_root(&o.requesters, conn, &header, "Manager.HookWithOptions")
+            .require_root(conn, &header, "Manager.HookWithOptions")
             .await?;
         let call = crate::engine::HookCall {
             domain,
