@@ -2,8 +2,8 @@
 link's function, 00:04.0) with managed='yes' is refused by `virsh start` with vfiod's line, and the NIC stays
 on its driver with its address; the same with vfiod stopped (the hook's fallback reads the store); a domain
 naming an unselected, unused function (the NVMe PF, 01:00.0) is refused while its namespace is held (dm,
-O_EXCL, a plain open: host_holders' checks, run in this guest) and starts once it is free: vfiod leaves it
-to libvirt."""
+O_EXCL, a plain open, a private-namespace mount: host_holders' checks, run in this guest) and starts once it
+is free: vfiod leaves it to libvirt."""
 
 from __future__ import annotations
 
@@ -53,7 +53,8 @@ def refused(g: Guest, name: str, says: str) -> str:
 def host_guard(tb: Testbed) -> None:
     """virsh start of a domain assigning the host's own up NIC (managed='yes') is refused with vfiod's
     line, with vfiod running and stopped, the NIC untouched; the NVMe PF is refused while a dm target, an
-    O_EXCL open or a plain open holds its namespace (host_holders), and starts once it is free"""
+    O_EXCL open, a plain open or a private-namespace mount holds its namespace (host_holders), and starts
+    once it is free"""
     link, _ = private_pair()
     g = tb.boot("hosta", link=link)
     iface = g.run(f"ls /sys/bus/pci/devices/{NIC}/virtio*/net/", quiet=True).out.split()[0]
@@ -86,7 +87,7 @@ def host_guard(tb: Testbed) -> None:
     assert nic_state(g, iface) == before, f"the NIC changed: {nic_state(g, iface)} (was {before})"
     g.run("systemctl start vfiod")
 
-    # Issue 32: the same function held through its namespace (dm, O_EXCL, a plain open) is the host's,
+    # Issue 32: the same function held through its namespace (dm, O_EXCL, an open, a mount) is the host's,
     # refused each time; free again once the holder is gone (host_holders, run here to save a boot).
     define(g, "free", FREE)
     host_holders.check_holders(tb, g, "free")

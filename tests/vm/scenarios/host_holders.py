@@ -150,9 +150,9 @@ def hold_excl(g: Guest, ns: str) -> Holder:
 
 
 def hold_open(g: Guest, ns: str) -> Holder:
-    pid = background(g, "the plain opener",
-                     f"sh -c {shlex.quote(f'echo $$ > /run/vfiodtest-open.tmp; mv /run/vfiodtest-open.tmp /run/vfiodtest-open.pid; exec sleep 600 < /dev/{ns}')}",
-                     "/run/vfiodtest-open.pid")
+    script = ("echo $$ > /run/vfiodtest-open.tmp; mv /run/vfiodtest-open.tmp /run/vfiodtest-open.pid; "
+              f"exec sleep 600 < /dev/{ns}")
+    pid = background(g, "the plain opener", f"sh -c {shlex.quote(script)}", "/run/vfiodtest-open.pid")
     # The pid file is written before the exec: wait for sleep to have the namespace as its stdin.
     g.wait_for(f"pid {pid} to be sleep with /dev/{ns} open", lambda: g.run(
         f"[ \"$(cat /proc/{pid}/comm)\" = sleep ] && [ \"$(readlink /proc/{pid}/fd/0)\" = /dev/{ns} ]",
@@ -164,9 +164,10 @@ def hold_mount(g: Guest, ns: str) -> Holder:
     """Mounted in a private mount namespace: not in vfiod's mount table, no process has the node open, no
     holders/: only the kernel's EBUSY to an exclusive open tells."""
     g.run(f"mkfs.ext4 -q -F /dev/{ns}")
+    script = (f"mount -o ro /dev/{ns} /mnt && echo $$ > /run/vfiodtest-mount.tmp && "
+              "mv /run/vfiodtest-mount.tmp /run/vfiodtest-mount.pid && exec sleep 600")
     pid = background(g, "the private-namespace mount",
-                     f"unshare --mount --propagation private sh -c {shlex.quote(f'mount -o ro /dev/{ns} /mnt && echo $$ > /run/vfiodtest-mount.tmp && mv /run/vfiodtest-mount.tmp /run/vfiodtest-mount.pid && exec sleep 600')}",
-                     "/run/vfiodtest-mount.pid")
+                     f"unshare --mount --propagation private sh -c {shlex.quote(script)}", "/run/vfiodtest-mount.pid")
     assert ns not in g.run("cat /proc/mounts", quiet=True).out, "the private mount shows in the host's mount table"
     return Holder("private mount", [ns, "held exclusively"], stop(pid))
 
