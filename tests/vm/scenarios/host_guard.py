@@ -1,7 +1,9 @@
 """Issue 19's host guard on a real kernel: a domain whose XML assigns the guest's own up NIC (the private
 link's function, 00:04.0) with managed='yes' is refused by `virsh start` with vfiod's line, and the NIC stays
 on its driver with its address; the same with vfiod stopped (the hook's fallback reads the store); a domain
-naming an unselected, unused function (the NVMe PF, 01:00.0) still starts: vfiod leaves it to libvirt."""
+naming an unselected, unused function (the NVMe PF, 01:00.0) is refused while its namespace is held (dm,
+O_EXCL, a plain open, a private-namespace mount: host_holders' checks, run in this guest) and starts once it
+is free: vfiod leaves it to libvirt."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from testbed import vfiod
 from testbed.guest import Guest, private_pair
 from testbed.nested import DOMAIN_TYPE, SMALL_DOMAIN, domain_state
 from testbed.runner import Testbed, scenario
+from scenarios import host_holders
 
 NIC = "0000:00:04.0"
 FREE = "0000:01:00.0"
@@ -49,7 +52,9 @@ def refused(g: Guest, name: str, says: str) -> str:
 @scenario()
 def host_guard(tb: Testbed) -> None:
     """virsh start of a domain assigning the host's own up NIC (managed='yes') is refused with vfiod's
-    line, with vfiod running and stopped, the NIC untouched; an unselected unused function still starts"""
+    line, with vfiod running and stopped, the NIC untouched; the NVMe PF is refused while a dm target, an
+    O_EXCL open, a plain open or a private-namespace mount holds its namespace (host_holders), and starts
+    once it is free"""
     link, _ = private_pair()
     g = tb.boot("hosta", link=link)
     iface = g.run(f"ls /sys/bus/pci/devices/{NIC}/virtio*/net/", quiet=True).out.split()[0]
@@ -82,9 +87,13 @@ def host_guard(tb: Testbed) -> None:
     assert nic_state(g, iface) == before, f"the NIC changed: {nic_state(g, iface)} (was {before})"
     g.run("systemctl start vfiod")
 
+    # Issue 32: the same function held through its namespace (dm, O_EXCL, an open, a mount) is the host's,
+    # refused each time; free again once the holder is gone (host_holders, run here to save a boot).
+    define(g, "free", FREE)
+    host_holders.check_holders(tb, g, "free")
+
     # Unselected and unused: libvirt's, and the domain starts with it.
     free_driver = driver(g, FREE)
-    define(g, "free", FREE)
     res = g.run("virsh start free", check=False, timeout=180)
     assert res.rc == 0, f"a domain with an unselected unused function must start:\n{res.describe()}"
     assert domain_state(g, "free") == "running"
