@@ -6,7 +6,7 @@
 //! |---|---|---|
 //! | a block device mounted (`/proc/mounts`) or swap (`/proc/swaps`), through `dm`/`md` slaves; a network interface that is up | the host | `block device nvme0n1p2 is mounted at /`, `... is in use as swap`, `network interface enp2s0 is up` |
 //! | a block device with `holders/` entries (dm, LVM, dm-crypt, multipath, md, bcache) | the host | `block device nvme1n1 is held by dm-0 (vg0-data)` (the dm name from `holders/dm-0/dm/name`) |
-//! | a block device an exclusive open finds busy (EBUSY: mounted in any namespace, swap, ZFS, btrfs or md member, an LVM PV in use, a process's `O_EXCL`), when nothing above explains it | the host | `block device nvme1n1 is held exclusively` |
+//! | a block device an exclusive open finds busy (EBUSY: mounted in any namespace, swap, ZFS, btrfs or md member, an LVM PV in use, a process's `O_EXCL`), unless a mount, swap or holder above says why (a disk: unless a partition of it is busy) | the host | `block device nvme1n1 is held exclusively` |
 //! | a block device or a host driver's character node (NVMe `nvme0`, DRM, RDMA, accel) open in a process, QEMU included (a raw disk of a VM is served by the host's driver) | the host | `block device nvme1n1 is open by pid 812 (fio)`, `/dev/nvme1 is open by pid 812 (nvme)` |
 //! | the function's VFIO node (`/dev/vfio/devices/vfioN`, `/dev/vfio/<group>`) open in a QEMU (comm `qemu-system-*`, `qemu-kvm`) | VM (its `-name`) | `/dev/vfio/devices/vfio0 is open by pid 900 (qemu-system-x86)`, `IOMMU group 40 is open by pid 900 (qemu-system-x86)` |
 //! | the function's VFIO node open in any other process (DPDK, SPDK) | the host | `IOMMU group 40 is open by pid 77 (dpdk-testpmd)` |
@@ -186,18 +186,15 @@ pub fn uses(facts: &Facts) -> BTreeMap<PciAddress, Vec<Use>> {
         }
     }
     // EBUSY says "someone holds it exclusively" without saying who: a reason only where no
-    // other fact about that device (or its partition) says it, and for the most precise device
-    // (a partition, not its disk).
+    // other fact about that device (or its partition) says why (a mount, swap, a holder; a
+    // process that has it open may or may not be the one holding it exclusively), and for the
+    // most precise device (a partition, not its disk).
     let said = |name: &str| {
         facts.named.iter().any(|n| n.block.as_deref() == Some(name))
             || facts
                 .blocks
                 .iter()
                 .any(|b| b.name == name && !b.holders.is_empty())
-            || facts
-                .open
-                .iter()
-                .any(|o| o.node == Node::Block(name.to_string()))
     };
     for b in facts.blocks.iter().filter(|b| b.busy) {
         let parts: Vec<&BlockDevice> = facts
@@ -418,13 +415,16 @@ mod tests {
                 vec![host("block device nvme1n1p2 is mounted at /")],
             ),
             (
-                "EBUSY explained by an open in a process",
+                "EBUSY and an open in a process (its O_EXCL, or another holder's): both",
                 Facts {
                     blocks: vec![busy],
                     open: vec![open(Node::Block("nvme1n1".into()), fio.clone())],
                     ..Facts::default()
                 },
-                vec![host("block device nvme1n1 is open by pid 812 (fio)")],
+                vec![
+                    host("block device nvme1n1 is open by pid 812 (fio)"),
+                    host("block device nvme1n1 is held exclusively"),
+                ],
             ),
             (
                 "a block device open in a process",
