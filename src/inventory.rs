@@ -258,6 +258,51 @@ pub fn with_holds(
     devices
 }
 
+/// Whether the records (`devices`, from the last pass) no longer say what the host uses now
+/// (`now`, [`crate::hostuse::host_uses`] of what was just read): a holder came or went since
+/// (an LVM volume, a mount, a process with a node open), which no PCI uevent announces. A claim
+/// asks this before it chooses, and a pass settles it. Pure.
+pub fn host_use_is_stale(devices: &[Device], now: &BTreeMap<PciAddress, Vec<String>>) -> bool {
+    devices.iter().any(|d| {
+        let recorded = d.state_reason.strip_prefix(HOST_USE_PREFIX);
+        let used = now.get(&d.address).map(|whys| whys.join("; "));
+        match d.state {
+            State::Usable | State::Cleaning => used.is_some(),
+            // The reason too: a claim refused names the holder there is now.
+            State::Protected => match (recorded, used) {
+                (Some(r), Some(u)) => r != u,
+                (None, None) => false,
+                _ => true,
+            },
+            State::Broken => false,
+        }
+    })
+}
+
+/// The functions `[[protect]]` names among `devices`, with the reason the inventory records
+/// for them ("protected by config (address=0000:17:00.0)"). Pure.
+pub fn protected_by_config(
+    settings: &Settings,
+    devices: &[Device],
+) -> BTreeMap<PciAddress, String> {
+    devices
+        .iter()
+        .filter_map(|d| {
+            let sel =
+                settings.is_protected_by_config(d.address, d.vendor_id, d.device_id, d.class)?;
+            Some((d.address, config_reason(&sel)))
+        })
+        .collect()
+}
+
+/// A `[[protect]]`ed function's reason.
+fn config_reason(selector: &impl std::fmt::Display) -> String {
+    format!("protected by config ({selector})")
+}
+
+/// How the reason of a function the host uses starts.
+pub const HOST_USE_PREFIX: &str = "used by the host: ";
+
 /// Reads every function under the sysfs root and classifies it. `previous` is what the store
 /// holds, used to keep a broken device's identity. Only a failure to list the bus is an error:
 /// a single unreadable function becomes a broken record.
@@ -273,7 +318,7 @@ pub fn scan(
     // Direct protection: host use, then the config's protect list.
     let mut protected: BTreeMap<PciAddress, String> = BTreeMap::new();
     for (a, whys) in &host_use {
-        protected.insert(*a, format!("used by the host: {}", whys.join("; ")));
+        protected.insert(*a, format!("{HOST_USE_PREFIX}{}", whys.join("; ")));
     }
     for (a, raw) in &raws {
         let Ok(raw) = raw else { continue };
@@ -283,7 +328,7 @@ pub fn scan(
         if let Some(sel) =
             settings.is_protected_by_config(*a, raw.vendor_id, raw.device_id, raw.class)
         {
-            protected.insert(*a, format!("protected by config ({sel})"));
+            protected.insert(*a, config_reason(&sel));
         }
     }
     // An IOMMU group moves as a whole, so a group-mate of a protected endpoint is protected
@@ -600,6 +645,74 @@ mod tests {
 
     fn a(s: &str) -> PciAddress {
         s.parse().unwrap()
+    }
+
+    /// A claim runs a pass first when the records no longer say what the host uses.
+    #[test]
+    fn host_use_is_stale_when_a_holder_came_or_went() {
+        let unread = SysfsError::Parse {
+            path: "x".into(),
+            value: String::new(),
+            reason: "fixture".into(),
+        };
+        let used = || {
+            BTreeMap::from([(
+                a("0000:01:00.1"),
+                vec!["block device nvme1n1 is held by dm-0 (vg0-data)".to_string()],
+            )])
+        };
+        let table = [
+            (State::Usable, "", BTreeMap::new(), false),
+            (State::Usable, "", used(), true),
+            (State::Cleaning, "claim 3 ended", used(), true),
+            (
+                State::Protected,
+                "used by the host: block device nvme1n1 is held by dm-0 (vg0-data)",
+                used(),
+                false,
+            ),
+            (
+                State::Protected,
+                "used by the host: block device nvme1n1 is held by dm-0 (vg0-data)",
+                BTreeMap::new(),
+                true,
+            ),
+            (
+                State::Protected,
+                "used by the host: block device nvme1n1 is open by pid 9 (fio)",
+                used(),
+                true,
+            ),
+            // Config or a group-mate protects it: nothing the host's uses change.
+            (
+                State::Protected,
+                "protected by config (address 0000:01:00.1)",
+                BTreeMap::new(),
+                false,
+            ),
+            (
+                State::Protected,
+                "shares its IOMMU group with protected device 0000:01:00.0",
+                BTreeMap::new(),
+                false,
+            ),
+            (
+                State::Protected,
+                "protected by config (address 0000:01:00.1)",
+                used(),
+                true,
+            ),
+            (State::Broken, "EIO", used(), false),
+        ];
+        for (state, reason, now, stale) in table {
+            let mut d = broken(a("0000:01:00.1"), None, &unread);
+            (d.state, d.state_reason) = (state, reason.to_string());
+            assert_eq!(
+                host_use_is_stale(&[d], &now),
+                stale,
+                "{state:?} {reason:?} {now:?}"
+            );
+        }
     }
 
     fn id(vendor_id: u16, device_id: u16, class: u32) -> Identity {

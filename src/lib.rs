@@ -8,6 +8,7 @@
 //! each feature, the file of each layer.
 
 pub mod model; // PciAddress, class codes, the device record, task and event kinds: plain values
+pub mod hostuse; // who uses a PCI function (the host, a VM), decided from what the kernel says
 pub mod fpga; // FPGA image headers (gbs, xclbin) and image legality: pure code
 pub mod config; // settings from vfiod.toml and conf.d drop-ins, validated once at load
 pub mod claim; // which device a claim gets: requirements, what is claimable, the choice

@@ -49,6 +49,7 @@ impl super::Engine {
             .map_err(ClaimError::Engine)?
             .passthrough()
             .map_err(ClaimError::NoIommu)?;
+        self.settle_host_use().await;
         let deadline = tokio::time::Instant::now() + CLEAN_WAIT;
         let mut changes = self.subscribe_changes();
         loop {
@@ -70,6 +71,37 @@ impl super::Engine {
                 }
                 other => return other,
             }
+        }
+    }
+
+    /// A pass first when the host's uses read now (`crate::hostuse`) are not what the records
+    /// say (a holder came or went since the last pass: no PCI uevent announces an LVM volume,
+    /// a mount or a process opening a node), so that a claim chooses among what is usable now.
+    /// A failure to read leaves the records as they are, and says so.
+    async fn settle_host_use(&self) {
+        let stale = self
+            .read(|core| {
+                let now = crate::host::sysfs::hostuse::detect(
+                    core.sysfs(),
+                    &core.settings().host.allow_console_gpu,
+                );
+                core.store()
+                    .devices()
+                    .map(|devices| crate::inventory::host_use_is_stale(&devices, &now))
+            })
+            .await;
+        match stale {
+            Ok(Ok(false)) => {}
+            Ok(Ok(true)) => {
+                if let Err(e) = self.refresh().await {
+                    tracing::warn!(
+                        "the host's uses changed, but the pass that records them failed: {}",
+                        crate::error_chain(&e)
+                    );
+                }
+            }
+            Ok(Err(e)) => tracing::warn!("{}", crate::error_chain(&e)),
+            Err(e) => tracing::warn!("{}", crate::error_chain(&e)),
         }
     }
 

@@ -103,7 +103,16 @@ fn host_uses_now(
     functions: &[PciAddress],
     guard: bool,
 ) -> HostUses {
-    let uses = hook::host_uses(devices, &detect_now(core));
+    // The XML's functions and their group-mates (a mate's use refuses a function too): what
+    // the kernel says of them now, decided by `crate::hostuse`.
+    let scope = hook::guard_scope(devices, functions);
+    let facts = hostuse::read(
+        core.sysfs(),
+        hostuse::Scope::Only(&scope),
+        &core.settings().host.allow_console_gpu,
+    );
+    let configured = crate::inventory::protected_by_config(&core.settings(), devices);
+    let uses = hook::host_uses(devices, &configured, &crate::hostuse::host_uses(&facts));
     if guard {
         return uses;
     }
@@ -553,7 +562,8 @@ impl Engine {
                     .map_err(|e| crate::error_chain(&e))?;
                 let hostdevs = libvirt::xml::hostdevs(&xml)?;
                 let devices = core.store().devices().map_err(|e| crate::error_chain(&e))?;
-                let uses = hook::host_uses(&devices, &detect_now(core));
+                let configured = crate::inventory::protected_by_config(&core.settings(), &devices);
+                let uses = hook::host_uses(&devices, &configured, &detect_now(core));
                 let Some((f, line)) =
                     hook::hot_plugged_host_device(&name, &alias, &hostdevs, &uses, |a| {
                         super::job::detach::claim_of_alias(a).is_some()

@@ -20,9 +20,11 @@
 //! (`engine::hook`).
 //!
 //! The host guard ([`host_uses`], [`refuse_host_devices`]) looks at every PCI function the XML
-//! assigns, managed by vfiod or not, selected or not: one the host uses (a mounted or swap
-//! block device behind it, an interface that is up, listed in `[[protect]]`, or an IOMMU
-//! group-mate of such a function) refuses the start, because `managed='yes'` would have libvirt
+//! assigns, managed by vfiod or not, selected or not: one the host uses (what
+//! [`crate::hostuse`] decides from the kernel's answers: a block device below it mounted, swap,
+//! held by dm/md, busy for an exclusive open or open in a process; any of its nodes open in a
+//! process; an interface that is up; listed in `[[protect]]`; or an IOMMU group-mate of such a
+//! function) refuses the start, because `managed='yes'` would have libvirt
 //! take it from its host driver. A function vfiod does not know is left to libvirt.
 //! `[hooks] guard_host_devices = false` turns the guard off.
 
@@ -151,37 +153,75 @@ pub fn recorded_use(state_reason: &str) -> &str {
         .unwrap_or(state_reason)
 }
 
-/// What the host uses, from the records (`devices`: a protected function, for the reason the
-/// inventory recorded, group-mates and `[[protect]]` included) and from what was just read
-/// (`detected`: the host's uses found now, which may be newer than the last inventory pass: an
-/// interface brought up since). A group-mate (same IOMMU group, not a bridge) of a function
-/// detected now is used too: the group moves as a whole. Pure.
-pub fn host_uses(devices: &[Device], detected: &BTreeMap<PciAddress, Vec<String>>) -> HostUses {
+/// What the host uses: what `[[protect]]` names (`configured`: function -> the reason the
+/// inventory gives it, `protected by config (...)`) and what was just read (`detected`: the
+/// kernel's answer now, [`crate::hostuse`]), each with its IOMMU group-mates among `devices`
+/// (same group, not a bridge): the group moves as a whole. The records' states are not asked:
+/// a holder gone since the last inventory pass no longer refuses, one that came since already
+/// does. Pure.
+pub fn host_uses(
+    devices: &[Device],
+    configured: &BTreeMap<PciAddress, String>,
+    detected: &BTreeMap<PciAddress, Vec<String>>,
+) -> HostUses {
     let mut out = HostUses::new();
-    for d in devices.iter().filter(|d| d.state == State::Protected) {
-        out.insert(d.address, recorded_use(&d.state_reason).to_string());
+    let group_of = |a: &PciAddress| {
+        devices
+            .iter()
+            .find(|d| d.address == *a)
+            .and_then(|d| d.iommu_group)
+    };
+    let mates = |a: PciAddress, group: u32| {
+        devices
+            .iter()
+            .filter(move |d| d.iommu_group == Some(group) && d.address != a && !d.class.is_bridge())
+            .map(|d| d.address)
+    };
+    for (a, why) in configured {
+        out.insert(*a, why.clone());
     }
     for (a, whys) in detected.iter().filter(|(_, w)| !w.is_empty()) {
         out.insert(*a, whys.join("; "));
     }
     for (a, whys) in detected.iter().filter(|(_, w)| !w.is_empty()) {
-        let Some(group) = devices
-            .iter()
-            .find(|d| d.address == *a)
-            .and_then(|d| d.iommu_group)
-        else {
-            continue;
-        };
-        for mate in devices
-            .iter()
-            .filter(|d| d.iommu_group == Some(group) && d.address != *a && !d.class.is_bridge())
-        {
-            out.entry(mate.address).or_insert_with(|| {
+        let Some(group) = group_of(a) else { continue };
+        for mate in mates(*a, group) {
+            out.entry(mate).or_insert_with(|| {
                 format!(
                     "it shares IOMMU group {group} with {a} ({})",
                     whys.join("; ")
                 )
             });
+        }
+    }
+    for a in configured.keys() {
+        let Some(group) = group_of(a) else { continue };
+        for mate in mates(*a, group) {
+            out.entry(mate)
+                .or_insert_with(|| format!("shares its IOMMU group with protected device {a}"));
+        }
+    }
+    out
+}
+
+/// The functions the host guard reads for `functions`: they and their IOMMU group-mates (not
+/// bridges), as the records know them. Pure.
+pub fn guard_scope(devices: &[Device], functions: &[PciAddress]) -> Vec<PciAddress> {
+    let mut out: Vec<PciAddress> = Vec::new();
+    for f in functions {
+        if !out.contains(f) {
+            out.push(*f);
+        }
+        let group = devices
+            .iter()
+            .find(|d| d.address == *f)
+            .and_then(|d| d.iommu_group);
+        for mate in devices.iter().filter(|d| {
+            group.is_some() && d.iommu_group == group && !d.class.is_bridge() && d.address != *f
+        }) {
+            if !out.contains(&mate.address) {
+                out.push(mate.address);
+            }
         }
     }
     out
@@ -409,6 +449,21 @@ mod tests {
     /// selected too but used by the host, the GPU listed in `[[protect]]`. When `broken`, the
     /// FPGA's config space could not be read on a second pass. The kernel comes back too, for
     /// the host's uses as read now.
+    fn test_settings() -> Settings {
+        Settings::from_toml_str(
+            "[[select]]\nclass = \"0x12\"\n[[select]]\nid = \"8086:1572\"\n\
+             [[select]]\nid = \"8086:15f3\"\n[[select]]\naddress = \"0000:3d:00.0\"\n\
+             [[protect]]\naddress = \"0000:17:00.0\"\n",
+            std::path::Path::new("test.toml"),
+        )
+        .unwrap()
+    }
+
+    /// What `[[protect]]` of [`test_settings`] names among `devices`.
+    fn configured(devices: &[Device]) -> BTreeMap<PciAddress, String> {
+        inventory::protected_by_config(&test_settings(), devices)
+    }
+
     fn inventory_devices(
         broken: bool,
     ) -> (tempfile::TempDir, std::sync::Arc<SimKernel>, Vec<Device>) {
@@ -420,13 +475,7 @@ mod tests {
                 .group_with("0000:02:00.0"),
         );
         let kernel = SimKernel::build(dir.path(), &model).unwrap();
-        let settings = Settings::from_toml_str(
-            "[[select]]\nclass = \"0x12\"\n[[select]]\nid = \"8086:1572\"\n\
-             [[select]]\nid = \"8086:15f3\"\n[[select]]\naddress = \"0000:3d:00.0\"\n\
-             [[protect]]\naddress = \"0000:17:00.0\"\n",
-            std::path::Path::new("test.toml"),
-        )
-        .unwrap();
+        let settings = test_settings();
         let sysfs = kernel.sysfs();
         let mut devices = inventory::scan(&sysfs, &settings, &BTreeMap::new()).unwrap();
         if broken {
@@ -487,7 +536,11 @@ mod tests {
     #[test]
     fn prepare_table() {
         let (_dir, kernel, devices) = inventory_devices(false);
-        let host = host_uses(&devices, &hostuse::detect(&kernel.sysfs(), &[]));
+        let host = host_uses(
+            &devices,
+            &configured(&devices),
+            &hostuse::detect(&kernel.sysfs(), &[]),
+        );
         let none = HostUses::new();
         let claims = [
             claim(1, "0000:af:00.0", "vm1", ClaimState::Claimed, false),
@@ -528,7 +581,7 @@ mod tests {
             (&["0000:af:00.0"], &[], &busy, true, true, Err("0000:af:00.0 is busy: task 9 is running on it")),
             // The host guard: selected or not, directly or through the IOMMU group.
             (&["0000:02:00.0"], &[], &[], true, true, Err("0000:02:00.0 is used by the host: network interface enp2s0 is up")),
-            (&[NIC_MATE], &[], &[], true, true, Err("0000:02:00.1 is used by the host: shares its IOMMU group with protected device 0000:02:00.0")),
+            (&[NIC_MATE], &[], &[], true, true, Err("0000:02:00.1 is used by the host: it shares IOMMU group 8 with 0000:02:00.0 (network interface enp2s0 is up)")),
             (&["0000:3d:00.0"], &[], &[], true, true, Err("0000:3d:00.0 is used by the host: block device nvme")),
             (&["0000:17:00.0"], &[], &[], true, true, Err("0000:17:00.0 is used by the host: protected by config")),
             (&["0000:17:00.1"], &[], &[], true, true, Err("0000:17:00.1 is used by the host: shares its IOMMU group with protected device 0000:17:00.0")),
@@ -573,7 +626,11 @@ mod tests {
     fn a_hot_plugged_host_function_is_an_error_naming_the_domain() {
         use crate::host::libvirt::xml::hostdevs;
         let (_dir, kernel, devices) = inventory_devices(false);
-        let uses = host_uses(&devices, &hostuse::detect(&kernel.sysfs(), &[]));
+        let uses = host_uses(
+            &devices,
+            &configured(&devices),
+            &hostuse::detect(&kernel.sysfs(), &[]),
+        );
         let dev = |alias: &str, a: &str| {
             let p: PciAddress = a.parse().unwrap();
             format!(
@@ -633,31 +690,45 @@ mod tests {
     #[test]
     fn host_uses_found_now_and_their_group_mates() {
         let (_dir, _kernel, devices) = inventory_devices(false);
+        // The records say the NIC is the host's (its interface was up at the last pass): the
+        // kernel says it is not any more, and only the kernel is asked.
+        assert_eq!(
+            devices
+                .iter()
+                .find(|d| d.address == a("0000:02:00.0"))
+                .unwrap()
+                .state,
+            State::Protected
+        );
         let mut detected = BTreeMap::new();
         detected.insert(
             a("0000:d8:00.0"),
-            vec!["network interface x is up".to_string()],
+            vec!["block device nvme1n1 is held by dm-0 (vg0-data)".to_string()],
         );
-        let uses = host_uses(&devices, &detected);
-        assert_eq!(uses[&a("0000:d8:00.0")], "network interface x is up");
-        assert!(uses[&a("0000:02:00.0")].contains("enp2s0"), "{uses:?}");
+        let uses = host_uses(&devices, &configured(&devices), &detected);
+        assert_eq!(
+            uses[&a("0000:d8:00.0")],
+            "block device nvme1n1 is held by dm-0 (vg0-data)"
+        );
+        assert!(!uses.contains_key(&a("0000:02:00.0")), "{uses:?}");
+        assert!(!uses.contains_key(&a(NIC_MATE)), "{uses:?}");
         assert!(!uses.contains_key(&a("0000:af:00.0")));
-        // The NIC's group-mate, through the group, when only the detection knows the NIC.
-        let only_now: Vec<Device> = devices
-            .iter()
-            .cloned()
-            .map(|mut d| {
-                d.state = State::Usable;
-                d.state_reason.clear();
-                d
-            })
-            .collect();
+        // [[protect]] and its group-mate, as the inventory says them.
+        assert_eq!(
+            uses[&a("0000:17:00.0")],
+            "protected by config (address=0000:17:00.0)"
+        );
+        assert_eq!(
+            uses[&a("0000:17:00.1")],
+            "shares its IOMMU group with protected device 0000:17:00.0"
+        );
+        // The NIC's group-mate, through the group, when the kernel says the NIC is used.
         let mut detected = BTreeMap::new();
         detected.insert(
             a("0000:02:00.0"),
             vec!["network interface enp2s0 is up".to_string()],
         );
-        let uses = host_uses(&only_now, &detected);
+        let uses = host_uses(&devices, &BTreeMap::new(), &detected);
         assert!(
             uses[&a(NIC_MATE)].starts_with("it shares IOMMU group ")
                 && uses[&a(NIC_MATE)]

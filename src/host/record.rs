@@ -20,9 +20,13 @@
 //!   with a device (`name`, `device`);
 //! - `proc/sys/kernel/osrelease`.
 //!
-//! Never read: BARs (`resource*`), the `rom`, config space past 256 bytes, processes' open files
-//! (`proc/*/fd`: which VM holds which VFIO group); of the running vfiod, only its name and its
-//! mount table. [`LEFT_OUT`] says what a recording leaves
+//! - who holds the host's devices ([`Uses`], `hostuse`'s facts): every `sys/class/block` entry
+//!   below a function with its `holders/` (and their `dm/name`), the block devices an exclusive
+//!   open finds busy, and the device nodes of functions that processes hold (pid, `comm`, a
+//!   QEMU's guest name, the node and its `sys/dev` link).
+//!
+//! Never read: BARs (`resource*`), the `rom`, config space past 256 bytes, processes' other open
+//! files and their command lines; of the running vfiod, only its name and its mount table. [`LEFT_OUT`] says what a recording leaves
 //! out, in the manifest itself. Links are kept as the host has them, relative, so the tree
 //! resolves under any root; an absolute link is made relative to the recorded root.
 //!
@@ -30,11 +34,13 @@
 //! its path and errno, and the replay fails that read the same way, so the function is broken
 //! there with the host's reason.
 
+use super::sysfs::{hostuse, Backend, NodeKind, Sysfs};
 use crate::model::pci::PciAddress;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{self, Read, Write};
 use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
 
 /// The manifest's name at the top of a recording.
 pub const MANIFEST: &str = "manifest.json";
@@ -83,7 +89,7 @@ pub const LEFT_OUT: &[&str] = &[
     "BAR contents and expansion ROMs (resource*, rom): never read",
     "PCI config space past its first 256 bytes (the extended capabilities)",
     "every sysfs attribute vfiod does not read (see docs/recording.md for the list it does read)",
-    "processes and their open files (proc/*/fd: which VM holds which VFIO group)",
+    "processes and their open files (proc/*/fd), but for the device nodes of PCI functions: which process (pid, comm, a QEMU's guest name) holds which",
     "the host name (unless --with-hostname)",
     "vfiod's configuration and its state database (claims, tasks, history)",
     "mount table lines of anything but /dev block devices, swap files",
@@ -172,6 +178,41 @@ pub struct Manifest {
     #[serde(default)]
     pub unreadable: Vec<Unreadable>,
     pub left_out: Vec<String>,
+    /// Who held the host's devices beside what the tree shows.
+    #[serde(default, skip_serializing_if = "Uses::is_empty")]
+    pub uses: Uses,
+}
+
+/// Who held the host's devices when it was recorded, beside what the tree shows (the block
+/// devices' `holders/`, which are recorded as links): the block devices an exclusive open
+/// found busy, and the device nodes of PCI functions that processes had open (their pid and
+/// `comm`; of a QEMU, its guest name). `sim::replay` answers the same.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Uses {
+    /// Block device names (`nvme1n1`).
+    #[serde(default)]
+    pub busy: Vec<String>,
+    #[serde(default)]
+    pub open: Vec<OpenRecord>,
+}
+
+impl Uses {
+    pub fn is_empty(&self) -> bool {
+        self.busy.is_empty() && self.open.is_empty()
+    }
+}
+
+/// One device node a process had open.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OpenRecord {
+    pub pid: u32,
+    /// The descriptor's name under `proc/PID/fd`.
+    pub fd: String,
+    /// The node, as the process had it: `/dev/nvme1n1`, `/dev/vfio/devices/vfio0`,
+    /// `/dev/vfio/40`.
+    pub node: String,
+    /// Its kind and number, `block 259:1`; none for a VFIO group (known by its name).
+    pub number: Option<String>,
 }
 
 /// What to record besides the tree.
@@ -588,6 +629,135 @@ impl Recorder<'_> {
         Some(dir)
     }
 
+    /// A `sys/class/block` entry as `hostuse` reads it: the link, its directory's
+    /// `partition` and `dev`, its `holders/` and each holder's class link, directory and
+    /// `dm/name`; for an NVMe multipath head, its subsystem's controller links.
+    fn held_block(&mut self, name: &str) {
+        let class = Path::new("sys/class/block").join(name);
+        if self.link(&class, &class).is_none() {
+            return;
+        }
+        let Some(dir) = self.canonical(&class) else {
+            return;
+        };
+        self.dir(&dir);
+        for attr in ["partition", "dev"] {
+            self.file(&dir.join(attr), &class.join(attr), 64);
+        }
+        let holders = dir.join("holders");
+        if let Ok(names) = self.list(&holders) {
+            self.dir(&holders);
+            for h in names {
+                self.link(&holders.join(&h), &holders.join(&h));
+                let h_class = Path::new("sys/class/block").join(&h);
+                if self.link(&h_class, &h_class).is_some() {
+                    if let Some(h_dir) = self.canonical(&h_class) {
+                        self.dir(&h_dir);
+                        self.file(&h_dir.join("dm/name"), &h_class.join("dm/name"), 256);
+                        self.file(&h_dir.join("dev"), &h_class.join("dev"), 64);
+                    }
+                }
+            }
+        }
+        let mut subsystem = PathBuf::new();
+        let mut after = false;
+        for c in dir.components() {
+            subsystem.push(c);
+            if after {
+                let Ok(entries) = self.list(&subsystem) else {
+                    break;
+                };
+                for e in entries.iter().filter(|e| {
+                    e.len() > 4
+                        && e.starts_with("nvme")
+                        && e[4..].bytes().all(|b| b.is_ascii_digit())
+                }) {
+                    let link = subsystem.join(e);
+                    self.link(&link, &link);
+                    if let Some(ctrl) = self.canonical(&link) {
+                        self.dir(&ctrl);
+                    }
+                }
+                break;
+            }
+            after = c.as_os_str() == "nvme-subsystem";
+        }
+    }
+
+    /// Where a link under the root leads, relative to the root.
+    fn canonical(&self, rel: &Path) -> Option<PathBuf> {
+        let canon = std::fs::canonicalize(self.abs(rel)).ok()?;
+        canon.strip_prefix(self.root).ok().map(Path::to_path_buf)
+    }
+
+    /// Who holds the host's devices (`hostuse`'s facts): the block devices below functions
+    /// with what `hostuse` reads of them, and the processes holding nodes of functions: their
+    /// `comm`, the guest name of a QEMU (as a command line of its own, `qemu -name guest=X`:
+    /// nothing else of it), and the `sys/dev` link of each node.
+    fn uses(&mut self, backend: &Arc<dyn Backend>) -> Uses {
+        use crate::hostuse::Node;
+        let sysfs = Sysfs::new(self.root.to_path_buf(), Arc::clone(backend));
+        let facts = hostuse::read(&sysfs, hostuse::Scope::All, &[]);
+        let mut uses = Uses::default();
+        for b in &facts.blocks {
+            self.held_block(&b.name);
+            if b.busy {
+                uses.busy.push(b.name.clone());
+            }
+        }
+        for (i, o) in facts.open.iter().enumerate() {
+            let pid = o.process.pid;
+            let node = match &o.node {
+                Node::Block(n) => format!("/dev/{n}"),
+                Node::Char(p) | Node::Vfio(p) => p.clone(),
+                Node::VfioGroup(g) => format!("/dev/vfio/{g}"),
+            };
+            let number = match &o.node {
+                Node::VfioGroup(_) => None,
+                _ => backend
+                    .device_number(&self.abs(Path::new(node.trim_start_matches('/'))))
+                    .ok()
+                    .flatten(),
+            };
+            if let Some(n) = number {
+                let link = Path::new("sys/dev")
+                    .join(n.kind.sys_dev())
+                    .join(n.to_string());
+                if self.link(&link, &link).is_some() {
+                    if let Some(dir) = self.canonical(&link) {
+                        self.dir(&dir);
+                    }
+                }
+            }
+            let proc_dir = Path::new("proc").join(pid.to_string());
+            self.put(
+                &proc_dir.join("comm"),
+                Member::File(format!("{}\n", o.process.comm).into_bytes()),
+            );
+            if let Some(guest) = &o.process.guest {
+                self.put(
+                    &proc_dir.join("cmdline"),
+                    Member::File(format!("qemu\0-name\0guest={guest}\0").into_bytes()),
+                );
+            }
+            uses.open.push(OpenRecord {
+                pid,
+                fd: (3 + i).to_string(),
+                node,
+                number: number.map(|n| {
+                    let kind = match n.kind {
+                        NodeKind::Block => "block",
+                        NodeKind::Char => "char",
+                    };
+                    format!("{kind} {n}")
+                }),
+            });
+        }
+        uses.busy.sort();
+        uses.busy.dedup();
+        uses
+    }
+
     /// Interfaces that are up on a PCI device: their `sys/class/net` link, `flags`, `operstate`.
     fn interfaces(&mut self) {
         let net = Path::new("sys/class/net");
@@ -624,6 +794,16 @@ impl Recorder<'_> {
 /// Reads the host under `root` (`/` on a real host) into a recording. Read-only: nothing under
 /// `root` is written, and only the files the module header lists are opened.
 pub fn record(root: &Path, options: &Options) -> Result<Recording, RecordError> {
+    record_with(root, Arc::new(super::sysfs::HostFs), options)
+}
+
+/// [`record`], with the device nodes and exclusive opens answered by `backend` (the
+/// simulated kernel's own under its root).
+pub fn record_with(
+    root: &Path,
+    backend: Arc<dyn Backend>,
+    options: &Options,
+) -> Result<Recording, RecordError> {
     let started = std::time::SystemTime::now();
     let devices = root.join("sys/bus/pci/devices");
     let mut addresses: Vec<PciAddress> = std::fs::read_dir(&devices)
@@ -653,6 +833,7 @@ pub fn record(root: &Path, options: &Options) -> Result<Recording, RecordError> 
     }
     r.interfaces();
     r.consoles();
+    let uses = r.uses(&backend);
     let osrelease = Path::new("proc/sys/kernel/osrelease");
     let kernel_release = r
         .file(osrelease, osrelease, 256)
@@ -687,6 +868,7 @@ pub fn record(root: &Path, options: &Options) -> Result<Recording, RecordError> 
         counts,
         unreadable: r.unreadable,
         left_out: LEFT_OUT.iter().map(|s| s.to_string()).collect(),
+        uses,
     };
     Ok(Recording {
         members: r.members,

@@ -144,6 +144,12 @@ impl Replay {
             self.root.clone(),
             Arc::new(ReadOnly {
                 faults: self.faults.clone(),
+                root: self.root.clone(),
+                uses: self
+                    .manifest
+                    .as_ref()
+                    .map(|m| m.uses.clone())
+                    .unwrap_or_default(),
             }),
         )
     }
@@ -194,6 +200,9 @@ impl Replay {
         let kernel = SimKernel::build(root, &model).map_err(build)?;
         let mut notes = Vec::new();
         boot_state(&kernel, &seen, &mut notes);
+        if let Some(m) = &self.manifest {
+            replay_uses(&kernel, &self.root, &m.uses).map_err(build)?;
+        }
         copy_host_use(&self.root, kernel.root()).map_err(build)?;
         faults(&kernel, &seen, &self.faults, &self.root);
         for f in &seen.functions {
@@ -206,13 +215,28 @@ impl Replay {
     }
 }
 
-/// The read-only backend: the recording's files as they are; every write refused.
+/// The read-only backend: the recording's files as they are; every write refused. Who held
+/// the host's devices comes from the manifest ([`record::Uses`]): an exclusive open of a device
+/// recorded busy fails with EBUSY, and the recorded processes hold the recorded nodes.
 #[derive(Debug, Default)]
 pub struct ReadOnly {
     faults: HashMap<PathBuf, i32>,
+    root: PathBuf,
+    uses: record::Uses,
 }
 
 impl ReadOnly {
+    /// The recorded process and descriptor a `proc/PID/fd[/N]` path names.
+    fn proc_fd<'a>(&self, path: &'a Path) -> Option<(u32, Option<&'a str>)> {
+        let rel = path.strip_prefix(self.root.join("proc")).ok()?;
+        let mut parts = rel.iter().filter_map(|c| c.to_str());
+        let pid = parts.next()?.parse().ok()?;
+        if parts.next()? != "fd" {
+            return None;
+        }
+        Some((pid, parts.next()))
+    }
+
     fn fault(&self, path: &Path) -> io::Result<()> {
         match self.faults.get(path) {
             Some(errno) => Err(io::Error::from_raw_os_error(*errno)),
@@ -250,6 +274,47 @@ impl Backend for ReadOnly {
     /// A recording has no FPGA to program.
     fn fpga_port_pr(&self, _: &Path, _: u32, _: &[u8], _: Option<&str>) -> io::Result<()> {
         Err(io::Error::from_raw_os_error(libc::EACCES))
+    }
+
+    /// The recorded number of a recorded process's node; never the replaying machine's own.
+    fn device_number(&self, path: &Path) -> io::Result<Option<crate::host::sysfs::DeviceNumber>> {
+        let Some((pid, Some(fd))) = self.proc_fd(path) else {
+            return Ok(None);
+        };
+        Ok(self
+            .uses
+            .open
+            .iter()
+            .find(|o| o.pid == pid && o.fd == fd)
+            .and_then(|o| parse_number(o.number.as_deref()?)))
+    }
+
+    /// EBUSY for a block device the recording found busy; nothing is opened.
+    fn probe_exclusive(&self, path: &Path) -> io::Result<()> {
+        let name = path
+            .strip_prefix(self.root.join("dev"))
+            .ok()
+            .and_then(|n| n.to_str());
+        match name {
+            Some(n) if self.uses.busy.iter().any(|b| b == n) => {
+                Err(io::Error::from_raw_os_error(libc::EBUSY))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// The recorded descriptors of a recorded process.
+    fn fd_targets(&self, dir: &Path) -> io::Result<Vec<(OsString, PathBuf)>> {
+        let Some((pid, None)) = self.proc_fd(dir) else {
+            return Err(io::Error::from_raw_os_error(libc::ENOENT));
+        };
+        Ok(self
+            .uses
+            .open
+            .iter()
+            .filter(|o| o.pid == pid)
+            .map(|o| (OsString::from(&o.fd), PathBuf::from(&o.node)))
+            .collect())
     }
 }
 
@@ -715,6 +780,77 @@ fn faults(kernel: &SimKernel, seen: &SeenHost, recorded: &HashMap<PathBuf, i32>,
     }
 }
 
+/// `block 259:1` as a device number.
+fn parse_number(text: &str) -> Option<crate::host::sysfs::DeviceNumber> {
+    use crate::host::sysfs::{DeviceNumber, NodeKind};
+    let (kind, number) = text.split_once(' ')?;
+    let (major, minor) = number.split_once(':')?;
+    Some(DeviceNumber {
+        kind: match kind {
+            "block" => NodeKind::Block,
+            "char" => NodeKind::Char,
+            _ => return None,
+        },
+        major: major.parse().ok()?,
+        minor: minor.parse().ok()?,
+    })
+}
+
+/// The recording's holders of the host's devices in the simulated kernel: the devices found
+/// busy held exclusively (beside the holders the copied tree shows), the processes holding
+/// their nodes, and each node as the simulated kernel's `/dev` shows one (a file naming its
+/// number).
+/// Runs before the host-use files are copied (the kernel renders its own while it changes).
+fn replay_uses(kernel: &SimKernel, from: &Path, uses: &record::Uses) -> io::Result<()> {
+    let root = kernel.root();
+    for b in &uses.busy {
+        let dev = from.join("sys/class/block").join(b).join("dev");
+        if let Ok(number) = std::fs::read_to_string(&dev) {
+            write_node(
+                root,
+                &format!("/dev/{b}"),
+                &format!("block {}", number.trim()),
+            )?;
+        }
+        kernel.hold_exclusively(b, true)?;
+    }
+    let mut by_pid: BTreeMap<u32, Vec<&record::OpenRecord>> = BTreeMap::new();
+    for o in &uses.open {
+        by_pid.entry(o.pid).or_default().push(o);
+        if let Some(n) = &o.number {
+            write_node(root, &o.node, n)?;
+        }
+    }
+    for (pid, opens) in by_pid {
+        let dir = from.join("proc").join(pid.to_string());
+        let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+        let cmdline = std::fs::read(dir.join("cmdline")).unwrap_or_default();
+        kernel.spawn(crate::sim::kernel::ProcessSpec {
+            pid,
+            comm: comm.trim().to_string(),
+            cmdline: String::from_utf8_lossy(&cmdline)
+                .split('\0')
+                .filter(|a| !a.is_empty())
+                .map(str::to_string)
+                .collect(),
+            nodes: opens.iter().map(|o| o.node.clone()).collect(),
+        })?;
+    }
+    Ok(())
+}
+
+/// A simulated `/dev` node file (`block 259:1`) for `node`, unless the kernel made one.
+fn write_node(root: &Path, node: &str, number: &str) -> io::Result<()> {
+    let file = root.join(node.trim_start_matches('/'));
+    if file.exists() {
+        return Ok(());
+    }
+    if let Some(p) = file.parent() {
+        std::fs::create_dir_all(p)?;
+    }
+    std::fs::write(file, format!("{number}\n"))
+}
+
 /// Copies the host-use files from the recording: `proc/mounts`, `proc/swaps`, the `dev/mapper`
 /// links, and the `sys/class/block`, `sys/class/net`, `sys/class/graphics` and
 /// `sys/class/vtconsole` links with the directories they reach (a disk's `slaves/` included),
@@ -732,6 +868,8 @@ fn copy_host_use(from: &Path, to: &Path) -> io::Result<()> {
         "sys/class/net",
         "sys/class/graphics",
         "sys/class/vtconsole",
+        "sys/dev/block",
+        "sys/dev/char",
     ] {
         let Ok(entries) = std::fs::read_dir(from.join(class)) else {
             continue;
@@ -752,6 +890,21 @@ fn copy_host_use(from: &Path, to: &Path) -> io::Result<()> {
                 continue;
             };
             copy_tree(&from.join(&dir), &to.join(&dir))?;
+            // A multipath head's subsystem names its controllers beside it.
+            if dir.iter().any(|c| c == "nvme-subsystem") {
+                if let Some(subsystem) = dir.parent() {
+                    copy_tree(&from.join(subsystem), &to.join(subsystem))?;
+                    // The controllers it links to, where the host has them.
+                    for e in std::fs::read_dir(from.join(subsystem))?.filter_map(Result::ok) {
+                        let Ok(ctrl) = std::fs::canonicalize(e.path()) else {
+                            continue;
+                        };
+                        if let Ok(rel) = ctrl.strip_prefix(from) {
+                            std::fs::create_dir_all(to.join(rel))?;
+                        }
+                    }
+                }
+            }
             if let Some(parent) = dir.parent() {
                 let slaves = parent.join("slaves");
                 if from.join(&slaves).is_dir() {

@@ -13,6 +13,7 @@ mod config;
 mod convert;
 mod dfl;
 mod domain_xml;
+mod hostuse;
 mod inventory;
 mod man_pages;
 mod planner;

@@ -1,6 +1,7 @@
 //! `vfioctl record`'s recorder and `vfiod --simulate --replay`'s replay, on the simulated
 //! reference host: a recording holds what vfiod reads and nothing it must not (no BARs, no ROM,
-//! no config space past 256 bytes, no other process's descriptors); read back, read-only or
+//! no config space past 256 bytes, of another process only its name and the device nodes it
+//! holds); who holds the host's devices (holders, exclusive opens, processes) replays the same; read back, read-only or
 //! booted in the simulated kernel, it gives the inventory the host gives; a missing or failed
 //! read makes the function broken with the host's reason; a tree another tool made replays; a
 //! recording is written atomically and never over a file unless asked.
@@ -119,7 +120,8 @@ fn a_recording_holds_what_vfiod_reads_and_nothing_it_must_not() {
     let mut config = std::fs::read(gpu_dir.join("config")).unwrap();
     config.resize(4096, 0xab);
     std::fs::write(gpu_dir.join("config"), &config).unwrap();
-    // Another process holding a VFIO group: not the recording's business.
+    // Another process holding a VFIO group: only who it is (its comm) and what it holds (in the
+    // manifest) are the recording's business.
     std::fs::create_dir_all(root.join("proc/4242/fd")).unwrap();
     std::os::unix::fs::symlink("/dev/vfio/7", root.join("proc/4242/fd/9")).unwrap();
     std::fs::write(root.join("proc/4242/comm"), "qemu-system-x86\n").unwrap();
@@ -133,7 +135,10 @@ fn a_recording_holds_what_vfiod_reads_and_nothing_it_must_not() {
             !last.starts_with("resource") && last != "rom",
             "{n} must never be read"
         );
-        assert!(!n.starts_with("proc/4242"), "{n}: another process's files");
+        assert!(
+            !n.starts_with("proc/4242") || n == "proc/4242" || n == "proc/4242/comm",
+            "{n}: another process's files"
+        );
     }
     assert_eq!(names[0], record::MANIFEST, "the manifest comes first");
     let rel_config = gpu_dir.strip_prefix(root).unwrap().join("config");
@@ -510,4 +515,92 @@ fn a_replay_shows_the_console_gpu_and_a_missing_iommu_as_the_host_does() {
         .build_writable(&dir.path().join("none-writable"))
         .expect("writable");
     assert_eq!(iommu::read(&writable.sysfs()), Iommu::Absent, "writable");
+}
+
+/// Issue 32: who holds the host's devices replays as recorded: the data NVMe drive held by an
+/// LVM volume, a multipath head held exclusively, a process with a disk open and a QEMU holding
+/// a VF through its VFIO device node give the same uses read-only and booted writable.
+#[test]
+fn the_hosts_holders_replay_as_recorded() {
+    use vfiod::host::sysfs::hostuse::{self, Scope};
+    use vfiod::sim::kernel::ProcessSpec;
+    let (dir, kernel) = split_host();
+    let data = addr("0000:d8:00.0");
+    kernel.add_disk(data, 1, false).unwrap();
+    kernel.add_disk(data, 2, true).unwrap();
+    kernel
+        .add_holder("nvme1n1", "dm-0", Some("vg0-data"))
+        .unwrap();
+    kernel.hold_exclusively("nvme2n1", true).unwrap();
+    let node = kernel.vfio_device_node(addr("0000:3b:02.0")).unwrap();
+    let spawn = |pid: u32, comm: &str, args: &[&str], nodes: &[&str]| {
+        kernel
+            .spawn(ProcessSpec {
+                pid,
+                comm: comm.into(),
+                cmdline: args.iter().map(|a| a.to_string()).collect(),
+                nodes: nodes.iter().map(|n| n.to_string()).collect(),
+            })
+            .unwrap()
+    };
+    spawn(
+        812,
+        "fio",
+        &["fio", "--secret=1"],
+        &["/dev/nvme1n1", "socket:[1]"],
+    );
+    spawn(
+        900,
+        "qemu-system-x86",
+        &[
+            "qemu-system-x86_64",
+            "-name",
+            "guest=vm1",
+            "-object",
+            "secret,id=s0,data=x",
+        ],
+        &[&node],
+    );
+    let uses = |sysfs: &Sysfs| vfiod::hostuse::uses(&hostuse::read(sysfs, Scope::All, &[]));
+    let original = uses(&kernel.sysfs());
+    assert_eq!(original[&data].len(), 3, "{original:?}");
+    assert_eq!(original[&addr("0000:3b:02.0")].len(), 1, "{original:?}");
+
+    let rec = record::record_with(
+        kernel.root(),
+        Arc::clone(&kernel) as Arc<dyn Backend>,
+        &options(),
+    )
+    .expect("record");
+    // The boot drive's mounted partitions (and its disk) are busy too.
+    assert_eq!(
+        rec.manifest.uses.busy,
+        vec![
+            "nvme0n1",
+            "nvme0n1p1",
+            "nvme0n1p2",
+            "nvme0n1p3",
+            "nvme1n1",
+            "nvme2n1"
+        ]
+    );
+    assert_eq!(rec.manifest.uses.open.len(), 2, "{:?}", rec.manifest.uses);
+    let cmdline = match &rec.members()[Path::new("proc/900/cmdline")] {
+        Member::File(b) => String::from_utf8_lossy(b).into_owned(),
+        other => panic!("{other:?}"),
+    };
+    assert!(
+        !cmdline.contains("secret"),
+        "only the guest name: {cmdline:?}"
+    );
+    assert!(!rec.members().contains_key(Path::new("proc/812/cmdline")));
+    let file = dir.path().join("held.tar.gz");
+    rec.write_file(&file, false).expect("write");
+
+    let replay = Replay::open(&file, &dir.path().join("unpacked")).expect("open");
+    assert_eq!(uses(&replay.sysfs()), original, "read-only replay");
+    let (writable, _) = replay
+        .build_writable(&dir.path().join("writable"))
+        .expect("writable");
+    assert_eq!(uses(&writable.sysfs()), original, "writable replay");
 }

@@ -751,6 +751,101 @@ async fn the_host_guard_refuses_every_function_the_host_uses() {
     assert!(claims_now(&h).await.is_empty());
 }
 
+/// A process of the simulated host holding `nodes` open.
+fn process(pid: u32, comm: &str, nodes: &[&str]) -> vfiod::sim::kernel::ProcessSpec {
+    vfiod::sim::kernel::ProcessSpec {
+        pid,
+        comm: comm.into(),
+        cmdline: vec![comm.into()],
+        nodes: nodes.iter().map(|n| n.to_string()).collect(),
+    }
+}
+
+/// Issue 32: the host guard asks the kernel. The data NVMe drive (unselected, nothing
+/// mounted) is left to libvirt until something holds its namespace: a dm (LVM) or md holder,
+/// an exclusive open (ZFS, btrfs, O_EXCL), a process with the disk or the controller's node
+/// open (a raw-disk VM's QEMU too); each refuses `prepare` and `restore` with one line naming
+/// the holder, and the start is allowed again once the holder is gone. A multipath head
+/// (no PCI parent) counts for its controller.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_holder_the_kernel_knows_refuses_the_start() {
+    let (h, hook_config, bus) = harness().await;
+    h.kernel.add_disk(addr(UNMANAGED), 1, false).unwrap();
+    h.kernel.add_disk(addr(UNMANAGED), 2, true).unwrap();
+    let xml = managed_hostdev_xml("vm1", &[UNMANAGED]);
+    let start = || hook(&bus, &hook_config, &["vm1", "prepare", "begin", "-"], &xml);
+    let r = start();
+    assert_eq!(r.code, 0, "an idle drive is libvirt's: {}", r.stderr);
+    type Step = Box<dyn Fn(&vfiod::sim::kernel::SimKernel)>;
+    let cases: Vec<(Step, Step, &str)> = vec![
+        (
+            Box::new(|k: &vfiod::sim::kernel::SimKernel| {
+                k.add_holder("nvme1n1", "dm-0", Some("vg0-data")).unwrap()
+            }),
+            Box::new(|k: &vfiod::sim::kernel::SimKernel| {
+                k.remove_holder("nvme1n1", "dm-0").unwrap()
+            }),
+            "block device nvme1n1 is held by dm-0 (vg0-data)",
+        ),
+        (
+            Box::new(|k: &vfiod::sim::kernel::SimKernel| {
+                k.add_holder("nvme2n1", "md127", None).unwrap()
+            }),
+            Box::new(|k: &vfiod::sim::kernel::SimKernel| {
+                k.remove_holder("nvme2n1", "md127").unwrap()
+            }),
+            "block device nvme2n1 is held by md127",
+        ),
+        (
+            Box::new(|k: &vfiod::sim::kernel::SimKernel| {
+                k.hold_exclusively("nvme1n1", true).unwrap()
+            }),
+            Box::new(|k: &vfiod::sim::kernel::SimKernel| {
+                k.hold_exclusively("nvme1n1", false).unwrap()
+            }),
+            "block device nvme1n1 is held exclusively",
+        ),
+        (
+            Box::new(|k: &vfiod::sim::kernel::SimKernel| {
+                k.spawn(process(812, "fio", &["/dev/nvme2n1"])).unwrap()
+            }),
+            Box::new(|k: &vfiod::sim::kernel::SimKernel| k.end(812).unwrap()),
+            "block device nvme2n1 is open by pid 812 (fio)",
+        ),
+        (
+            Box::new(|k: &vfiod::sim::kernel::SimKernel| {
+                k.spawn(process(813, "nvme", &["/dev/nvme1"])).unwrap()
+            }),
+            Box::new(|k: &vfiod::sim::kernel::SimKernel| k.end(813).unwrap()),
+            "/dev/nvme1 is open by pid 813 (nvme)",
+        ),
+        (
+            Box::new(|k: &vfiod::sim::kernel::SimKernel| {
+                k.spawn(process(900, "qemu-system-x86", &["/dev/nvme1n1"]))
+                    .unwrap()
+            }),
+            Box::new(|k: &vfiod::sim::kernel::SimKernel| k.end(900).unwrap()),
+            "block device nvme1n1 is open by pid 900 (qemu-system-x86)",
+        ),
+    ];
+    for (hold, release, says) in cases {
+        hold(&h.kernel);
+        let r = start();
+        assert_eq!(r.code, 1, "{says}: {}", r.stderr);
+        assert_eq!(r.stderr.trim().lines().count(), 1, "one line: {}", r.stderr);
+        let line =
+            format!("vfiod: domain vm1 cannot start: {UNMANAGED} is used by the host: {says}");
+        assert!(r.stderr.contains(&line), "{says}: {}", r.stderr);
+        let r = hook(&bus, &hook_config, &["vm1", "restore", "begin", "-"], &xml);
+        assert_eq!(r.code, 1, "restore, {says}: {}", r.stderr);
+        assert!(r.stderr.contains(says), "{}", r.stderr);
+        release(&h.kernel);
+        let r = start();
+        assert_eq!(r.code, 0, "{says} gone: {}", r.stderr);
+    }
+    assert!(claims_now(&h).await.is_empty(), "nothing was claimed");
+}
+
 /// Issue 19: the guard holds when vfiod does not answer: the hook's fallback reads the store
 /// and refuses a domain naming a function it records as used by the host.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -17,10 +17,12 @@ use std::time::Duration;
 use vfiod::client::claim::{self, ClaimProxy};
 use vfiod::client::{self, image::images, DeviceProxy};
 use vfiod::fpga::image::build;
-use vfiod::sim::kernel::REFERENCE_FPGA_INTERFACE;
+use vfiod::sim::kernel::{ProcessSpec, SimKernel, REFERENCE_FPGA_INTERFACE};
 use zbus::Variant;
 
 const AF: &str = "0000:af:00.0";
+/// The data NVMe drive: nothing mounted on it.
+const DATA_NVME: &str = "0000:d8:00.0";
 const NLB: &str = "d8424dc4a4a3c413f89e433683f9040b";
 
 /// A libvirt test-driver host with these running domains (name, assigned function).
@@ -312,4 +314,152 @@ async fn a_failed_attach_puts_the_drivers_back() {
         store.active_claim_records().unwrap().is_empty(),
         "the claim is released"
     );
+}
+
+/// A process of the simulated host holding `nodes` open (`args`: its command line).
+fn process(pid: u32, comm: &str, args: &[&str], nodes: &[&str]) -> ProcessSpec {
+    ProcessSpec {
+        pid,
+        comm: comm.into(),
+        cmdline: args.iter().map(|a| a.to_string()).collect(),
+        nodes: nodes.iter().map(|n| n.to_string()).collect(),
+    }
+}
+
+/// Issue 32: a drive the host holds without a mount (an LVM volume group on it, a process with
+/// it open) is not claimable: the claim is refused as the host's, naming the holder; once the
+/// holder is gone it is claimable again. And a clean does not reset it from under a holder
+/// that came since.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drive_the_host_holds_is_neither_claimed_nor_cleaned() {
+    let h = Harness::start(
+        "scenario = \"private\"\npoll_interval = 3600\nlibvirt_uri = \"\"\n\
+         [[select]]\nid = \"144d:a824\"\n",
+    )
+    .await;
+    h.kernel.add_disk(addr(DATA_NVME), 1, false).unwrap();
+    let claims = claim::claims_proxy(&h.client).await.unwrap();
+    let try_claim = || {
+        claims.claim(
+            dict(&[("address", Variant::from(DATA_NVME))]),
+            dict(&[("vm_name", Variant::from("vm1"))]),
+        )
+    };
+    for (hold, release, says) in [
+        (
+            &(|k: &SimKernel| k.add_holder("nvme1n1", "dm-0", Some("vg0-data")).unwrap())
+                as &dyn Fn(&SimKernel),
+            &(|k: &SimKernel| k.remove_holder("nvme1n1", "dm-0").unwrap()) as &dyn Fn(&SimKernel),
+            "block device nvme1n1 is held by dm-0 (vg0-data)",
+        ),
+        (
+            &|k: &SimKernel| {
+                k.spawn(process(812, "fio", &["fio"], &["/dev/nvme1n1"]))
+                    .unwrap()
+            },
+            &|k: &SimKernel| k.end(812).unwrap(),
+            "block device nvme1n1 is open by pid 812 (fio)",
+        ),
+    ] {
+        hold(&h.kernel);
+        let (name, message) = refusal(try_claim().await, says);
+        assert!(
+            name.ends_with("Protected") && message.contains(says),
+            "{name}: {message}"
+        );
+        release(&h.kernel);
+    }
+    let path = try_claim()
+        .await
+        .expect("claimable once the holders are gone");
+    let p = ClaimProxy::builder(&h.client)
+        .path(path)
+        .build()
+        .await
+        .unwrap();
+    p.release().await.unwrap();
+    let d: DeviceProxy = client::device(&h.client, DATA_NVME).await.unwrap();
+    let watch = common::proxies::device(&h, DATA_NVME).await;
+    let (watch, h_) = (&watch, &h);
+    eventually_async(
+        Duration::from_secs(30),
+        "the clean after the claim",
+        || async move {
+            let usable = h_.store().device(addr(DATA_NVME)).unwrap()?.state
+                == vfiod::model::device::State::Usable;
+            (usable && watch.task_state().await.unwrap() == "idle").then_some(())
+        },
+    )
+    .await;
+    h.kernel
+        .spawn(process(813, "nvme", &["nvme"], &["/dev/nvme1"]))
+        .unwrap();
+    h.kernel.take_write_log();
+    in_use(
+        d.clean(dict(&[])).await,
+        "a clean of a drive a process holds",
+        "0000:d8:00.0 is used by the host: /dev/nvme1 is open by pid 813 (nvme)",
+    );
+    assert!(h.kernel.take_write_log().is_empty(), "nothing written");
+    h.kernel.end(813).unwrap();
+    cleaned_once_free(&d, "a clean once nobody holds it").await;
+}
+
+/// A clean of `d`, asked until it is taken: the refused one's task may still be on its way out.
+async fn cleaned_once_free(d: &DeviceProxy<'_>, what: &str) {
+    eventually_async(Duration::from_secs(30), what, || async move {
+        match d.clean(dict(&[])).await {
+            Ok(task) => Some(task),
+            Err(zbus::Error::MethodError(name, _, _)) if name.as_str().ends_with(".Busy") => None,
+            Err(e) => panic!("{what}: {e}"),
+        }
+    })
+    .await;
+}
+
+/// Issue 32: a QEMU outside libvirt holding a VF through its VFIO device node (iommufd,
+/// `/dev/vfio/devices/vfioN`, not `/dev/vfio/<group>`) refuses a restore of its PF and a
+/// clean of the VF, naming the process; both go ahead once it is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vm_holding_a_vf_through_iommufd_refuses_a_restore_and_a_clean() {
+    let h = Harness::start(&nic_config("")).await;
+    let vf = "0000:3b:02.0";
+    let h_ = &h;
+    let node = eventually_async(
+        Duration::from_secs(30),
+        "the VF on vfio-pci",
+        || async move {
+            h_.store().device(addr(vf)).unwrap()?;
+            h_.kernel.vfio_device_node(addr(vf))
+        },
+    )
+    .await;
+    h.kernel
+        .spawn(process(
+            4343,
+            "qemu-system-x86",
+            &[
+                "qemu-system-x86_64",
+                "-name",
+                "guest=byhand",
+                "-object",
+                "iommufd,id=fd0",
+            ],
+            &["/dev/iommu", &node],
+        ))
+        .unwrap();
+    h.kernel.take_write_log();
+    let says = format!("{vf} is used by VM byhand: {node} is open by pid 4343 (qemu-system-x86)");
+    let pf: DeviceProxy = client::device(&h.client, "0000:3b:00.0").await.unwrap();
+    in_use(
+        pf.set_mode("pf", vfiod::client::mode_options(None)).await,
+        "a restore of the PF",
+        &says,
+    );
+    let d: DeviceProxy = client::device(&h.client, vf).await.unwrap();
+    in_use(d.clean(dict(&[])).await, "a clean of the VF", &says);
+    assert!(h.kernel.take_write_log().is_empty(), "nothing written");
+    assert_eq!(h.kernel.num_vfs(addr("0000:3b:00.0")), Some(4));
+    h.kernel.end(4343).unwrap();
+    cleaned_once_free(&d, "a clean once the VM is gone").await;
 }

@@ -1,12 +1,15 @@
 //! The one guard every job calls before it takes functions away (the `guard` step of
 //! [`crate::engine::Job`]): who holds them. A claim in the store (any state but released), a
 //! running libvirt domain they are assigned to, and a process holding their VFIO group open (a
-//! VM's QEMU, libvirt's or not). A job that copied these checks would drift from the others (the
-//! program job once lost the VFIO one); a new kind of holder is added here, for all of them.
+//! VM's QEMU, libvirt's or not), and whatever else the kernel says uses them
+//! ([`crate::hostuse`]: a block device below them held, busy or open, any of their nodes open in
+//! a process). A job that copied these checks would drift from the others (the program job once
+//! lost the VFIO one); a new kind of holder is added there, for all of them.
 
 use super::super::context::JobContext;
 use super::super::JobError;
 use crate::host::sysfs::hostuse;
+use crate::hostuse::Use;
 use crate::model::pci::PciAddress;
 
 /// Holders a job may leave in place: its own claim and the domain it works for.
@@ -20,8 +23,9 @@ pub struct Allowed<'a> {
 }
 
 /// Every holder of any of `functions` but the `allowed` ones, one line each ("0000:3b:02.0 is
-/// claimed by VM vm1 (claim 4)", "0000:3b:02.0 is assigned to running domain vm1", "IOMMU
-/// group 40 is open by pid 77 (qemu-system-x86)"). `device` names the job's device in the
+/// claimed by VM vm1 (claim 4)", "0000:3b:02.0 is assigned to running domain vm1", "0000:3b:02.0
+/// is used by a VM: IOMMU group 40 is open by pid 77 (qemu-system-x86)", "0000:d8:00.0 is used
+/// by the host: block device nvme1n1 is held by dm-0 (vg0-data)"). `device` names the job's device in the
 /// error when libvirt cannot answer (then nothing may be changed).
 pub fn users_of(
     cx: &JobContext,
@@ -57,22 +61,24 @@ pub fn users_of(
             }
         }
     }
-    // Only a function on vfio-pci can have its VFIO group open; two link reads each, not a
-    // whole read_function (a restore touches 65 functions).
-    let sysfs = &cx.sysfs;
-    let mut groups = Vec::new();
-    for a in functions.iter().filter(|a| !theirs.contains(a)) {
-        let link = |attr| sysfs.read_optional_link_name(&sysfs.device_attr(*a, attr));
-        if let (Ok(Some(driver)), Ok(Some(group))) = (link("driver"), link("iommu_group")) {
-            if let (Ok(g), "vfio-pci") = (group.parse::<u32>(), driver.as_str()) {
-                if !groups.contains(&g) {
-                    groups.push(g);
+    // Whoever else the kernel says holds them (`crate::hostuse`): the host (a holder of a
+    // block device below them, a process with one of their nodes open), or a VM through VFIO
+    // (not the allowed domains': their QEMU holds the groups of the functions they have).
+    let facts = hostuse::read(
+        &cx.sysfs,
+        hostuse::Scope::Only(functions),
+        &cx.settings.host.allow_console_gpu,
+    );
+    for (f, uses) in crate::hostuse::uses(&facts) {
+        for u in uses {
+            if let Use::Vm { vm, .. } = &u {
+                let allowed_vm = vm.as_deref().is_some_and(|v| allowed.domains.contains(&v));
+                if theirs.contains(&f) || allowed_vm {
+                    continue;
                 }
             }
+            users.push(u.line(f));
         }
-    }
-    for (g, procs) in hostuse::vfio_users(sysfs, &groups) {
-        users.push(format!("IOMMU group {g} is open by {}", procs.join(", ")));
     }
     Ok(users)
 }

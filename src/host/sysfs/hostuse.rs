@@ -1,11 +1,15 @@
-//! Which PCI functions the host itself uses: the controllers behind mounted block devices (and
-//! swap), the devices behind network interfaces that are up, and the boot GPU driving the
-//! console (`console`). vfiod must never take these away from the host, whatever its config
-//! says.
+//! Who uses which PCI function, as the kernel says it: the edge that reads the facts
+//! ([`read`]) that [`crate::hostuse`] decides from. Mounted block devices and swap (through
+//! `dm`/`md` slaves), interfaces that are up, every block device below a function (its
+//! `holders/`, an exclusive open that finds it busy), and every device node of a function a
+//! process holds (`/proc/*/fd`, by device number through `/sys/dev/{char,block}`), and the boot
+//! GPU driving the console ([`super::console`]). Reads only: the exclusive open is closed at once
+//! and writes nothing.
 
-use super::Sysfs;
+use super::{DeviceNumber, NodeKind, Sysfs};
+use crate::hostuse::{BlockDevice, BlockHolder, Facts, Named, Node, OpenNode, Process};
 use crate::model::pci::PciAddress;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Component, Path};
 
 /// Why the host needs a function, e.g. "block device nvme0n1p2 is mounted at /".
@@ -97,10 +101,19 @@ fn block_endpoints(sysfs: &Sysfs, name: &str, depth: u8) -> Vec<PciAddress> {
     found
 }
 
-/// Scans the mount table, swap, network interfaces and the console GPU under the sysfs root;
-/// a console GPU in `allow_console_gpu` (`[host]`) is not a use.
-pub fn detect(sysfs: &Sysfs, allow_console_gpu: &[PciAddress]) -> HostUse {
-    let mut uses = super::console::detect(sysfs, allow_console_gpu);
+/// The uses the mount table, swap, network interfaces and the console GPU name, by function; a
+/// console GPU in `allow_console_gpu` (`[host]`) is not a use.
+fn named(sysfs: &Sysfs, allow_console_gpu: &[PciAddress]) -> Vec<Named> {
+    let mut uses: Vec<Named> = super::console::detect(sysfs, allow_console_gpu)
+        .into_iter()
+        .flat_map(|(function, whys)| {
+            whys.into_iter().map(move |why| Named {
+                function,
+                block: None,
+                why,
+            })
+        })
+        .collect();
     for (dev, mountpoint) in mounted_block_devices(sysfs) {
         for addr in block_endpoints(sysfs, &dev, 0) {
             let why = if mountpoint == "swap" {
@@ -108,7 +121,12 @@ pub fn detect(sysfs: &Sysfs, allow_console_gpu: &[PciAddress]) -> HostUse {
             } else {
                 format!("block device {dev} is mounted at {mountpoint}")
             };
-            uses.entry(addr).or_default().push(why);
+            let block = dev.rsplit('/').next().map(str::to_string);
+            uses.push(Named {
+                function: addr,
+                block,
+                why,
+            });
         }
     }
     let net = sysfs.path("sys/class/net");
@@ -128,9 +146,11 @@ pub fn detect(sysfs: &Sysfs, allow_console_gpu: &[PciAddress]) -> HostUse {
             }
             if let Ok(canon) = sysfs.backend().canonicalize(&dir) {
                 if let Some(addr) = pci_ancestors(&canon).into_iter().last() {
-                    uses.entry(addr)
-                        .or_default()
-                        .push(format!("network interface {iface} is up"));
+                    uses.push(Named {
+                        function: addr,
+                        block: None,
+                        why: format!("network interface {iface} is up"),
+                    });
                 }
             }
         }
@@ -138,52 +158,288 @@ pub fn detect(sysfs: &Sysfs, allow_console_gpu: &[PciAddress]) -> HostUse {
     uses
 }
 
-/// Processes holding `/dev/vfio/<group>` open, per group: a VM (QEMU) using a device through
-/// VFIO. Read from `<root>/proc/*/fd`; a process that vanishes mid-scan is skipped.
-pub fn vfio_users(sysfs: &Sysfs, groups: &[u32]) -> BTreeMap<u32, Vec<String>> {
-    let mut out: BTreeMap<u32, Vec<String>> = BTreeMap::new();
-    if groups.is_empty() {
-        return out;
+/// Which functions a read looks at.
+#[derive(Clone, Copy, Debug)]
+pub enum Scope<'a> {
+    /// Every function (the inventory's pass).
+    All,
+    /// These (a guard: the functions it is about and their group-mates).
+    Only(&'a [PciAddress]),
+}
+
+impl Scope<'_> {
+    fn keeps(&self, f: &PciAddress) -> bool {
+        match self {
+            Scope::All => true,
+            Scope::Only(fs) => fs.contains(f),
+        }
     }
-    let proc_dir = sysfs.path("proc");
-    let Ok(pids) = sysfs.backend().read_dir(&proc_dir) else {
-        return out;
+
+    fn filter(&self, mut fs: Vec<PciAddress>) -> Vec<PciAddress> {
+        fs.retain(|f| self.keeps(f));
+        fs
+    }
+}
+
+/// The functions a device's canonical sysfs path lies below: its nearest PCI ancestor, or,
+/// for an NVMe multipath head (`sys/devices/virtual/nvme-subsystem/nvme-subsysN/nvmeXnY`, no
+/// PCI parent), every controller of the subsystem (`nvme-subsysN/nvmeZ` links to
+/// `.../0000:01:00.0/nvme/nvmeZ`).
+fn functions_below(sysfs: &Sysfs, canon: &Path) -> Vec<PciAddress> {
+    if let Some(f) = pci_ancestors(canon).into_iter().last() {
+        return vec![f];
+    }
+    let mut subsystem = None;
+    let mut prefix = std::path::PathBuf::new();
+    let mut after = false;
+    for c in canon.components() {
+        prefix.push(c);
+        if after {
+            subsystem = Some(prefix.clone());
+            break;
+        }
+        after = c.as_os_str() == "nvme-subsystem";
+    }
+    let Some(dir) = subsystem else {
+        return Vec::new();
     };
-    for pid in pids {
-        let Some(pid) = pid
-            .to_str()
-            .filter(|p| p.bytes().all(|b| b.is_ascii_digit()))
-        else {
+    let Ok(entries) = sysfs.backend().read_dir(&dir) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for e in entries {
+        let Some(n) = e.to_str() else { continue };
+        let is_controller =
+            n.len() > 4 && n.starts_with("nvme") && n[4..].bytes().all(|b| b.is_ascii_digit());
+        if !is_controller {
             continue;
-        };
-        let fd_dir = proc_dir.join(pid).join("fd");
-        let Ok(fds) = sysfs.backend().read_dir(&fd_dir) else {
-            continue;
-        };
-        for fd in fds {
-            let Ok(target) = sysfs.backend().read_link(&fd_dir.join(&fd)) else {
-                continue;
-            };
-            let t = target.to_string_lossy();
-            let Some(g) = t
-                .rsplit_once("/dev/vfio/")
-                .and_then(|(_, g)| g.parse::<u32>().ok())
-            else {
-                continue;
-            };
-            if groups.contains(&g) {
-                let comm = sysfs
-                    .read_text(&proc_dir.join(pid).join("comm"))
-                    .unwrap_or_else(|_| "?".into());
-                let who = format!("pid {pid} ({comm})");
-                let users = out.entry(g).or_default();
-                if !users.contains(&who) {
-                    users.push(who);
+        }
+        if let Ok(c) = sysfs.backend().canonicalize(&dir.join(n)) {
+            if let Some(f) = pci_ancestors(&c).into_iter().last() {
+                if !out.contains(&f) {
+                    out.push(f);
                 }
             }
         }
     }
     out
+}
+
+/// Every block device below a function in `scope` (namespaces, partitions, multipath heads):
+/// its `holders/` and whether an exclusive open finds it busy.
+fn block_devices(sysfs: &Sysfs, scope: Scope<'_>) -> Vec<BlockDevice> {
+    let class = sysfs.path("sys/class/block");
+    let Ok(names) = sysfs.backend().read_dir(&class) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for name in names {
+        let Some(name) = name.to_str() else { continue };
+        let Ok(canon) = sysfs.backend().canonicalize(&class.join(name)) else {
+            continue;
+        };
+        let functions = scope.filter(functions_below(sysfs, &canon));
+        if functions.is_empty() {
+            continue;
+        }
+        let disk = sysfs
+            .backend()
+            .read(&canon.join("partition"))
+            .ok()
+            .and_then(|_| canon.parent()?.file_name()?.to_str().map(str::to_string));
+        let holders = sysfs
+            .backend()
+            .read_dir(&canon.join("holders"))
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|h| h.to_str().map(str::to_string))
+            .map(|h| BlockHolder {
+                dm_name: sysfs
+                    .read_text(&class.join(&h).join("dm/name"))
+                    .ok()
+                    .filter(|n| !n.is_empty()),
+                name: h,
+            })
+            .collect();
+        let busy = matches!(
+            sysfs.backend().probe_exclusive(&sysfs.path("dev").join(name)),
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY)
+        );
+        out.push(BlockDevice {
+            name: name.to_string(),
+            disk,
+            functions,
+            holders,
+            busy,
+        });
+    }
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    out
+}
+
+/// The process `pid` as `/proc/PID` shows it; a process gone meanwhile is `None`.
+fn process(sysfs: &Sysfs, pid: u32) -> Option<Process> {
+    let dir = sysfs.path("proc").join(pid.to_string());
+    let comm = sysfs.read_text(&dir.join("comm")).ok()?;
+    let guest = sysfs
+        .backend()
+        .read(&dir.join("cmdline"))
+        .ok()
+        .and_then(|b| {
+            let text = String::from_utf8_lossy(&b);
+            let args: Vec<&str> = text.split('\0').filter(|a| !a.is_empty()).collect();
+            crate::hostuse::guest_name(&args)
+        });
+    Some(Process { pid, comm, guest })
+}
+
+/// What a device number is a node of: the functions below it (through
+/// `/sys/dev/{char,block}/MAJ:MIN`) and the node's kind.
+fn node_of(sysfs: &Sysfs, number: DeviceNumber, target: &str) -> Option<(Node, Vec<PciAddress>)> {
+    let link = sysfs
+        .path("sys/dev")
+        .join(number.kind.sys_dev())
+        .join(number.to_string());
+    let canon = sysfs.backend().canonicalize(&link).ok()?;
+    let functions = functions_below(sysfs, &canon);
+    if functions.is_empty() {
+        return None;
+    }
+    let node = match number.kind {
+        NodeKind::Block => Node::Block(canon.file_name()?.to_str()?.to_string()),
+        NodeKind::Char
+            if canon
+                .parent()
+                .and_then(|p| p.file_name())
+                .is_some_and(|p| p == "vfio-dev") =>
+        {
+            Node::Vfio(target.to_string())
+        }
+        NodeKind::Char => Node::Char(target.to_string()),
+    };
+    Some((node, functions))
+}
+
+/// Every device node of a function in `scope` that a process holds: `/proc/*/fd` targets, by
+/// device number through `/sys/dev/{char,block}`, and `/dev/vfio/<group>` by the group's
+/// members. A process or descriptor that vanishes mid-scan is skipped. The processes are
+/// shared among a few threads: a host has thousands, and the hook's guard waits for this.
+fn open_nodes(sysfs: &Sysfs, scope: Scope<'_>) -> Vec<OpenNode> {
+    let proc_dir = sysfs.path("proc");
+    let Ok(entries) = sysfs.backend().read_dir(&proc_dir) else {
+        return Vec::new();
+    };
+    let pids: Vec<u32> = entries
+        .iter()
+        .filter_map(|p| p.to_str()?.parse().ok())
+        .collect();
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, SCAN_THREADS);
+    let chunk = pids.len().div_ceil(threads).max(PIDS_PER_THREAD);
+    let mut out: Vec<OpenNode> = if pids.len() <= chunk {
+        open_nodes_of(sysfs, scope, &proc_dir, &pids)
+    } else {
+        std::thread::scope(|s| {
+            let workers: Vec<_> = pids
+                .chunks(chunk)
+                .map(|part| {
+                    let proc_dir = &proc_dir;
+                    s.spawn(move || open_nodes_of(sysfs, scope, proc_dir, part))
+                })
+                .collect();
+            workers
+                .into_iter()
+                .flat_map(|w| w.join().unwrap_or_default())
+                .collect()
+        })
+    };
+    out.sort_by_key(|o| o.process.pid);
+    out
+}
+
+/// At most this many threads scan `/proc`, each at least this many processes.
+const SCAN_THREADS: usize = 4;
+const PIDS_PER_THREAD: usize = 256;
+
+fn open_nodes_of(sysfs: &Sysfs, scope: Scope<'_>, proc_dir: &Path, pids: &[u32]) -> Vec<OpenNode> {
+    let mut out = Vec::new();
+    let mut nodes: HashMap<DeviceNumber, Option<(Node, Vec<PciAddress>)>> = HashMap::new();
+    let mut groups: HashMap<u32, Vec<PciAddress>> = HashMap::new();
+    for &pid in pids {
+        let fd_dir = proc_dir.join(pid.to_string()).join("fd");
+        let Ok(fds) = sysfs.backend().fd_targets(&fd_dir) else {
+            continue;
+        };
+        let mut held: Vec<(Node, Vec<PciAddress>)> = Vec::new();
+        for (fd, target) in fds {
+            let Some(target) = target.to_str() else {
+                continue;
+            };
+            // Sockets, pipes, anonymous inodes and files are not device nodes: no stat.
+            if !target.starts_with("/dev/") {
+                continue;
+            }
+            let found = if let Some(g) = target
+                .strip_prefix("/dev/vfio/")
+                .and_then(|g| g.parse::<u32>().ok())
+            {
+                let members = groups
+                    .entry(g)
+                    .or_insert_with(|| sysfs.iommu_group_members(g).unwrap_or_default());
+                Some((Node::VfioGroup(g), members.clone()))
+            } else {
+                let Ok(Some(number)) = sysfs.backend().device_number(&fd_dir.join(&fd)) else {
+                    continue;
+                };
+                nodes
+                    .entry(number)
+                    .or_insert_with(|| node_of(sysfs, number, target))
+                    .clone()
+            };
+            let Some((node, functions)) = found else {
+                continue;
+            };
+            let functions = scope.filter(functions);
+            if !functions.is_empty() && !held.iter().any(|(n, _)| *n == node) {
+                held.push((node, functions));
+            }
+        }
+        if held.is_empty() {
+            continue;
+        }
+        let Some(p) = process(sysfs, pid) else {
+            continue;
+        };
+        for (node, functions) in held {
+            out.push(OpenNode {
+                node,
+                functions,
+                process: p.clone(),
+            });
+        }
+    }
+    out
+}
+
+/// What the kernel says about who uses the functions in `scope`: the mounts, swap and
+/// interfaces it names, every block device below them (holders, exclusive opens) and every
+/// node of theirs a process holds, and the console GPU unless `allow_console_gpu` lists it.
+/// [`crate::hostuse`] decides from it.
+pub fn read(sysfs: &Sysfs, scope: Scope<'_>, allow_console_gpu: &[PciAddress]) -> Facts {
+    let mut named = named(sysfs, allow_console_gpu);
+    named.retain(|n| scope.keeps(&n.function));
+    Facts {
+        named,
+        blocks: block_devices(sysfs, scope),
+        open: open_nodes(sysfs, scope),
+    }
+}
+
+/// The host's uses of every function: [`read`] everything, decided by
+/// [`crate::hostuse::host_uses`].
+pub fn detect(sysfs: &Sysfs, allow_console_gpu: &[PciAddress]) -> HostUse {
+    crate::hostuse::host_uses(&read(sysfs, Scope::All, allow_console_gpu))
 }
 
 #[cfg(test)]

@@ -46,6 +46,114 @@ pub trait Backend: Send + Sync + 'static {
         let _ = afu_id;
         dfl::port_pr_ioctl(fme_node, port_id, bitstream)
     }
+
+    /// The device number of the device node `path` resolves to (`/proc/PID/fd/N`: the file
+    /// that process has open, whatever its name in its mount namespace); `None` when it is not
+    /// a device node. The simulated kernel answers from its own nodes.
+    fn device_number(&self, path: &Path) -> io::Result<Option<DeviceNumber>> {
+        device_number_of(path)
+    }
+
+    /// Opens block device node `path` exclusively and closes it at once: EBUSY is the kernel
+    /// saying someone holds it (mounted in any namespace, swap, ZFS, md, btrfs, an LVM PV, a
+    /// process's `O_EXCL`). Read-only and non-blocking: the probe writes nothing and holds
+    /// nothing longer than the two system calls.
+    fn probe_exclusive(&self, path: &Path) -> io::Result<()> {
+        probe_exclusive_open(path)
+    }
+
+    /// The links in directory `dir` (`/proc/PID/fd`) and their targets, as (name, target); a
+    /// link gone meanwhile is left out.
+    fn fd_targets(&self, dir: &Path) -> io::Result<Vec<(OsString, PathBuf)>> {
+        fd_targets_of(dir)
+    }
+}
+
+/// [`Backend::fd_targets`] on a real tree: one open of the directory, then `readlinkat` for
+/// each entry, so that no descriptor costs a walk of its whole path (a host has thousands).
+pub fn fd_targets_of(dir: &Path) -> io::Result<Vec<(OsString, PathBuf)>> {
+    use nix::fcntl::OFlag;
+    use std::os::unix::ffi::OsStringExt;
+    let mut d = nix::dir::Dir::open(
+        dir,
+        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+        nix::sys::stat::Mode::empty(),
+    )
+    .map_err(io::Error::from)?;
+    let names: Vec<std::ffi::CString> = d
+        .iter()
+        .filter_map(Result::ok)
+        .map(|e| e.file_name().to_owned())
+        .filter(|n| n.as_bytes() != b"." && n.as_bytes() != b"..")
+        .collect();
+    let mut out = Vec::with_capacity(names.len());
+    for n in names {
+        if let Ok(t) = nix::fcntl::readlinkat(&d, n.as_c_str()) {
+            out.push((OsString::from_vec(n.into_bytes()), PathBuf::from(t)));
+        }
+    }
+    Ok(out)
+}
+
+/// Character or block device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum NodeKind {
+    Char,
+    Block,
+}
+
+impl NodeKind {
+    /// Its directory under `/sys/dev`.
+    pub fn sys_dev(self) -> &'static str {
+        match self {
+            NodeKind::Char => "char",
+            NodeKind::Block => "block",
+        }
+    }
+}
+
+/// A device node's number, as `/sys/dev/{char,block}/MAJ:MIN` names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct DeviceNumber {
+    pub kind: NodeKind,
+    pub major: u32,
+    pub minor: u32,
+}
+
+impl std::fmt::Display for DeviceNumber {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}:{}", self.major, self.minor)
+    }
+}
+
+/// [`Backend::device_number`] on the real host: `stat(2)`, following the link.
+pub fn device_number_of(path: &Path) -> io::Result<Option<DeviceNumber>> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let m = std::fs::metadata(path)?;
+    let kind = if m.file_type().is_block_device() {
+        NodeKind::Block
+    } else if m.file_type().is_char_device() {
+        NodeKind::Char
+    } else {
+        return Ok(None);
+    };
+    let rdev = m.rdev();
+    Ok(Some(DeviceNumber {
+        kind,
+        major: libc::major(rdev),
+        minor: libc::minor(rdev),
+    }))
+}
+
+/// [`Backend::probe_exclusive`] on the real host: `open(O_RDONLY | O_EXCL | O_NONBLOCK |
+/// O_CLOEXEC)`, then close.
+pub fn probe_exclusive_open(path: &Path) -> io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_EXCL | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)
+        .map(drop)
 }
 
 /// The real filesystem.

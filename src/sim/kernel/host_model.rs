@@ -249,8 +249,37 @@ pub struct MountSpec {
     pub controller: PciAddress,
     /// Controller instance, e.g. 0 for nvme0.
     pub instance: u32,
-    /// Partition number, mount point ("swap" for swap).
+    /// Partition number, mount point ("swap" for swap, "" for a partition nothing mounts).
     pub partitions: Vec<(u32, String)>,
+    /// The namespace is a native NVMe multipath head
+    /// (`sys/devices/virtual/nvme-subsystem/nvme-subsysN/nvmeNn1`, no PCI parent; the
+    /// subsystem links the controller), as Debian's default `nvme_core.multipath=Y` shows it.
+    #[serde(default)]
+    pub multipath: bool,
+}
+
+impl MountSpec {
+    /// A namespace `nvme<instance>n1` on `controller` with nothing mounted.
+    pub fn disk(controller: &str, instance: u32) -> Self {
+        MountSpec {
+            controller: controller.parse().expect("model address"),
+            instance,
+            partitions: Vec::new(),
+            multipath: false,
+        }
+    }
+}
+
+/// A process holding device nodes open, as `/proc/PID` shows it (`comm`, `cmdline`, one
+/// `fd/N` link per node).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcessSpec {
+    pub pid: u32,
+    pub comm: String,
+    /// Its arguments (`qemu-system-x86_64 -name guest=vm1,...`).
+    pub cmdline: Vec<String>,
+    /// The nodes it has open, as `/dev` paths (`/dev/nvme1n1`, `/dev/vfio/devices/vfio0`).
+    pub nodes: Vec<String>,
 }
 
 /// A network interface on a modelled NIC.
@@ -386,6 +415,7 @@ impl HostModel {
                 controller: "0000:3d:00.0".parse().unwrap(),
                 instance: 0,
                 partitions: vec![(1, "/boot/efi".into()), (2, "/".into()), (3, "swap".into())],
+                multipath: false,
             }],
             interfaces: vec![InterfaceSpec {
                 device: "0000:02:00.0".parse().unwrap(),

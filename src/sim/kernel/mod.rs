@@ -23,7 +23,7 @@ mod render;
 
 pub use host_model::{
     ConsoleSpec, DflSpec, DriverSpec, FunctionSpec, GroupSpec, HostModel, InterfaceSpec, MountSpec,
-    ResetBehaviour, SriovSpec, REFERENCE_FPGA_AFU, REFERENCE_FPGA_INTERFACE,
+    ProcessSpec, ResetBehaviour, SriovSpec, REFERENCE_FPGA_AFU, REFERENCE_FPGA_INTERFACE,
 };
 
 use crate::host::sysfs::{Backend, Sysfs};
@@ -94,6 +94,10 @@ struct SimDevice {
     /// How many times the function was reset (by any method, `reset_subordinate` included).
     #[serde(default)]
     resets: u32,
+    /// N of its VFIO device node `/dev/vfio/devices/vfioN` while it is on vfio-pci (Linux 6.6
+    /// and later with `VFIO_DEVICE_CDEV`): the lowest free, kept until it leaves vfio-pci.
+    #[serde(default)]
+    vfio_minor: Option<u32>,
 }
 
 impl SimDevice {
@@ -141,6 +145,13 @@ struct State {
     consoles: Vec<ConsoleSpec>,
     /// [`HostModel::iommu_groups`].
     group_hints: BTreeMap<PciAddress, u32>,
+    /// Block devices' `holders/`, by the held device's name: (holder, its dm name).
+    holders: BTreeMap<String, Vec<(String, Option<String>)>>,
+    /// Block devices someone opened exclusively beside what the model mounts or holds (ZFS, a
+    /// process's `O_EXCL`): another exclusive open gets EBUSY.
+    exclusive: BTreeSet<String>,
+    /// Processes holding device nodes open, by pid.
+    processes: BTreeMap<u32, ProcessSpec>,
 }
 
 /// What survives the process when persistence is on: enough to reopen the tree later as the
@@ -166,6 +177,12 @@ struct Persisted {
     consoles: Vec<ConsoleSpec>,
     #[serde(default)]
     group_hints: BTreeMap<PciAddress, u32>,
+    #[serde(default)]
+    holders: BTreeMap<String, Vec<(String, Option<String>)>>,
+    #[serde(default)]
+    exclusive: BTreeSet<String>,
+    #[serde(default)]
+    processes: BTreeMap<u32, ProcessSpec>,
 }
 
 /// Where [`Persisted`] lives under the root.
@@ -294,6 +311,9 @@ impl SimKernel {
             interfaces: p.interfaces.unwrap_or_else(|| reference().interfaces),
             consoles: p.consoles,
             group_hints: p.group_hints,
+            holders: p.holders,
+            exclusive: p.exclusive,
+            processes: p.processes,
             ..State::default()
         };
         remove_if_exists(&root.join(STATE_TEMP))?;
@@ -339,6 +359,9 @@ impl SimKernel {
             interfaces: Some(st.interfaces.clone()),
             consoles: st.consoles.clone(),
             group_hints: st.group_hints.clone(),
+            holders: st.holders.clone(),
+            exclusive: st.exclusive.clone(),
+            processes: st.processes.clone(),
         };
         let text = serde_json::to_vec(&p).map_err(io::Error::other)?;
         let tmp = self.root.join(STATE_TEMP);
@@ -481,6 +504,110 @@ impl SimKernel {
     }
 
     // ----- read-only views for tests ------------------------------------------------------
+
+    /// Adds namespace `nvme<instance>n1` on NVMe controller `controller` (a multipath head
+    /// under its subsystem when `multipath`), with nothing mounted: a disk for holders.
+    pub fn add_disk(
+        &self,
+        controller: PciAddress,
+        instance: u32,
+        multipath: bool,
+    ) -> io::Result<()> {
+        let mut st = self.lock();
+        st.mounts.push(MountSpec {
+            controller,
+            instance,
+            partitions: Vec::new(),
+            multipath,
+        });
+        self.host_use_changed(&mut st)
+    }
+
+    /// Makes `holder` (`dm-0`, `md127`) hold block device `device`, as device-mapper (LVM,
+    /// dm-crypt, multipath) or md does: `holders/<holder>` in the device, the holder's
+    /// `slaves/`, its `dm/name` when `dm_name` is given; exclusive opens of `device` fail with
+    /// EBUSY while it holds it.
+    pub fn add_holder(&self, device: &str, holder: &str, dm_name: Option<&str>) -> io::Result<()> {
+        let mut st = self.lock();
+        let list = st.holders.entry(device.to_string()).or_default();
+        if !list.iter().any(|(h, _)| h == holder) {
+            list.push((holder.to_string(), dm_name.map(str::to_string)));
+        }
+        self.host_use_changed(&mut st)
+    }
+
+    /// Ends [`SimKernel::add_holder`]'s hold (`dmsetup remove`).
+    pub fn remove_holder(&self, device: &str, holder: &str) -> io::Result<()> {
+        let mut st = self.lock();
+        if let Some(list) = st.holders.get_mut(device) {
+            list.retain(|(h, _)| h != holder);
+            if list.is_empty() {
+                st.holders.remove(device);
+            }
+        }
+        let held_dir = render::block_dir(&self.root, device);
+        render::holder_gone(&self.root, held_dir.as_deref(), holder)?;
+        self.host_use_changed(&mut st)
+    }
+
+    /// Block device `device` opened exclusively by someone the model does not show otherwise
+    /// (ZFS, a btrfs member, a process's `O_EXCL` kept apart from its fds) while `held`.
+    pub fn hold_exclusively(&self, device: &str, held: bool) -> io::Result<()> {
+        let mut st = self.lock();
+        if held {
+            st.exclusive.insert(device.to_string());
+        } else {
+            st.exclusive.remove(device);
+        }
+        self.host_use_changed(&mut st)
+    }
+
+    /// Starts a process that holds `spec.nodes` open: `/proc/PID/{comm,cmdline,fd/N}`, each
+    /// `fd/N` a link to its node, whose device number this kernel reports.
+    pub fn spawn(&self, spec: ProcessSpec) -> io::Result<()> {
+        let mut st = self.lock();
+        render::process(&self.root, &spec)?;
+        st.processes.insert(spec.pid, spec);
+        self.persist(&st)
+    }
+
+    /// Ends process `pid` of [`SimKernel::spawn`]: its `/proc/PID` goes.
+    pub fn end(&self, pid: u32) -> io::Result<()> {
+        let mut st = self.lock();
+        st.processes.remove(&pid);
+        render::process_gone(&self.root, pid)?;
+        self.persist(&st)
+    }
+
+    /// The VFIO device node of `address` (`/dev/vfio/devices/vfioN`) while it is on vfio-pci.
+    pub fn vfio_device_node(&self, address: PciAddress) -> Option<String> {
+        let st = self.lock();
+        let m = st.devices.get(&address)?.vfio_minor?;
+        Some(format!("/dev/vfio/devices/vfio{m}"))
+    }
+
+    fn host_use_changed(&self, st: &mut State) -> io::Result<()> {
+        render::host_use(&self.root, st)?;
+        self.persist(st)
+    }
+
+    /// Whether an exclusive open of block device `name` finds it held: mounted, swap, held by
+    /// a dm/md device, opened exclusively, or (a whole disk) one of its partitions is.
+    fn block_busy(st: &State, name: &str) -> bool {
+        if st.holders.contains_key(name) || st.exclusive.contains(name) {
+            return true;
+        }
+        st.mounts.iter().any(|m| {
+            let disk = format!("nvme{}n1", m.instance);
+            m.partitions.iter().any(|(n, target)| {
+                let part = format!("{disk}p{n}");
+                let used = !target.is_empty()
+                    || st.holders.contains_key(&part)
+                    || st.exclusive.contains(&part);
+                used && (name == part || name == disk)
+            })
+        })
+    }
 
     pub fn addresses(&self) -> Vec<PciAddress> {
         self.lock().devices.keys().copied().collect()
@@ -648,6 +775,7 @@ impl SimKernel {
             aer: [0; 3],
             reset_methods: None,
             resets: 0,
+            vfio_minor: None,
             spec,
         };
         let addr = dev.spec.address;
@@ -742,8 +870,13 @@ impl SimKernel {
                 return Err(err(libc::ENODEV));
             }
         }
+        let minor = (driver == "vfio-pci").then(|| {
+            let used: BTreeSet<u32> = st.devices.values().filter_map(|d| d.vfio_minor).collect();
+            (0..).find(|m| !used.contains(m)).expect("a free minor")
+        });
         let dev = st.devices.get_mut(&address).expect("present");
         dev.driver = Some(driver.to_string());
+        dev.vfio_minor = minor;
         let dev = dev.clone();
         render::device_driver(&self.root, st, &dev)?;
         self.emit(st, Action::Bind, &dev, &[]);
@@ -762,6 +895,7 @@ impl SimKernel {
         }
         let dev = st.devices.get_mut(&address).expect("present");
         dev.driver = None;
+        dev.vfio_minor = None;
         let mut dev = dev.clone();
         render::device_driver_removed(&self.root, &dev, &old)?;
         dev.driver = Some(old);
@@ -1304,6 +1438,34 @@ impl Backend for SimKernel {
 
     fn canonicalize(&self, path: &Path) -> io::Result<PathBuf> {
         std::fs::canonicalize(path)
+    }
+
+    /// The number of the node a `/proc/PID/fd/N` link (or a node itself) names: the
+    /// simulated `/dev` nodes are files that say it (`block 259:1`).
+    fn device_number(&self, path: &Path) -> io::Result<Option<crate::host::sysfs::DeviceNumber>> {
+        let node = match std::fs::read_link(path) {
+            Ok(target) => self.root.join(target.strip_prefix("/").unwrap_or(&target)),
+            Err(_) => path.to_path_buf(),
+        };
+        Ok(render::read_node(&node))
+    }
+
+    /// EBUSY while the block device is mounted, swap, held or opened exclusively; ENOENT for
+    /// a node that does not exist; nothing else happens.
+    fn probe_exclusive(&self, path: &Path) -> io::Result<()> {
+        let rel = path
+            .strip_prefix(self.root.join("dev"))
+            .map_err(|_| err(libc::ENOENT))?;
+        if !path.exists() {
+            return Err(err(libc::ENOENT));
+        }
+        let Some(name) = rel.to_str() else {
+            return Err(err(libc::ENOENT));
+        };
+        if Self::block_busy(&self.lock(), name) {
+            return Err(err(libc::EBUSY));
+        }
+        Ok(())
     }
 
     /// The simulated `DFL_FPGA_FME_PORT_PR`: the errors the DFL driver gives (ENOENT without

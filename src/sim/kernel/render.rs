@@ -465,39 +465,210 @@ pub(super) fn refresh_vfio_nodes(root: &Path, st: &State) -> io::Result<()> {
             write(&p, "")?;
         }
     }
+    // The VFIO device nodes (`/dev/vfio/devices/vfioN`) of the functions on vfio-pci.
+    match fs::remove_dir_all(dir.join("devices")) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    for d in st.devices.values() {
+        let vfio_dev = root.join(&d.dir).join("vfio-dev");
+        match d.vfio_minor {
+            Some(m) => {
+                let name = format!("vfio{m}");
+                let sys_dir = d.dir.join("vfio-dev").join(&name);
+                fs::create_dir_all(root.join(&sys_dir))?;
+                node(
+                    root,
+                    &format!("vfio/devices/{name}"),
+                    "char",
+                    &format!("{VFIO_CDEV_MAJOR}:{m}"),
+                    &sys_dir,
+                )?;
+            }
+            None if vfio_dev.exists() => fs::remove_dir_all(vfio_dev)?,
+            None => {}
+        }
+    }
     Ok(())
 }
 
-/// The host's own use of its devices: mounted NVMe partitions, swap, interfaces that are up.
+/// A simulated `/dev` node: a file that says its kind and number (`block 259:1`), which the
+/// kernel's [`super::Backend::device_number`] reads back.
+fn node(root: &Path, dev_path: &str, kind: &str, number: &str, sys_dir: &Path) -> io::Result<()> {
+    let file = root.join("dev").join(dev_path);
+    if let Some(p) = file.parent() {
+        fs::create_dir_all(p)?;
+    }
+    write(&file, format!("{kind} {number}\n"))?;
+    write(&root.join(sys_dir).join("dev"), format!("{number}\n"))?;
+    rel_link(root, &Path::new("sys/dev").join(kind).join(number), sys_dir)
+}
+
+/// What a simulated `/dev` node file says: its kind and number; `None` for anything else.
+pub(super) fn read_node(path: &Path) -> Option<crate::host::sysfs::DeviceNumber> {
+    use crate::host::sysfs::{DeviceNumber, NodeKind};
+    let text = fs::read_to_string(path).ok()?;
+    let (kind, number) = text.trim().split_once(' ')?;
+    let (major, minor) = number.split_once(':')?;
+    let kind = match kind {
+        "block" => NodeKind::Block,
+        "char" => NodeKind::Char,
+        _ => return None,
+    };
+    Some(DeviceNumber {
+        kind,
+        major: major.parse().ok()?,
+        minor: minor.parse().ok()?,
+    })
+}
+
+/// Block devices' major (NVMe namespaces and partitions) and device-mapper's.
+const BLOCK_EXT_MAJOR: u32 = 259;
+const DM_MAJOR: u32 = 253;
+const MD_MAJOR: u32 = 9;
+/// The NVMe controllers' character major (`/dev/nvme0`) and VFIO devices' (`/dev/vfio/devices`).
+const NVME_CHAR_MAJOR: u32 = 241;
+const VFIO_CDEV_MAJOR: u32 = 511;
+
+/// A holder's device number: `dm-N` is 253:N, `mdN` 9:N, anything else 252:0.
+fn holder_number(name: &str) -> String {
+    let digits = |p: &str| name.strip_prefix(p).and_then(|n| n.parse::<u32>().ok());
+    match (digits("dm-"), digits("md")) {
+        (Some(n), _) => format!("{DM_MAJOR}:{n}"),
+        (None, Some(n)) => format!("{MD_MAJOR}:{n}"),
+        _ => "252:0".into(),
+    }
+}
+
+/// Holder `h` of block device `held` is gone: its directory, node and links.
+pub(super) fn holder_gone(root: &Path, held_dir: Option<&Path>, h: &str) -> io::Result<()> {
+    let dir = Path::new("sys/devices/virtual/block").join(h);
+    match fs::remove_dir_all(root.join(&dir)) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    remove_if_exists(&root.join("sys/class/block").join(h))?;
+    remove_if_exists(&root.join("dev").join(h))?;
+    remove_if_exists(&root.join("sys/dev/block").join(holder_number(h)))?;
+    if let Some(d) = held_dir {
+        remove_if_exists(&root.join(d).join("holders").join(h))?;
+    }
+    Ok(())
+}
+
+/// Where block device `name` of the model lives, relative to the root.
+pub(super) fn block_dir(root: &Path, name: &str) -> Option<PathBuf> {
+    let canon = fs::canonicalize(root.join("sys/class/block").join(name)).ok()?;
+    canon.strip_prefix(root).ok().map(Path::to_path_buf)
+}
+
+/// A process of the model: `/proc/PID/comm`, `cmdline`, and `fd/N` links to its nodes (from
+/// 3 up, as after stdin, stdout, stderr).
+pub(super) fn process(root: &Path, p: &super::ProcessSpec) -> io::Result<()> {
+    let dir = root.join("proc").join(p.pid.to_string());
+    match fs::remove_dir_all(&dir) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    fs::create_dir_all(dir.join("fd"))?;
+    write(&dir.join("comm"), format!("{}\n", p.comm))?;
+    let mut cmdline = Vec::new();
+    for a in &p.cmdline {
+        cmdline.extend_from_slice(a.as_bytes());
+        cmdline.push(0);
+    }
+    write(&dir.join("cmdline"), cmdline)?;
+    for (i, n) in p.nodes.iter().enumerate() {
+        symlink(n, dir.join("fd").join((i + 3).to_string()))?;
+    }
+    Ok(())
+}
+
+/// Process `pid` ended: its `/proc/PID` goes.
+pub(super) fn process_gone(root: &Path, pid: u32) -> io::Result<()> {
+    match fs::remove_dir_all(root.join("proc").join(pid.to_string())) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
+}
+
+/// The host's own use of its devices: NVMe namespaces (mounted partitions, swap, multipath
+/// heads), their holders (dm, md), interfaces that are up, processes with nodes open.
 pub(super) fn host_use(root: &Path, st: &State) -> io::Result<()> {
     let mut mounts = String::new();
     let mut swaps = String::from("Filename\t\t\t\tType\t\tSize\t\tUsed\t\tPriority\n");
     mounts.push_str("proc /proc proc rw,nosuid,nodev,noexec,relatime 0 0\n");
     mounts.push_str("sysfs /sys sysfs rw,nosuid,nodev,noexec,relatime 0 0\n");
     mounts.push_str("tmpfs /run tmpfs rw,nosuid,nodev,size=3273516k,mode=755 0 0\n");
+    let mut block_dirs: Vec<(String, PathBuf)> = Vec::new();
     for m in &st.mounts {
         let Some(ctrl) = st.devices.get(&m.controller) else {
             continue;
         };
         let ctrl_name = format!("nvme{}", m.instance);
         let disk = format!("nvme{}n1", m.instance);
-        let disk_dir = ctrl.dir.join("nvme").join(&ctrl_name).join(&disk);
+        let ctrl_dir = ctrl.dir.join("nvme").join(&ctrl_name);
+        fs::create_dir_all(root.join(&ctrl_dir))?;
+        node(
+            root,
+            &ctrl_name,
+            "char",
+            &format!("{NVME_CHAR_MAJOR}:{}", m.instance),
+            &ctrl_dir,
+        )?;
+        let disk_dir = if m.multipath {
+            let subsys = PathBuf::from(format!(
+                "sys/devices/virtual/nvme-subsystem/nvme-subsys{}",
+                m.instance
+            ));
+            fs::create_dir_all(root.join(&subsys))?;
+            rel_link(root, &subsys.join(&ctrl_name), &ctrl_dir)?;
+            subsys.join(&disk)
+        } else {
+            ctrl_dir.join(&disk)
+        };
         fs::create_dir_all(root.join(&disk_dir))?;
         rel_link(root, &Path::new("sys/class/block").join(&disk), &disk_dir)?;
+        block_dirs.push((disk.clone(), disk_dir.clone()));
         for (n, target) in &m.partitions {
             let part = format!("{disk}p{n}");
             let part_dir = disk_dir.join(&part);
             fs::create_dir_all(root.join(&part_dir))?;
             write(&root.join(&part_dir).join("partition"), format!("{n}\n"))?;
             rel_link(root, &Path::new("sys/class/block").join(&part), &part_dir)?;
+            block_dirs.push((part.clone(), part_dir));
             if target == "swap" {
                 swaps.push_str(&format!(
                     "/dev/{part}\t\t\t\tpartition\t8388604\t\t0\t\t-2\n"
                 ));
-            } else {
+            } else if !target.is_empty() {
                 mounts.push_str(&format!("/dev/{part} {target} ext4 rw,relatime 0 0\n"));
             }
         }
+    }
+    for (i, (name, dir)) in block_dirs.iter().enumerate() {
+        node(root, name, "block", &format!("{BLOCK_EXT_MAJOR}:{i}"), dir)?;
+        fs::create_dir_all(root.join(dir).join("holders"))?;
+    }
+    for (held, hs) in &st.holders {
+        let Some((_, held_dir)) = block_dirs.iter().find(|(n, _)| n == held) else {
+            continue;
+        };
+        for (h, dm_name) in hs {
+            let h_dir = Path::new("sys/devices/virtual/block").join(h);
+            fs::create_dir_all(root.join(&h_dir).join("slaves"))?;
+            if let Some(dm) = dm_name {
+                fs::create_dir_all(root.join(&h_dir).join("dm"))?;
+                write(&root.join(&h_dir).join("dm/name"), format!("{dm}\n"))?;
+            }
+            rel_link(root, &h_dir.join("slaves").join(held), held_dir)?;
+            rel_link(root, &held_dir.join("holders").join(h), &h_dir)?;
+            rel_link(root, &Path::new("sys/class/block").join(h), &h_dir)?;
+            node(root, h, "block", &holder_number(h), &h_dir)?;
+        }
+    }
+    for p in st.processes.values() {
+        process(root, p)?;
     }
     write(&root.join("proc/mounts"), mounts)?;
     write(&root.join("proc/swaps"), swaps)?;
