@@ -485,9 +485,16 @@ impl Manager {
         #[zbus(connection)] conn: &Connection,
     ) -> Result<(i32, String, String), Error> {
         let o = &self.objects;
-        o.authorizer
+        if let Err(e) = o
+            .authorizer
             .require_root(conn, &header, "Manager.Hook")
-            .await?;
+            .await
+        {
+            // Said in the log too: the hook that asked may be gone (it gave up waiting), and
+            // the operator reads why its run was not carried out.
+            tracing::warn!("{operation} {sub_operation} {extra} of {domain}: not carried out: {e}");
+            return Err(e);
+        }
         let call = crate::engine::HookCall {
             domain,
             operation,
@@ -516,9 +523,16 @@ impl Manager {
         #[zbus(connection)] conn: &Connection,
     ) -> Result<(i32, String, String), Error> {
         let o = &self.objects;
-        o.authorizer
+        if let Err(e) = o
+            .authorizer
             .require_root(conn, &header, "Manager.HookWithOptions")
-            .await?;
+            .await
+        {
+            // Said in the log too: the hook that asked may be gone (it gave up waiting), and
+            // the operator reads why its run was not carried out.
+            tracing::warn!("{operation} {sub_operation} {extra} of {domain}: not carried out: {e}");
+            return Err(e);
+        }
         let call = crate::engine::HookCall {
             domain,
             operation,

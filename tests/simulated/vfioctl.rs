@@ -10,6 +10,7 @@ mod golden;
 use crate::common::{addr, vfioctl, Harness, STEADY_CONFIG};
 use std::io::Read;
 use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
@@ -184,9 +185,6 @@ async fn history_queries_name_an_unknown_device() {
     assert!(msg.contains("adress"), "{msg}");
 }
 
-/// linux/capability.h: not in the libc crate.
-const CAP_SYS_ADMIN: nix::libc::c_ulong = 21;
-
 /// vfioctl's exit status and its two outputs.
 struct Ran {
     code: Option<i32>,
@@ -194,19 +192,23 @@ struct Ran {
     stderr: String,
 }
 
-fn ran(bus: &str, args: &[&str], drop_admin: bool) -> Ran {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_vfioctl"));
+fn ran(bus: &str, args: &[&str], unprivileged: bool) -> Ran {
+    // An unprivileged caller, as root too: nobody (65534), from a copy of vfioctl every uid can
+    // run. Root is allowed without polkit (as polkit allows uid 0), with or without
+    // CAP_SYS_ADMIN, so only another uid shows a refusal.
+    let as_nobody = unprivileged && nix::unistd::geteuid().is_root();
+    let (exe, _copy) = if as_nobody {
+        let (dir, copy) =
+            common::polkit::binaries_for_any_uid(&[Path::new(env!("CARGO_BIN_EXE_vfioctl"))]);
+        (dir.join("vfioctl"), copy)
+    } else {
+        (PathBuf::from(env!("CARGO_BIN_EXE_vfioctl")), None)
+    };
+    let mut c = Command::new(exe);
     c.args(args).env("VFIOD_BUS", bus).stdin(Stdio::null());
-    if drop_admin {
+    if as_nobody {
         use std::os::unix::process::CommandExt;
-        // SAFETY: prctl only, between fork and exec. Out of the bounding set, CAP_SYS_ADMIN is
-        // not in vfioctl's effective set even as root: vfiod asks polkit for it.
-        unsafe {
-            c.pre_exec(|| {
-                nix::libc::prctl(nix::libc::PR_CAPBSET_DROP, CAP_SYS_ADMIN, 0, 0, 0);
-                Ok(())
-            });
-        }
+        c.uid(65534).gid(65534);
     }
     let out = c.output().expect("run vfioctl");
     Ran {
@@ -308,12 +310,15 @@ async fn exit_codes_name_each_kind_of_refusal() {
     assert!(r.stderr.contains("Protected"), "{}", r.stderr);
 }
 
-/// Without polkitd on vfiod's bus, a caller without CAP_SYS_ADMIN is refused: the
-/// not-authorized status, and with --json the error object.
+/// Without polkitd on vfiod's bus, a caller that is not root (nobody, when the test runs as
+/// root) is refused: the not-authorized status, and with --json the error object.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exit_code_not_authorized() {
+    use std::os::unix::fs::PermissionsExt;
     use vfiod::client::exit;
     let dir = common::fast_tempdir();
+    // nobody reaches the bus's socket below it.
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
     let kernel = vfiod::sim::kernel::SimKernel::build(
         &dir.path().join("root"),
         &vfiod::sim::kernel::HostModel::reference(),

@@ -195,6 +195,8 @@ pub struct SimKernel {
     root: PathBuf,
     state: Mutex<State>,
     hang_gate: (Mutex<u64>, Condvar),
+    /// Writes blocked in a hang now ([`SimKernel::hanging`]).
+    hanging: std::sync::atomic::AtomicUsize,
     subscribers: Mutex<Vec<mpsc::UnboundedSender<Uevent>>>,
     /// Fast path for reads: most of the time no read fault is armed.
     read_faults_armed: AtomicBool,
@@ -225,6 +227,7 @@ impl SimKernel {
             root,
             state: Mutex::new(State::default()),
             hang_gate: (Mutex::new(0), Condvar::new()),
+            hanging: std::sync::atomic::AtomicUsize::new(0),
             subscribers: Mutex::new(Vec::new()),
             read_faults_armed: AtomicBool::new(false),
             persistent: AtomicBool::new(false),
@@ -322,6 +325,7 @@ impl SimKernel {
             root,
             state: Mutex::new(st),
             hang_gate: (Mutex::new(0), Condvar::new()),
+            hanging: std::sync::atomic::AtomicUsize::new(0),
             subscribers: Mutex::new(Vec::new()),
             read_faults_armed: AtomicBool::new(false),
             persistent: AtomicBool::new(true),
@@ -410,6 +414,12 @@ impl SimKernel {
         let mut st = self.lock();
         st.faults.clear();
         st.read_faults.clear();
+    }
+
+    /// How many writes are blocked in a hang now: a test waits for a task to reach its hang
+    /// before it looks at what else was written.
+    pub fn hanging(&self) -> usize {
+        self.hanging.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Wakes every hanging write.
@@ -1335,12 +1345,15 @@ impl SimKernel {
     }
 
     fn wait_hang(&self, dur: Duration) {
+        use std::sync::atomic::Ordering;
         let (m, c) = &self.hang_gate;
         let guard = m.lock().unwrap();
         let start = *guard;
+        self.hanging.fetch_add(1, Ordering::SeqCst);
         let _unused = c
             .wait_timeout_while(guard, dur, |gen| *gen == start)
             .unwrap();
+        self.hanging.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
