@@ -1180,7 +1180,8 @@ async fn polkitd_sees_only_the_test_policy_and_the_host_is_untouched() {
     assert_eq!(after, before, "the host's polkit directories changed");
 }
 
-/// libvirt runs its hooks as root: `Manager.Hook` is accepted from uid 0 only, without asking
+/// libvirt runs its hooks as root: `Manager.Hook` (and `HookWithOptions`, which the hook calls) is
+/// accepted from uid 0 only, without asking
 /// polkit (a hook cannot wait for an agent). Another user's hook call is refused, which the
 /// hook reports: a `prepare` fails (its XML cannot be checked), a notification passes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1194,7 +1195,8 @@ async fn the_hook_call_is_accepted_from_root_only() {
         .await;
     assert!(!r.ok, "{}", r.stdout);
     assert!(
-        r.stderr.contains("Manager.Hook is accepted from root only")
+        r.stderr
+            .contains("Manager.HookWithOptions is accepted from root only")
             && r.stderr.contains(NOT_AUTHORIZED),
         "{}",
         r.stderr
