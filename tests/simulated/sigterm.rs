@@ -414,6 +414,17 @@ async fn after_the_split(conn: &zbus::Connection, root: &Path, context: &str) ->
             assert!(last.result.contains("interrupted"), "{context}: {last:?}");
             let nic = vfiod::client::device(conn, NIC).await.unwrap();
             nic.reset_task().await.unwrap();
+            // The reset brings the NIC back to its configured mode with a task of its own:
+            // wait for it to end before anything else asks for the NIC.
+            common::eventually_async(
+                Duration::from_secs(60),
+                "the task the reset started ends",
+                || async {
+                    let shown = vfiod::client::show_device(conn, NIC).await.unwrap();
+                    shown.current_task.is_none().then_some(())
+                },
+            )
+            .await;
         }
         other => panic!("{context}: the split's task is {other} after a restart: {last:?}"),
     }
