@@ -484,17 +484,6 @@ impl Manager {
         #[zbus(header)] header: Header<'_>,
         #[zbus(connection)] conn: &Connection,
     ) -> Result<(i32, String, String), Error> {
-        let o = &self.objects;
-        if let Err(e) = o
-            .authorizer
-            .require_root(conn, &header, "Manager.Hook")
-            .await
-        {
-            // Said in the log too: the hook that asked may be gone (it gave up waiting), and
-            // the operator reads why its run was not carried out.
-            tracing::warn!("{operation} {sub_operation} {extra} of {domain}: not carried out: {e}");
-            return Err(e);
-        }
         let call = crate::engine::HookCall {
             domain,
             operation,
@@ -503,7 +492,8 @@ impl Manager {
             xml,
             timing: None,
         };
-        super::hook_socket::answer(&o.engine, call).await
+        authorize_hook(&self.objects, conn, &header, "Manager.Hook", &call).await?;
+        super::hook_socket::answer(&self.objects.engine, call).await
     }
 
     /// `Hook` with options: `sent_ms` and `deadline_ms`, when the hook sent the run and the
@@ -522,26 +512,24 @@ impl Manager {
         #[zbus(header)] header: Header<'_>,
         #[zbus(connection)] conn: &Connection,
     ) -> Result<(i32, String, String), Error> {
-        let o = &self.objects;
-        if let Err(e) = o
-            .authorizer
-            .require_root(conn, &header, "Manager.HookWithOptions")
-            .await
-        {
-            // Said in the log too: the hook that asked may be gone (it gave up waiting), and
-            // the operator reads why its run was not carried out.
-            tracing::warn!("{operation} {sub_operation} {extra} of {domain}: not carried out: {e}");
-            return Err(e);
-        }
-        let call = crate::engine::HookCall {
+        let mut call = crate::engine::HookCall {
             domain,
             operation,
             sub_operation,
             extra,
             xml,
-            timing: super::hook_socket::timing(options)?,
+            timing: None,
         };
-        super::hook_socket::answer(&o.engine, call).await
+        authorize_hook(
+            &self.objects,
+            conn,
+            &header,
+            "Manager.HookWithOptions",
+            &call,
+        )
+        .await?;
+        call.timing = super::hook_socket::timing(options)?;
+        super::hook_socket::answer(&self.objects.engine, call).await
     }
 
     /// Re-reads the configuration (as SIGHUP does), runs an inventory pass and starts the tasks
@@ -578,4 +566,27 @@ impl Manager {
         o.engine.flush().await;
         Ok(())
     }
+}
+
+/// A hook's call on the bus is accepted from root only (libvirt runs hooks as root). A refusal
+/// is said in the log too, naming the run: the hook that asked may be gone (it gave up waiting),
+/// and the operator reads why its run was not carried out.
+async fn authorize_hook(
+    o: &super::Objects,
+    conn: &Connection,
+    header: &Header<'_>,
+    method: &str,
+    call: &crate::engine::HookCall,
+) -> Result<(), Error> {
+    let authorized = o.authorizer.require_root(conn, header, method).await;
+    if let Err(e) = &authorized {
+        tracing::warn!(
+            "{} {} {} of {}: not carried out: {e}",
+            call.operation,
+            call.sub_operation,
+            call.extra,
+            call.domain
+        );
+    }
+    authorized
 }
