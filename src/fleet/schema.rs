@@ -19,12 +19,13 @@ pub struct Step {
 }
 
 /// The schema version this build needs.
-pub const VERSION: i32 = 1;
+pub const VERSION: i32 = 2;
 
-pub const STEPS: &[Step] = &[Step {
-    version: 1,
-    description: "hosts, devices, reservations, events; row-level security per host",
-    sql: r#"
+pub const STEPS: &[Step] = &[
+    Step {
+        version: 1,
+        description: "hosts, devices, reservations, events; row-level security per host",
+        sql: r#"
 DO $$ BEGIN
   IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'vfiod_fleet_host') THEN
     CREATE ROLE vfiod_fleet_host NOLOGIN;
@@ -178,7 +179,46 @@ END $f$;
 REVOKE ALL ON FUNCTION fleet.sweep() FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION fleet.sweep() TO vfiod_fleet_host, vfiod_fleet_operator;
 "#,
-}];
+    },
+    Step {
+        version: 2,
+        description:
+            "the sweep skips hosts whose row is locked, so concurrent reports never deadlock",
+        // Every report runs the sweep at its end while it holds its own host's row. After an
+        // outage every host is stale: host a's sweep waited for b's row while b's waited for
+        // a's, and PostgreSQL killed one as a deadlock (the fleet test saw it in CI). A locked
+        // host row belongs to a report in progress, so that host is alive: skipping it is the
+        // right answer, not only the safe one. Rows are taken in host order besides.
+        sql: r#"
+CREATE OR REPLACE FUNCTION fleet.sweep() RETURNS integer LANGUAGE plpgsql SECURITY DEFINER
+  SET search_path = fleet, pg_temp AS $f$
+DECLARE
+  h record;
+  n integer := 0;
+BEGIN
+  FOR h IN UPDATE fleet.hosts SET status = 'down'
+      WHERE host IN (SELECT s.host FROM fleet.hosts s
+        WHERE s.status = 'up'
+          AND s.last_heartbeat < now() - make_interval(secs => s.interval_ms::float8 * s.down_after / 1000)
+        ORDER BY s.host FOR UPDATE SKIP LOCKED)
+      RETURNING host, last_heartbeat
+  LOOP
+    INSERT INTO fleet.events (host, kind, message)
+      VALUES (h.host, 'host-down',
+              format('host %s marked down: no heartbeat since %s', h.host, h.last_heartbeat));
+    WITH refused AS (
+      UPDATE fleet.reservations SET state = 'refused', updated_at = now(),
+        reason = 'its host was marked down before it took the reservation'
+      WHERE host = h.host AND state = 'pending' RETURNING id)
+    UPDATE fleet.devices SET reservation_id = NULL
+      WHERE host = h.host AND reservation_id IN (SELECT id FROM refused);
+    n := n + 1;
+  END LOOP;
+  RETURN n;
+END $f$;
+"#,
+    },
+];
 
 /// The DDL that holds the versions themselves (idempotent; run before the steps).
 pub const BOOTSTRAP: &str = "CREATE SCHEMA IF NOT EXISTS fleet; \

@@ -43,7 +43,7 @@ impl FleetDb {
         let owner = owner.to_str().unwrap();
         let (ok, out) = fleetctl(&["--credentials", owner, "migrate"]);
         assert!(
-            ok && out.contains("applied fleet schema version(s) [1]"),
+            ok && out.contains("applied fleet schema version(s) [1, 2]"),
             "{out}"
         );
         let (ok, out) = fleetctl(&["--credentials", owner, "migrate"]);
@@ -1013,6 +1013,80 @@ async fn a_hosts_credentials_cannot_change_another_hosts_rows() {
     std::fs::set_permissions(&loose, std::fs::Permissions::from_mode(0o644)).unwrap();
     let (ok, out) = fleetctl(&["--credentials", loose.to_str().unwrap(), "hosts"]);
     assert!(!ok && out.contains("mode 0644"), "{out}");
+}
+
+/// After an outage every host is stale, and every report runs the sweep at its end while it
+/// holds its own host's row. Two such reports in flight at once, each about to mark the other
+/// down, deadlocked (PostgreSQL killed one; CI saw `vfioctl fleet find` fail so). Now a sweep
+/// skips a host whose row a report holds: it is alive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_reports_of_stale_hosts_do_not_deadlock() {
+    let db = FleetDb::start(&["a", "b"]).await;
+    let meta = |host: &str| db::HostMeta {
+        host: host.into(),
+        interval_ms: 1000,
+        down_after: 3,
+        version: "test".into(),
+    };
+    let mut a = db.pg.client("host_a", "pw-a", "fleet").await;
+    let mut b = db.pg.client("host_b", "pw-b", "fleet").await;
+    db::report(&mut a, &meta("a"), &sample_report("0000:3b:02.0"))
+        .await
+        .unwrap();
+    db::report(&mut b, &meta("b"), &sample_report("0000:3b:02.1"))
+        .await
+        .unwrap();
+    // Both silent for a minute, as after a database outage.
+    let su = db.pg.superuser("fleet").await;
+    su.batch_execute("UPDATE fleet.hosts SET last_heartbeat = now() - interval '1 minute'")
+        .await
+        .unwrap();
+    // Each report takes its own row and heartbeat (as db::report does first), then sweeps.
+    let ta = a.transaction().await.unwrap();
+    let tb = b.transaction().await.unwrap();
+    for (t, h) in [(&ta, "a"), (&tb, "b")] {
+        t.query_one(
+            "SELECT status FROM fleet.hosts WHERE host = $1 FOR UPDATE",
+            &[&h],
+        )
+        .await
+        .unwrap();
+        t.execute(
+            "UPDATE fleet.hosts SET last_heartbeat = now() WHERE host = $1",
+            &[&h],
+        )
+        .await
+        .unwrap();
+    }
+    let (ra, rb) = tokio::join!(
+        ta.query_one("SELECT fleet.sweep()", &[]),
+        tb.query_one("SELECT fleet.sweep()", &[])
+    );
+    let (ra, rb) = (
+        ra.map(|r| r.get::<_, i32>(0)),
+        rb.map(|r| r.get::<_, i32>(0)),
+    );
+    assert!(
+        matches!((&ra, &rb), (Ok(0), Ok(0))),
+        "neither sweep may wait for the other or mark a reporting host down: {ra:?} {rb:?}"
+    );
+    // Neither report commits: their heartbeats never land, so a sweep that holds no row
+    // still marks both hosts down.
+    ta.rollback().await.unwrap();
+    tb.rollback().await.unwrap();
+    let ops = db.ops().await;
+    assert!(db::find(&ops, &db::Filter::default())
+        .await
+        .unwrap()
+        .is_empty());
+    let status: Vec<String> = su
+        .query("SELECT status FROM fleet.hosts ORDER BY host", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(status, ["down", "down"]);
 }
 
 fn sample_report(address: &str) -> vfiod::fleet::record::Report {
