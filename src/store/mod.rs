@@ -11,6 +11,9 @@
 //! writer, SQLite serialises writers anyway, and one connection keeps the per-connection settings
 //! (`synchronous`, `foreign_keys`, `busy_timeout`) in one place.
 //!
+//! What keeps the history (events, finished tasks) within `[history]`'s limits is
+//! [`retention`]'s.
+//!
 //! What keeps the database whole when its write-ahead log is not (checkpoints, the log watch,
 //! the acknowledged mark that makes a lost change an error at the next start) is
 //! [`integrity`]'s.
@@ -25,6 +28,7 @@ pub mod lock;
 mod schema;
 mod original_drivers;
 mod pool;
+pub mod retention;
 mod task_state;
 mod task;
 

@@ -26,4 +26,5 @@ mod store_claims;
 mod store_clean;
 mod store_empty;
 mod store_integrity;
+mod store_retention;
 mod store_tasks;
