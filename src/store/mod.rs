@@ -18,6 +18,7 @@
 //! the acknowledged mark that makes a lost change an error at the next start) is
 //! [`integrity`]'s.
 
+pub mod backup;
 mod claim;
 mod clean;
 mod device_row;
