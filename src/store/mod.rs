@@ -144,8 +144,8 @@ pub enum StoreError {
     #[error(
         "state database {} lacks changes vfiod acknowledged (recorded in {}): {}; its \
          write-ahead log ({}-wal) was damaged, cut short or removed, or the file was replaced \
-         by an older copy. Refusing to start on it: restore vfiod.db from a backup (with its \
-         -wal file), or start once with `vfiod --accept-store-loss` to go on with what it \
+         by an older copy. Refusing to start on it: restore vfiod.db from a backup (`vfioctl \
+         backup`; remove the old -wal and -shm files first), or start once with `vfiod --accept-store-loss` to go on with what it \
          holds (the loss is recorded as an event)",
         .path.display(), .ack_path.display(), .loss.describe(), .path.display()
     )]
