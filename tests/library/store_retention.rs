@@ -216,3 +216,38 @@ fn vfiod_now_ms() -> i64 {
         .unwrap()
         .as_millis() as i64
 }
+
+#[test]
+fn a_backlog_is_deleted_in_batches_that_each_let_the_store_go() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path()).unwrap();
+    // A history from before retention: 1,600 events, written in one go by another connection.
+    let mut conn = Connection::open(dir.path().join(DB_FILE_NAME)).unwrap();
+    let tx = conn.transaction().unwrap();
+    for i in 0..1_600 {
+        tx.execute(
+            "INSERT INTO events (time_ms, address, kind, message) VALUES (?1, NULL, 'config', 'old')",
+            [i],
+        )
+        .unwrap();
+    }
+    tx.commit().unwrap();
+    drop(conn);
+    let limits = HistorySettings {
+        // By count alone: these events are from 1970.
+        events_max_age: None,
+        events_max_count: Some(100),
+        ..HistorySettings::default()
+    };
+    let p = store.prune_history(&limits, vfiod_now_ms()).unwrap();
+    assert_eq!(p.events, 1_500);
+    // 500 rows per transaction: three of them, the connection free between each.
+    assert_eq!(
+        p.batches,
+        1_500_u64.div_ceil(vfiod::store::retention::BATCH as u64)
+    );
+    assert_eq!(store.history_counts().unwrap().0, 100);
+    // Those it kept are the newest.
+    let kept = store.events(None, 0, usize::MAX).unwrap();
+    assert_eq!(kept.first().unwrap().id, 1_501);
+}
