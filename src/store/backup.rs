@@ -44,6 +44,14 @@ pub enum BackupError {
     },
     #[error("{} exists; choose another name, or pass --force to replace it", .0.display())]
     Exists(PathBuf),
+    /// FILE is the live store or one of its companions: a copy renamed onto it would replace
+    /// the daemon's database under its feet.
+    #[error(
+        "{} is one of vfiod's own state files; write the backup outside the state directory's \
+         vfiod.* files",
+        .0.display()
+    )]
+    OntoTheStore(PathBuf),
     #[error("cannot write the backup {}", .path.display())]
     Write {
         path: PathBuf,
@@ -82,6 +90,9 @@ pub fn backup(state_dir: &Path, dest: &Path, force: bool) -> Result<BackupReport
     let path = state_dir.join(DB_FILE_NAME);
     if !path.exists() {
         return Err(BackupError::NoDatabase(path));
+    }
+    if is_state_file(state_dir, dest) {
+        return Err(BackupError::OntoTheStore(dest.to_path_buf()));
     }
     if !force && std::fs::symlink_metadata(dest).is_ok() {
         return Err(BackupError::Exists(dest.to_path_buf()));
@@ -135,6 +146,27 @@ pub fn backup(state_dir: &Path, dest: &Path, force: bool) -> Result<BackupReport
     }
     let bytes = std::fs::metadata(dest).map_err(write_error(dest))?.len();
     result.map(|r| BackupReport { bytes, ..r })
+}
+
+/// Whether `dest` names the database, its log, its shared memory or the acknowledged mark in
+/// `state_dir` (through any spelling of the directory: compared after resolving it).
+fn is_state_file(state_dir: &Path, dest: &Path) -> bool {
+    let resolve = |dir: &Path| std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
+    let dir = match dest.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let Some(name) = dest.file_name().and_then(|n| n.to_str()) else {
+        return false;
+    };
+    let own = [
+        DB_FILE_NAME.to_string(),
+        format!("{DB_FILE_NAME}-wal"),
+        format!("{DB_FILE_NAME}-shm"),
+        format!("{DB_FILE_NAME}-journal"),
+        integrity::ACK_FILE_NAME.to_string(),
+    ];
+    resolve(dir) == resolve(state_dir) && own.iter().any(|o| o == name)
 }
 
 /// The copy into `temp` (already created, empty), checked; `dest` only names it in the report.

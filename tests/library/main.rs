@@ -22,6 +22,7 @@ mod record;
 mod reset;
 mod simkernel;
 mod store;
+mod store_backup;
 mod store_claims;
 mod store_clean;
 mod store_empty;
