@@ -63,6 +63,8 @@ pub struct Server {
     pub fleet: Option<crate::fleet::Reporter>,
     /// Keeps `[metrics] textfile` fresh (and writes nothing while none is configured).
     metrics: Option<crate::metrics::textfile::Writer>,
+    /// Keeps the history within `[history]`'s limits (at start, then every prune interval).
+    pruner: Option<crate::store::retention::Pruner>,
     /// The hook's peer-to-peer door (`STATE_DIR/hook.sock`), when it could be opened.
     hook_socket: Option<dbus::hook_socket::HookSocket>,
     /// Held while the server lives: one daemon per state directory.
@@ -200,6 +202,14 @@ impl Server {
             engine.subscribe_changes(),
             engine.metrics().subscribe(),
         );
+        // Beside the daemon as well, on the blocking pool in small batches: a prune never
+        // holds the store for longer than one batch. It reads `[history]` at each run.
+        let pruner = {
+            let e = Arc::clone(&engine);
+            crate::store::retention::Pruner::start(Arc::clone(engine.store()), move || {
+                e.settings().history
+            })
+        };
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let e = Arc::clone(&engine);
         let events = opts.events;
@@ -217,6 +227,7 @@ impl Server {
             #[cfg(feature = "fleet")]
             fleet,
             metrics: Some(metrics),
+            pruner: Some(pruner),
             hook_socket,
             _state_lock: state_lock,
         })
@@ -237,6 +248,9 @@ impl Server {
         }
         if let Some(m) = self.metrics.take() {
             m.stop().await;
+        }
+        if let Some(p) = self.pruner.take() {
+            p.stop().await;
         }
         if let Some(s) = self.stop.take() {
             let _ = s.send(());

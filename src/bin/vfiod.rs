@@ -429,6 +429,21 @@ fn print_settings(s: &Settings) {
             }
         }
     }
+    let h = &s.history;
+    let age = |a: Option<std::time::Duration>| {
+        a.map_or("no age limit".to_string(), |d| {
+            format!("{} days", d.as_secs() / 86_400)
+        })
+    };
+    let count = |c: Option<u64>| c.map_or("no count limit".to_string(), |n| format!("at most {n}"));
+    println!(
+        "history: events {}, {}; finished tasks {}, {}; pruned every {}s",
+        age(h.events_max_age),
+        count(h.events_max_count),
+        age(h.tasks_max_age),
+        count(h.tasks_max_count),
+        h.prune_interval.as_secs()
+    );
     // Warnings, not errors: the module may be installed after the configuration is written.
     for warning in vfiod::host::modules::driver_warnings(s, &s.sysfs_root) {
         eprintln!("warning: {warning}");

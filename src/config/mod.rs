@@ -51,7 +51,8 @@
 //!  sections   select, protect, claims selector and the leaves
 //!             hooks, host, fpga,      the leaves (fpga: selector too)
 //!             images,
-//!             pool, fleet, metrics
+//!             pool, fleet, metrics,
+//!             history
 //!             selector                the leaves
 //!  stage 1    files                   error
 //!  leaves     located                 position, error  (Located, Entry, last_valid)
@@ -88,6 +89,7 @@ mod claim;
 mod fleet;
 mod clean;
 mod fpga;
+mod history;
 mod hook;
 mod host;
 mod image;
@@ -113,6 +115,10 @@ pub use error::{ConfigError, FileRefusal};
 pub use files::{MAX_DROPINS, MAX_FILE_BYTES, MAX_TOTAL_BYTES};
 pub use fleet::{check_host_name, FleetSettings, DEFAULT_DOWN_AFTER};
 pub use fpga::{FpgaBackend, FpgaRule};
+pub use history::{
+    HistorySettings, MAX_HISTORY_COUNT, MAX_HISTORY_DAYS, MAX_PRUNE_INTERVAL_SECONDS,
+    MIN_EVENTS_KEPT, MIN_TASKS_KEPT,
+};
 pub use hook::HookSettings;
 pub use host::{HostSettings, MAX_CONSOLE_GPUS};
 pub use image::{ImageSettings, MAX_DOWNLOAD_SECONDS};
@@ -174,6 +180,8 @@ pub struct Settings {
     pub fleet: Option<FleetSettings>,
     /// `[metrics]`: the Prometheus textfile; off by default.
     pub metrics: MetricsSettings,
+    /// `[history]`: how long events and finished tasks are kept.
+    pub history: HistorySettings,
     /// files that were read, in order (for logs and `vfioctl` status)
     pub sources: Vec<PathBuf>,
 }
@@ -201,6 +209,7 @@ impl Default for Settings {
             host_name: daemon.host_name,
             fleet: None,
             metrics: MetricsSettings::default(),
+            history: HistorySettings::default(),
             sources: Vec::new(),
         }
     }
@@ -439,6 +448,7 @@ fn settle(inputs: &Inputs) -> Result<Settings, Vec<ConfigError>> {
     });
     let fleet = found.section(fleet::validate(inputs.values(|f| f.fleet.as_ref())));
     let metrics = found.section(metrics::validate(inputs.values(|f| f.metrics.as_ref())));
+    let history = found.section(history::validate(inputs.values(|f| f.history.as_ref())));
     let (
         Some(daemon),
         Some(select),
@@ -452,8 +462,10 @@ fn settle(inputs: &Inputs) -> Result<Settings, Vec<ConfigError>> {
         Some(pools),
         Some(fleet),
         Some(metrics),
+        Some(history),
     ) = (
         daemon, select, protect, claims, hooks, host, images, fpga, clean, pools, fleet, metrics,
+        history,
     )
     else {
         return Err(found.errors);
@@ -478,6 +490,7 @@ fn settle(inputs: &Inputs) -> Result<Settings, Vec<ConfigError>> {
         host_name: daemon.host_name,
         fleet,
         metrics,
+        history,
         sources: inputs.sources(),
     })
 }

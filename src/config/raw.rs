@@ -16,6 +16,7 @@ use super::clean::RawClean;
 use super::error::{bound_message, ConfigError, Key};
 use super::fleet::RawFleet;
 use super::fpga::RawFpga;
+use super::history::RawHistory;
 use super::hook::RawHooks;
 use super::host::RawHost;
 use super::image::RawImages;
@@ -57,6 +58,7 @@ pub(crate) struct RawFile {
     pub pool: Vec<Spanned<RawPool>>,
     pub fleet: Option<Spanned<RawFleet>>,
     pub metrics: Option<Spanned<RawMetrics>>,
+    pub history: Option<Spanned<RawHistory>>,
 }
 
 /// One file: where it came from and its text (for positions in errors), and what it says.

@@ -11,10 +11,14 @@
 //! writer, SQLite serialises writers anyway, and one connection keeps the per-connection settings
 //! (`synchronous`, `foreign_keys`, `busy_timeout`) in one place.
 //!
+//! What keeps the history (events, finished tasks) within `[history]`'s limits is
+//! [`retention`]'s.
+//!
 //! What keeps the database whole when its write-ahead log is not (checkpoints, the log watch,
 //! the acknowledged mark that makes a lost change an error at the next start) is
 //! [`integrity`]'s.
 
+pub mod backup;
 mod claim;
 mod clean;
 mod device_row;
@@ -25,6 +29,7 @@ pub mod lock;
 mod schema;
 mod original_drivers;
 mod pool;
+pub mod retention;
 mod task_state;
 mod task;
 
@@ -139,8 +144,8 @@ pub enum StoreError {
     #[error(
         "state database {} lacks changes vfiod acknowledged (recorded in {}): {}; its \
          write-ahead log ({}-wal) was damaged, cut short or removed, or the file was replaced \
-         by an older copy. Refusing to start on it: restore vfiod.db from a backup (with its \
-         -wal file), or start once with `vfiod --accept-store-loss` to go on with what it \
+         by an older copy. Refusing to start on it: restore vfiod.db from a backup (`vfioctl \
+         backup`; remove the old -wal and -shm files first), or start once with `vfiod --accept-store-loss` to go on with what it \
          holds (the loss is recorded as an event)",
         .path.display(), .ack_path.display(), .loss.describe(), .path.display()
     )]

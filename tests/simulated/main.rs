@@ -13,6 +13,7 @@ mod clean;
 mod dbus_api;
 mod dbus_interfaces;
 mod fpga;
+mod history;
 mod hooks;
 mod images;
 mod images_url;

@@ -8,6 +8,7 @@
 
 use clap::{Parser, Subcommand};
 
+mod backup;
 mod claim;
 mod device;
 mod event;
@@ -282,6 +283,28 @@ enum Command {
         #[arg(long, value_name = "DIR", default_value = "/")]
         root: std::path::PathBuf,
     },
+    /// Copy the state database into FILE while vfiod runs (SQLite's online backup): one
+    /// consistent moment, a single file readable by its owner only (no daemon needed).
+    ///
+    /// vfioctl reads <state_dir>/vfiod.db itself, read-only, with your rights (root on a real
+    /// host). To restore: stop vfiod, remove vfiod.db-wal and vfiod.db-shm, put FILE in place
+    /// as vfiod.db, start; a copy older than what vfiod acknowledged is refused, naming what it
+    /// lacks, until `vfiod --accept-store-loss`.
+    Backup {
+        /// Where to write the copy (replaced whole by a rename, never half-written).
+        #[arg(value_name = "FILE")]
+        file: std::path::PathBuf,
+        /// Replace FILE if it exists.
+        #[arg(long)]
+        force: bool,
+        /// The state directory. Default: state_dir of the configuration ($VFIOD_CONFIG, else
+        /// /etc/vfiod/vfiod.toml and conf.d).
+        #[arg(long, value_name = "DIR")]
+        state_dir: Option<std::path::PathBuf>,
+        /// Print what the copy holds as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Print a completion script for SHELL (bash, zsh, fish, elvish, powershell) on stdout, e.g.
     /// `vfioctl completions bash > /etc/bash_completion.d/vfioctl`.
     Completions {
@@ -442,6 +465,15 @@ async fn main() -> ExitCode {
         };
         return record::run(&root, output, force, with_hostname);
     }
+    if let Command::Backup {
+        file,
+        force,
+        state_dir,
+        json,
+    } = &args.command
+    {
+        return backup::run(file, *force, state_dir.clone(), *json);
+    }
     if let Command::Hook(_) = &args.command {
         let target = match bus(&args) {
             Ok(t) => t,
@@ -513,6 +545,7 @@ async fn run(args: Args) -> Result<(), Failure> {
             unreachable!("completions and man are printed before connecting")
         }
         Command::Record { .. } => unreachable!("vfioctl record is run before connecting"),
+        Command::Backup { .. } => unreachable!("vfioctl backup is run before connecting"),
         #[cfg(feature = "fleet")]
         Command::Fleet(_) => unreachable!("vfioctl fleet is run before connecting"),
     }
