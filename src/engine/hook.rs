@@ -338,6 +338,17 @@ impl Engine {
                     uuid: u.as_deref(),
                 };
                 let uses = host_uses_now(core, &snapshot.devices, &n, &fs, guard);
+                // Functions the records lack, with the PF sysfs gives each (a VF a split is
+                // creating): not to be left to libvirt when vfiod manages that PF.
+                let unrecorded: Vec<(PciAddress, PciAddress)> = fs
+                    .iter()
+                    .filter(|f| snapshot.devices.iter().all(|d| d.address != **f))
+                    .filter_map(|f| {
+                        let link = core.sysfs().device_attr(*f, "physfn");
+                        let pf = core.sysfs().read_optional_link_name(&link).ok()??;
+                        Some((*f, pf.parse().ok()?))
+                    })
+                    .collect();
                 Ok::<_, StoreError>(hook::prepare(
                     domain,
                     &fs,
@@ -346,6 +357,7 @@ impl Engine {
                     &snapshot.busy,
                     auto_claim,
                     &uses,
+                    &unrecorded,
                 ))
             })
             .await;

@@ -208,17 +208,29 @@ impl Engine {
             }
         };
         // Done after the hook gave up: libvirt refused the migration, so no claim of this run
-        // may stay.
+        // may stay, and no pool move it made: the sessions it moved here go back to their
+        // source, as for an incoming domain that never ran here (those an earlier run moved
+        // stay where they are).
         if !crate::hook::deadline::in_time(crate::hook::deadline::Stamp::now(), timing) {
             self.release_all(
                 &made,
                 "its hook gave up before vfiod answered: the migration was refused",
             )
             .await;
+            if !moving_pooled.is_empty() {
+                self.pooled_step_of(
+                    name,
+                    uuid.as_deref(),
+                    crate::pool::DomainStep::Stopped { migrated: false },
+                    Some(&moving_pooled),
+                )
+                .await;
+            }
             self.flush().await;
             return Verdict::fail(format!(
                 "vfiod: domain {name} cannot come here: vfiod answered after the hook's deadline; \
-                 what it claimed for it is released"
+                 what it claimed for it is released, the pooled sessions it moved here given \
+                 back"
             ));
         }
         let made_text = made

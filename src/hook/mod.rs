@@ -305,7 +305,11 @@ pub struct Preparation {
 /// `prepare begin`: whether the domain may start with the PCI functions its XML assigns, and
 /// what to do first. `Err` is the one line libvirt shows the user. Every function the host uses
 /// (`host`, see [`host_uses`]; empty when the guard is off) refuses the start; of the others,
-/// functions vfiod does not manage (or does not know) are left to libvirt. Pure.
+/// functions vfiod does not manage (or does not know) are left to libvirt, except a VF the
+/// records lack whose PF vfiod manages (`unrecorded`: such functions with the PF sysfs names,
+/// e.g. VFs a split is creating): it is vfiod's, and cannot be handed out before it is recorded.
+/// Pure.
+#[allow(clippy::too_many_arguments)]
 pub fn prepare(
     domain: DomainId<'_>,
     functions: &[PciAddress],
@@ -314,6 +318,7 @@ pub fn prepare(
     busy: &[(PciAddress, i64)],
     auto_claim: bool,
     host: &HostUses,
+    unrecorded: &[(PciAddress, PciAddress)],
 ) -> Result<Preparation, String> {
     let mut out = Preparation::default();
     let mut problems = host_problems(functions, host);
@@ -322,6 +327,20 @@ pub fn prepare(
             continue;
         }
         let Some(d) = devices.iter().find(|d| d.address == *f) else {
+            let pf = unrecorded
+                .iter()
+                .find(|(vf, _)| vf == f)
+                .map(|(_, pf)| *pf)
+                .filter(|pf| devices.iter().any(|d| d.address == *pf && d.managed));
+            if let Some(pf) = pf {
+                let why = match busy.iter().find(|(a, _)| *a == pf) {
+                    Some((_, task)) => format!("task {task} is running on its PF {pf}"),
+                    None => format!("vfiod has not recorded this VF of {pf} yet"),
+                };
+                problems.push(format!(
+                    "{f} is busy: {why}; start the domain again once it is done"
+                ));
+            }
             continue;
         };
         // A protected function is never managed (see `inventory::is_managed`): the host guard
@@ -548,7 +567,7 @@ mod tests {
         ];
         let f = |v: &[&str]| v.iter().map(|s| a(s)).collect::<Vec<_>>();
         let run = |fs: &[&str], claims: &[ClaimRecord], busy: &[(PciAddress, i64)], auto, host| {
-            prepare(VM1, &f(fs), &devices, claims, busy, auto, host)
+            prepare(VM1, &f(fs), &devices, claims, busy, auto, host, &[])
         };
         let bind_only = |fs: &[&str]| Preparation {
             to_claim: vec![],
@@ -680,9 +699,62 @@ mod tests {
             &[],
             true,
             &HostUses::new(),
+            &[],
         )
         .unwrap_err();
         assert!(e.contains("0000:af:00.0 is broken ("), "{e}");
+    }
+
+    /// Issue 33's soak: a VF that exists in sysfs but not yet in the records (a split is
+    /// creating it, or has just made it) was left to libvirt like a function vfiod does not
+    /// manage: the start was answered OK with no claim and no bind, and the VF, once split, could
+    /// be claimed by another VM. A VF of a managed PF is vfiod's: refused until recorded (naming
+    /// the PF's task when one runs); one of an unmanaged PF, or a function with no PF, is still
+    /// left to libvirt.
+    #[test]
+    fn a_vf_the_records_lack_refuses_the_start_when_its_pf_is_managed() {
+        let (_dir, _kernel, devices) = inventory_devices(false);
+        let managed_pf = devices
+            .iter()
+            .find(|d| d.managed && d.role == crate::model::device::Role::Pf && d.total_vfs > 0)
+            .expect("a managed SR-IOV PF")
+            .address;
+        let unmanaged = devices.iter().find(|d| !d.managed).unwrap().address;
+        let new_vf = a("0000:ee:02.1");
+        assert!(devices.iter().all(|d| d.address != new_vf));
+        let run = |unrecorded: &[(PciAddress, PciAddress)], busy: &[(PciAddress, i64)]| {
+            prepare(
+                VM1,
+                &[new_vf],
+                &devices,
+                &[],
+                busy,
+                true,
+                &HostUses::new(),
+                unrecorded,
+            )
+        };
+        let e = run(&[(new_vf, managed_pf)], &[(managed_pf, 7)]).unwrap_err();
+        assert!(
+            e.contains(&format!(
+                "0000:ee:02.1 is busy: task 7 is running on its PF {managed_pf}"
+            )),
+            "{e}"
+        );
+        let e = run(&[(new_vf, managed_pf)], &[]).unwrap_err();
+        assert!(
+            e.contains(&format!(
+                "vfiod has not recorded this VF of {managed_pf} yet"
+            )),
+            "{e}"
+        );
+        for left_to_libvirt in [vec![(new_vf, unmanaged)], vec![]] {
+            assert_eq!(
+                run(&left_to_libvirt, &[]),
+                Ok(Preparation::default()),
+                "{left_to_libvirt:?}"
+            );
+        }
     }
 
     /// What the host uses now counts as much as what the last inventory pass recorded: an

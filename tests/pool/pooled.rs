@@ -824,3 +824,97 @@ async fn a_restart_catches_up_with_a_domain_that_left() {
     assert_eq!(ended[0].session, gone.session);
     assert_eq!(ended[0].state, "forgotten");
 }
+
+/// A TCP proxy on loopback to `url`'s host and port that holds each chunk of the pool's
+/// answers back by `delay`: a pool slower than a hook's deadline. Its threads end with the
+/// test process.
+fn slow_proxy(url: &str, delay: Duration) -> String {
+    use std::io::{Read, Write};
+    use std::net::{TcpListener, TcpStream};
+    let target = url
+        .trim_start_matches("http://")
+        .trim_end_matches('/')
+        .to_string();
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let here = format!("http://{}", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        for client in listener.incoming() {
+            let Ok(client) = client else { continue };
+            let Ok(upstream) = TcpStream::connect(&target) else {
+                continue;
+            };
+            let pipe = |mut from: TcpStream, mut to: TcpStream, hold: Option<Duration>| {
+                std::thread::spawn(move || {
+                    let mut buf = [0u8; 16 * 1024];
+                    while let Ok(n) = from.read(&mut buf) {
+                        if n == 0 {
+                            break;
+                        }
+                        if let Some(d) = hold {
+                            std::thread::sleep(d);
+                        }
+                        if to.write_all(&buf[..n]).is_err() {
+                            break;
+                        }
+                    }
+                    let _ = to.shutdown(std::net::Shutdown::Write);
+                });
+            };
+            pipe(
+                client.try_clone().unwrap(),
+                upstream.try_clone().unwrap(),
+                None,
+            );
+            pipe(upstream, client, Some(delay));
+        }
+    });
+    here
+}
+
+/// Issue 33 (6) for `migrate`: a destination's `migrate begin` admitted in time whose pool
+/// move ends after the hook's deadline (the pool answers 1.5 s late, the hook gave up at 1 s and
+/// libvirt refused the migration) leaves no pool move behind here: the session it moved is
+/// dropped as for an incoming domain that never ran here (it stays with its source), rather
+/// than held "moving" for a domain that never came, which a later run would take as moved.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_migration_answered_after_its_deadline_leaves_no_pool_move() {
+    let pool = Pool::start(&[]);
+    let a = Harness::start(&config("hosta", &pool.url, "switchover")).await;
+    let slow = slow_proxy(&pool.url, Duration::from_millis(1500));
+    let b = Harness::start(&config("hostb", &slow, "switchover")).await;
+    let c = lease(&a, "dev0").await.unwrap();
+    let xml = domain_xml(&[session_of(&c, "hosta")]);
+    let now = vfiod::host::clock::monotonic_ms();
+    let timing = dict(&[
+        ("sent_ms", Variant::from(now)),
+        ("deadline_ms", Variant::from(now + 1000)),
+    ]);
+    let (code, _, message) = b
+        .manager()
+        .await
+        .hook_with_options("vm1", "migrate", "begin", "-", &xml, timing)
+        .await
+        .unwrap();
+    assert_eq!(code, 1, "refused at its deadline: {message}");
+    // The run goes on to its end (the pool's late answer) and records the move...
+    eventually_async(
+        Duration::from_secs(30),
+        "the late run records its pool move",
+        || async { (!claims(&b, true).await.is_empty()).then_some(()) },
+    )
+    .await;
+    // ...which is undone, the migration being refused.
+    eventually_async(
+        Duration::from_secs(30),
+        "the late run's pool move is undone",
+        || async { claims(&b, false).await.is_empty().then_some(()) },
+    )
+    .await;
+    let gone = claims(&b, true).await;
+    assert_eq!(gone.len(), 1, "{gone:?}");
+    assert_eq!(gone[0].state, "forgotten", "{gone:?}");
+    // The session stays with its source, running, at its epoch.
+    let s = pool.client().session(&c.session).await.unwrap();
+    assert_eq!((s.host.as_str(), s.epoch), ("hosta", 1));
+    assert_eq!(s.state, vfiod::pool::protocol::SessionState::Running);
+}

@@ -1546,3 +1546,52 @@ fn without_an_answer_a_domain_without_pci_functions_starts_at_once() {
         r.stderr
     );
 }
+
+/// Issue 33's soak (`tests/soak_faults.rs`, seeds 1796663269829954671 and an earlier run): a
+/// `prepare` naming a VF that the kernel has but vfiod's records do not yet (a split was
+/// creating it) was answered OK with no claim and no bind, as for a function vfiod does not
+/// manage; once split, the VF could be claimed by another VM. Here the NIC is re-split behind
+/// vfiod's back and one new VF cannot be read by the inventory pass: the records lack it, and a
+/// start with it is refused, naming the PF, until vfiod has recorded it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vf_not_yet_recorded_is_not_left_to_libvirt() {
+    let (h, config, bus) = harness().await;
+    let sysfs = h.kernel.sysfs();
+    let numvfs = sysfs.device_attr(addr("0000:3b:00.0"), "sriov_numvfs");
+    sysfs.write(&numvfs, "0").unwrap();
+    sysfs.write(&numvfs, "8").unwrap();
+    let vf = "0000:3b:02.5";
+    // The window held open: the pass the split's uevents start (20 ms later) cannot read the
+    // new VF, so the records lack it while the kernel has it (and its PF link).
+    h.kernel.make_unreadable(addr(vf), "vendor", libc::EIO);
+    assert!(sysfs
+        .read_optional_link_name(&sysfs.device_attr(addr(vf), "physfn"))
+        .unwrap()
+        .is_some());
+    let r = hook(
+        &bus,
+        &config,
+        &["vm1", "prepare", "begin", "-"],
+        &domain_xml("vm1", &[vf]),
+    );
+    assert_eq!(r.code, 1, "a start with an unrecorded VF: {}", r.stderr);
+    assert!(
+        r.stderr
+            .contains("0000:3b:02.5 is busy: vfiod has not recorded this VF of 0000:3b:00.0 yet"),
+        "{}",
+        r.stderr
+    );
+    assert!(claims_now(&h).await.is_empty());
+    // Once recorded (a rescan), the start claims and binds it as any managed VF.
+    h.kernel.make_readable(addr(vf), "vendor");
+    h.manager().await.rescan().await.unwrap();
+    let r = hook(
+        &bus,
+        &config,
+        &["vm1", "prepare", "begin", "-"],
+        &domain_xml("vm1", &[vf]),
+    );
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(claims_now(&h).await.len(), 1);
+    assert_eq!(h.kernel.driver_of(addr(vf)).as_deref(), Some("vfio-pci"));
+}

@@ -78,6 +78,18 @@ impl Engine {
         uuid: Option<&str>,
         step: DomainStep,
     ) -> Vec<PooledOutcome> {
+        self.pooled_step_of(name, uuid, step, None).await
+    }
+
+    /// [`Engine::pooled_step`] on the domain's pooled claims `only` names (all of them when
+    /// `None`): a late `migrate` run undoes its own moves, not an earlier run's.
+    pub(in crate::engine) async fn pooled_step_of(
+        self: &Arc<Self>,
+        name: &str,
+        uuid: Option<&str>,
+        step: DomainStep,
+        only: Option<&[i64]>,
+    ) -> Vec<PooledOutcome> {
         let (n, u) = (name.to_string(), uuid.map(str::to_string));
         let claims = match self
             .store_op(move |s| s.pooled_of_domain(&n, u.as_deref()))
@@ -93,6 +105,10 @@ impl Engine {
                 return Vec::new();
             }
         };
+        let claims: Vec<PooledClaim> = claims
+            .into_iter()
+            .filter(|c| only.is_none_or(|ids| ids.contains(&c.id)))
+            .collect();
         let mut out = Vec::new();
         for action in crate::pool::on_step(step, &claims) {
             let claim = match &action {
