@@ -15,6 +15,7 @@ pub mod read;
 pub mod render;
 pub mod run;
 
+pub use crate::host::libvirt::LocalDaemon;
 use crate::model::iommu::{Iommu, IommuFacts, ENABLE_IOMMU};
 use crate::model::pci::PciAddress;
 use serde::Serialize;
@@ -677,19 +678,6 @@ pub fn vfiod(facts: &VfiodFacts) -> Check {
     }
 }
 
-/// libvirtd's socket.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum SocketState {
-    /// A connection to it was accepted (and closed at once).
-    Answers(String),
-    /// It is there but refused the connection (no daemon behind it).
-    Refuses { path: String, error: String },
-    /// This user may not connect to it.
-    Denied(String),
-    /// None of the sockets checked is there.
-    Absent(Vec<String>),
-}
-
 /// The hook where libvirt reads it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum HookState {
@@ -707,13 +695,16 @@ pub enum HookState {
 pub struct LibvirtFacts {
     /// The configuration's `libvirt_uri`; `None`: configured without libvirt.
     pub uri: Option<String>,
-    pub socket: SocketState,
-    /// When libvirtd (or virtqemud) started: its pid file's time.
-    pub started: Option<SystemTime>,
+    /// The daemon that runs now (`libvirtd` or `virtqemud`), by its pid file.
+    pub daemon: Option<LocalDaemon>,
+    /// libvirt's sockets that are there (systemd starts the daemon when one is connected to).
+    pub sockets: Vec<String>,
     pub hook: HookState,
 }
 
-/// libvirtd runs, and has read vfiod's qemu hook (libvirt looks for hooks when it starts).
+/// libvirtd runs (or its socket starts it on demand), and has read vfiod's qemu hook: libvirt
+/// looks for hooks when it starts. Found without connecting to libvirt: a connection would
+/// start the daemon.
 pub fn libvirt(f: &LibvirtFacts) -> [Check; 2] {
     const DAEMON: &str = "libvirtd";
     const HOOK: &str = "libvirt hook";
@@ -721,26 +712,22 @@ pub fn libvirt(f: &LibvirtFacts) -> [Check; 2] {
         let why = "not used: libvirt_uri = \"\" in the configuration";
         return [ok(DAEMON, why), ok(HOOK, why)];
     }
-    let daemon = match &f.socket {
-        SocketState::Answers(path) => ok(DAEMON, format!("answers on {path}")),
-        SocketState::Refuses { path, error } => warn(
+    let daemon = match (&f.daemon, f.sockets.first()) {
+        (Some(d), _) => ok(DAEMON, format!("runs: pid {} (/{})", d.pid, d.pid_file)),
+        (None, Some(socket)) => ok(
             DAEMON,
-            format!("not running: {path} refuses ({error})"),
-            "systemctl start libvirtd",
+            format!("not running now; {socket} starts it on demand"),
         ),
-        SocketState::Denied(path) => warn(
+        (None, None) => warn(
             DAEMON,
-            format!("unknown: this user may not connect to {path}"),
-            "sudo vfioctl doctor",
-        ),
-        SocketState::Absent(paths) => warn(
-            DAEMON,
-            format!("not running: no {}", paths.join(", no ")),
+            "not running: no live pid in /run/libvirtd.pid or /run/virtqemud.pid, no socket \
+             in /run/libvirt",
             "apt install libvirt-daemon-system; systemctl start libvirtd",
         ),
     };
     let install =
         "ln -s /usr/libexec/vfiod-qemu-hook /etc/libvirt/hooks/qemu.d/vfiod; restart libvirtd";
+    let started = f.daemon.as_ref().and_then(|d| d.started);
     let hook = match &f.hook {
         HookState::Missing { path, qemu_script } => warn(
             HOOK,
@@ -770,15 +757,18 @@ pub fn libvirt(f: &LibvirtFacts) -> [Check; 2] {
             path,
             modified: Some(modified),
             ..
-        } if f.started.is_some_and(|s| *modified > s) => warn(
+        } if started.is_some_and(|s| *modified > s) => warn(
             HOOK,
-            format!("{path} is newer than libvirtd: libvirt looks for hooks when it starts"),
+            format!(
+                "{path} is newer than the running libvirtd, which looked for hooks when it \
+                 started"
+            ),
             "systemctl restart libvirtd",
         ),
         HookState::Installed { path, .. } => ok(
             HOOK,
-            match f.started {
-                Some(_) => format!("{path}, installed before libvirtd started"),
+            match started {
+                Some(_) => format!("{path}, there before libvirtd started"),
                 None => format!("{path}, executable"),
             },
         ),

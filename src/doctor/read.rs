@@ -1,11 +1,11 @@
 //! The doctor's filesystem edge: what the checks decide from, read under one root (`/` on a
 //! real host, the simulated kernel's tree otherwise). Only reads: files are opened read-only,
-//! a directory is listed, a link is read; libvirt's socket is connected to and closed at once.
+//! a directory is listed, a link is read.
 //! No device node is opened, nothing is written, nothing is opened exclusively.
 
 use super::{
     acs_from_config, Acs, ConfigFacts, DeviceFacts, HookState, InterruptFacts, LibvirtFacts,
-    Mate, ModuleFacts, ModuleState, SocketState, Standing,
+    Mate, ModuleFacts, ModuleState, Standing,
 };
 use crate::config::Settings;
 use crate::host::modules::{Availability, ModuleIndex};
@@ -15,10 +15,9 @@ use crate::model::pci::PciAddress;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-/// libvirt's sockets (the monolithic daemon's, then the modular `virtqemud`'s) and the pid
-/// files that tell when it started, relative to the root.
+/// libvirt's sockets (the monolithic daemon's, then the modular `virtqemud`'s), relative to
+/// the root.
 const LIBVIRT_SOCKETS: [&str; 2] = ["run/libvirt/libvirt-sock", "run/libvirt/virtqemud-sock"];
-const LIBVIRT_PIDS: [&str; 2] = ["run/libvirtd.pid", "run/virtqemud.pid"];
 /// Where libvirt reads vfiod's hook, and its single-script hook, relative to the root.
 const HOOK: &str = "etc/libvirt/hooks/qemu.d/vfiod";
 const QEMU_SCRIPT: &str = "etc/libvirt/hooks/qemu";
@@ -226,44 +225,22 @@ fn upstream(sysfs: &Sysfs, address: PciAddress) -> Vec<(PciAddress, Acs)> {
         .collect()
 }
 
-/// libvirt: its socket, when it started, and the hook where it reads it.
+/// libvirt: the daemon that runs, its sockets, and the hook where it reads it. The sockets
+/// are looked at, not connected to: systemd would start the daemon.
 pub fn libvirt(root: &Path, uri: Option<String>) -> LibvirtFacts {
+    use std::os::unix::fs::FileTypeExt;
     LibvirtFacts {
         uri,
-        socket: socket(root),
-        started: LIBVIRT_PIDS
+        daemon: crate::host::libvirt::local_daemon(root),
+        sockets: LIBVIRT_SOCKETS
             .iter()
-            .find_map(|p| std::fs::metadata(root.join(p)).ok()?.modified().ok()),
+            .filter(|rel| {
+                std::fs::symlink_metadata(root.join(rel)).is_ok_and(|m| m.file_type().is_socket())
+            })
+            .map(|rel| shown(rel))
+            .collect(),
         hook: hook(root),
     }
-}
-
-fn socket(root: &Path) -> SocketState {
-    use std::os::unix::fs::FileTypeExt;
-    let mut refused = None;
-    for rel in LIBVIRT_SOCKETS {
-        let path = root.join(rel);
-        let is_socket = std::fs::symlink_metadata(&path).is_ok_and(|m| m.file_type().is_socket());
-        if !is_socket {
-            continue;
-        }
-        match std::os::unix::net::UnixStream::connect(&path) {
-            Ok(s) => {
-                drop(s);
-                return SocketState::Answers(shown(rel));
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
-                return SocketState::Denied(shown(rel));
-            }
-            Err(e) => {
-                refused.get_or_insert(SocketState::Refuses {
-                    path: shown(rel),
-                    error: e.to_string(),
-                });
-            }
-        }
-    }
-    refused.unwrap_or_else(|| SocketState::Absent(LIBVIRT_SOCKETS.map(shown).to_vec()))
 }
 
 fn hook(root: &Path) -> HookState {

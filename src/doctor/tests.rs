@@ -318,73 +318,72 @@ fn libvirtd_runs_and_has_read_the_hook() {
         executable,
         modified: modified.map(t),
     };
-    let answers = SocketState::Answers("/run/libvirt/libvirt-sock".into());
-    let facts = |socket: SocketState, started: Option<u64>, hook: HookState| LibvirtFacts {
+    let runs = |started: Option<u64>| {
+        Some(LocalDaemon {
+            pid_file: "run/libvirtd.pid",
+            pid: 4242,
+            started: started.map(t),
+        })
+    };
+    let socket = || vec!["/run/libvirt/libvirt-sock".to_string()];
+    let facts = |daemon, sockets, hook| LibvirtFacts {
         uri: Some("qemu:///system".into()),
-        socket,
-        started: started.map(t),
+        daemon,
+        sockets,
         hook,
     };
     let missing = |qemu_script| HookState::Missing {
         path: "/etc/libvirt/hooks/qemu.d/vfiod".into(),
         qemu_script,
     };
-    type Row = (LibvirtFacts, (Verdict, &'static str, &'static str), (Verdict, &'static str, &'static str));
-    let table: Vec<Row> = vec![
+    type Expected = (Verdict, &'static str, &'static str);
+    let table: Vec<(LibvirtFacts, Expected, Expected)> = vec![
         (
-            facts(answers.clone(), Some(200), hook(true, Some(100))),
-            (Verdict::Ok, "answers on /run/libvirt/libvirt-sock", ""),
-            (Verdict::Ok, "installed before libvirtd started", ""),
+            facts(runs(Some(200)), socket(), hook(true, Some(100))),
+            (Verdict::Ok, "runs: pid 4242 (/run/libvirtd.pid)", ""),
+            (Verdict::Ok, "there before libvirtd started", ""),
         ),
         (
-            facts(answers.clone(), Some(100), hook(true, Some(200))),
-            (Verdict::Ok, "answers", ""),
-            (Verdict::Warn, "newer than libvirtd", "systemctl restart libvirtd"),
+            facts(runs(Some(100)), socket(), hook(true, Some(200))),
+            (Verdict::Ok, "runs", ""),
+            (Verdict::Warn, "newer than the running libvirtd", "systemctl restart libvirtd"),
         ),
+        // Not running: the next start reads the hook, whenever it was installed.
         (
-            facts(answers.clone(), None, hook(false, Some(200))),
-            (Verdict::Ok, "answers", ""),
-            (Verdict::Warn, "not executable", "chmod 0755 /etc/libvirt/hooks/qemu.d/vfiod"),
-        ),
-        (
-            facts(answers, None, hook(true, None)),
-            (Verdict::Ok, "answers", ""),
+            facts(None, socket(), hook(true, Some(200))),
+            (Verdict::Ok, "not running now; /run/libvirt/libvirt-sock starts it on demand", ""),
             (Verdict::Ok, "/etc/libvirt/hooks/qemu.d/vfiod, executable", ""),
         ),
         (
-            facts(
-                SocketState::Refuses {
-                    path: "/run/libvirt/libvirt-sock".into(),
-                    error: "Connection refused".into(),
-                },
-                None,
-                missing(false),
-            ),
-            (Verdict::Warn, "not running: /run/libvirt/libvirt-sock refuses", "systemctl start libvirtd"),
+            facts(runs(None), Vec::new(), hook(false, Some(200))),
+            (Verdict::Ok, "runs", ""),
+            (Verdict::Warn, "not executable", "chmod 0755 /etc/libvirt/hooks/qemu.d/vfiod"),
+        ),
+        (
+            facts(None, Vec::new(), missing(false)),
+            (Verdict::Warn, "not running: no live pid", "apt install libvirt-daemon-system"),
             (Verdict::Warn, "no /etc/libvirt/hooks/qemu.d/vfiod", "ln -s /usr/libexec/vfiod-qemu-hook"),
         ),
         (
-            facts(SocketState::Absent(vec!["/run/libvirt/libvirt-sock".into()]), None, missing(true)),
-            (Verdict::Warn, "not running: no /run/libvirt/libvirt-sock", "apt install libvirt-daemon-system"),
+            facts(runs(Some(1)), Vec::new(), missing(true)),
+            (Verdict::Ok, "runs", ""),
             (Verdict::Warn, "a hooks/qemu script is there", "qemu.d/vfiod"),
-        ),
-        (
-            facts(SocketState::Denied("/run/libvirt/libvirt-sock".into()), None, missing(false)),
-            (Verdict::Warn, "unknown: this user may not connect", "sudo vfioctl doctor"),
-            (Verdict::Warn, "no /etc/libvirt", "ln -s"),
         ),
     ];
     for (f, (dv, de, dfix), (hv, he, hfix)) in table {
         let [daemon, hook] = libvirt(&f);
-        assert_eq!((daemon.name.as_str(), hook.name.as_str()), ("libvirtd", "libvirt hook"));
+        assert_eq!(
+            (daemon.name.as_str(), hook.name.as_str()),
+            ("libvirtd", "libvirt hook")
+        );
         expect(&daemon, dv, de, dfix);
         expect(&hook, hv, he, hfix);
     }
     // Configured without libvirt: nothing to check.
     let unused = LibvirtFacts {
         uri: None,
-        socket: SocketState::Absent(Vec::new()),
-        started: None,
+        daemon: None,
+        sockets: Vec::new(),
         hook: missing(false),
     };
     for c in libvirt(&unused) {
