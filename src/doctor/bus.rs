@@ -12,12 +12,21 @@ const DEADLINE: Duration = Duration::from_secs(5);
 /// polkit's name on the system bus.
 const POLKIT: &str = "org.freedesktop.PolicyKit1";
 
-/// The bus as an operator names it.
+/// The bus as an operator names it: "system bus", "bus at /run/x/bus.sock" (the socket of an
+/// address, without its guid), "bus tcp:host=..." (another address, whole).
 pub fn describe(bus: &BusTarget) -> String {
     match bus {
         BusTarget::System => "system bus".into(),
         BusTarget::Session => "session bus".into(),
-        BusTarget::Address(a) => format!("bus {a}"),
+        BusTarget::Address(a) => {
+            let path = a
+                .strip_prefix("unix:")
+                .and_then(|rest| rest.split(',').find_map(|kv| kv.strip_prefix("path=")));
+            match path {
+                Some(p) => format!("bus at {p}"),
+                None => format!("bus {a}"),
+            }
+        }
     }
 }
 
@@ -97,4 +106,32 @@ async fn polkit_on(conn: &zbus::Connection) -> Option<bool> {
     }
     let activatable = dbus.list_activatable_names().await.ok()?;
     Some(activatable.iter().any(|n| n.as_str() == POLKIT))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bus_is_named_by_its_socket() {
+        let table = [
+            (BusTarget::System, "system bus"),
+            (BusTarget::Session, "session bus"),
+            (
+                BusTarget::Address("unix:path=/tmp/b/bus.sock,guid=43".into()),
+                "bus at /tmp/b/bus.sock",
+            ),
+            (
+                BusTarget::Address("unix:guid=43,path=/run/x".into()),
+                "bus at /run/x",
+            ),
+            (
+                BusTarget::Address("unix:abstract=/tmp/dbus-x".into()),
+                "bus unix:abstract=/tmp/dbus-x",
+            ),
+        ];
+        for (bus, want) in table {
+            assert_eq!(describe(&bus), want);
+        }
+    }
 }
