@@ -87,8 +87,7 @@ fn chain_once(e: &dyn std::error::Error) -> String {
 
 async fn vfiod_on(conn: &zbus::Connection) -> Result<(String, String), ClientError> {
     let dbus = zbus::fdo::DBusProxy::new(conn).await?;
-    let name = zbus::names::BusName::try_from(crate::dbus::BUS_NAME)
-        .map_err(|e| ClientError::Call(e.into()))?;
+    let name = zbus::names::BusName::try_from(crate::dbus::BUS_NAME).map_err(ClientError::Call)?;
     if !dbus.name_has_owner(name).await? {
         return Err(ClientError::NotRunning);
     }

@@ -124,9 +124,8 @@ impl Report {
 
     /// The counts, worst first: "1 failure, 2 warnings, 11 ok".
     pub fn tally(&self) -> String {
-        let plural = |n: usize, one: &str, many: &str| {
-            format!("{n} {}", if n == 1 { one } else { many })
-        };
+        let plural =
+            |n: usize, one: &str, many: &str| format!("{n} {}", if n == 1 { one } else { many });
         let mut parts = Vec::new();
         let (fails, warns) = (self.count(Verdict::Fail), self.count(Verdict::Warn));
         if fails > 0 {

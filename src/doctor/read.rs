@@ -4,8 +4,8 @@
 //! No device node is opened, nothing is written, nothing is opened exclusively.
 
 use super::{
-    acs_from_config, Acs, ConfigFacts, DeviceFacts, HookState, InterruptFacts, LibvirtFacts,
-    Mate, ModuleFacts, ModuleState, Standing,
+    acs_from_config, Acs, ConfigFacts, DeviceFacts, HookState, InterruptFacts, LibvirtFacts, Mate,
+    ModuleFacts, ModuleState, Standing,
 };
 use crate::config::Settings;
 use crate::host::modules::{Availability, ModuleIndex};

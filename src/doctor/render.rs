@@ -112,7 +112,11 @@ mod tests {
             ("", 10, &[""]),
             ("one two three", 7, &["one two", "three"]),
             ("one two three", 80, &["one two three"]),
-            ("/a/very/long/path x", 6, &["/a/ver", "y/long", "/path", "x"]),
+            (
+                "/a/very/long/path x",
+                6,
+                &["/a/ver", "y/long", "/path", "x"],
+            ),
             ("ab /abcdefgh", 6, &["ab /ab", "cdefgh"]),
         ];
         for (text, width, want) in table {
@@ -154,14 +158,20 @@ mod tests {
         let lines: Vec<&str> = text.lines().collect();
         assert!(lines[0].starts_with("host root:"), "{text}");
         assert!(text.contains("/tmp/some/simulated/root"), "{text}");
-        let ok = lines.iter().position(|l| l.starts_with("ok    iommu groups")).unwrap();
+        let ok = lines
+            .iter()
+            .position(|l| l.starts_with("ok    iommu groups"))
+            .unwrap();
         assert_eq!(
             lines[ok],
             "ok    iommu groups         24 groups in /sys/kernel/iommu_groups"
         );
         // An ok check has no fix line; the failing one's fix follows its evidence.
         assert!(!lines[ok + 1].trim_start().starts_with("fix:"), "{text}");
-        let failing = lines.iter().position(|l| l.starts_with("fail  group")).unwrap();
+        let failing = lines
+            .iter()
+            .position(|l| l.starts_with("fail  group"))
+            .unwrap();
         let fix = lines[failing..]
             .iter()
             .position(|l| l.starts_with("      fix: a very long"))

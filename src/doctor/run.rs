@@ -66,9 +66,7 @@ fn host_facts(
         interrupts: read::interrupts(root),
         modules: read::modules(root),
         devices,
-        vfiod: super::VfiodFacts::NotRunning {
-            bus: String::new(),
-        },
+        vfiod: super::VfiodFacts::NotRunning { bus: String::new() },
         libvirt: read::libvirt(root, settings.libvirt_uri.clone()),
         polkit: PolkitFacts {
             on_bus: None,

@@ -24,7 +24,13 @@ fn expect(c: &Check, verdict: Verdict, evidence: &str, fix: &str) {
 fn iommu_groups_decide_as_the_daemon_does() {
     let table = [
         (0, 0, Verdict::Fail, "no IOMMU group", "intel_iommu=on"),
-        (24, 0, Verdict::Ok, "24 groups in /sys/kernel/iommu_groups", ""),
+        (
+            24,
+            0,
+            Verdict::Ok,
+            "24 groups in /sys/kernel/iommu_groups",
+            "",
+        ),
         (0, 3, Verdict::Ok, "3 functions link an iommu_group", ""),
     ];
     for (groups, functions_in_a_group, verdict, evidence, fix) in table {
@@ -40,29 +46,107 @@ fn iommu_groups_decide_as_the_daemon_does() {
 fn iommu_units_name_the_hardware() {
     let units = |names: &[&str]| names.iter().map(|n| n.to_string()).collect::<Vec<_>>();
     let many = units(&["dmar0", "dmar1", "dmar2", "dmar3", "dmar4", "dmar5"]);
-    let table: [(Option<Vec<String>>, Iommu, Verdict, &str, &str); 6] = [
-        (Some(units(&["dmar0"])), Iommu::Present, Verdict::Ok, "dmar0 in /sys/class/iommu (Intel VT-d)", ""),
-        (Some(units(&["ivhd0", "ivhd1"])), Iommu::Present, Verdict::Ok, "ivhd0, ivhd1 in /sys/class/iommu (AMD-Vi)", ""),
-        (Some(many), Iommu::Present, Verdict::Ok, "dmar0, dmar1, dmar2, dmar3 and 2 more", ""),
-        (Some(Vec::new()), Iommu::Absent, Verdict::Fail, "no DMAR or AMD-Vi unit", "intel_iommu=on"),
-        (None, Iommu::Absent, Verdict::Fail, "no DMAR or AMD-Vi unit", "amd_iommu=on"),
-        (None, Iommu::Present, Verdict::Warn, "lists no unit", "dmesg | grep"),
+    type Row = (
+        Option<Vec<String>>,
+        Iommu,
+        Verdict,
+        &'static str,
+        &'static str,
+    );
+    let table: [Row; 6] = [
+        (
+            Some(units(&["dmar0"])),
+            Iommu::Present,
+            Verdict::Ok,
+            "dmar0 in /sys/class/iommu (Intel VT-d)",
+            "",
+        ),
+        (
+            Some(units(&["ivhd0", "ivhd1"])),
+            Iommu::Present,
+            Verdict::Ok,
+            "ivhd0, ivhd1 in /sys/class/iommu (AMD-Vi)",
+            "",
+        ),
+        (
+            Some(many),
+            Iommu::Present,
+            Verdict::Ok,
+            "dmar0, dmar1, dmar2, dmar3 and 2 more",
+            "",
+        ),
+        (
+            Some(Vec::new()),
+            Iommu::Absent,
+            Verdict::Fail,
+            "no DMAR or AMD-Vi unit",
+            "intel_iommu=on",
+        ),
+        (
+            None,
+            Iommu::Absent,
+            Verdict::Fail,
+            "no DMAR or AMD-Vi unit",
+            "amd_iommu=on",
+        ),
+        (
+            None,
+            Iommu::Present,
+            Verdict::Warn,
+            "lists no unit",
+            "dmesg | grep",
+        ),
     ];
     for (found, iommu, verdict, evidence, fix) in table {
-        expect(&iommu_units(found.as_deref(), iommu), verdict, evidence, fix);
+        expect(
+            &iommu_units(found.as_deref(), iommu),
+            verdict,
+            evidence,
+            fix,
+        );
     }
 }
 
 #[test]
 fn interrupt_remapping_is_read_from_the_chips_and_unknown_warns() {
     let table = [
-        (Some((12, 0)), false, Verdict::Ok, "on: 12 interrupts on IR- chips", ""),
+        (
+            Some((12, 0)),
+            false,
+            Verdict::Ok,
+            "on: 12 interrupts on IR- chips",
+            "",
+        ),
         // Remapped: allowing unsafe interrupts changes nothing.
         (Some((1, 5)), true, Verdict::Ok, "on: 1 interrupts", ""),
-        (Some((0, 7)), false, Verdict::Fail, "off: 7 interrupts on plain", "intremap"),
-        (Some((0, 7)), true, Verdict::Warn, "allow_unsafe_interrupts=Y", "intremap=on"),
-        (Some((0, 0)), false, Verdict::Warn, "unknown", "dmesg | grep -i remapping"),
-        (None, false, Verdict::Warn, "unknown: cannot read /proc/interrupts", "dmesg | grep -i remapping"),
+        (
+            Some((0, 7)),
+            false,
+            Verdict::Fail,
+            "off: 7 interrupts on plain",
+            "intremap",
+        ),
+        (
+            Some((0, 7)),
+            true,
+            Verdict::Warn,
+            "allow_unsafe_interrupts=Y",
+            "intremap=on",
+        ),
+        (
+            Some((0, 0)),
+            false,
+            Verdict::Warn,
+            "unknown",
+            "dmesg | grep -i remapping",
+        ),
+        (
+            None,
+            false,
+            Verdict::Warn,
+            "unknown: cannot read /proc/interrupts",
+            "dmesg | grep -i remapping",
+        ),
     ];
     for (lines, allow_unsafe, verdict, evidence, fix) in table {
         let facts = InterruptFacts {
@@ -89,12 +173,38 @@ fn proc_interrupts_chips_are_counted() {
 #[test]
 fn modules_loaded_or_built_in_pass_and_the_best_alternative_counts() {
     use ModuleState::*;
-    let table: [(&[(&str, ModuleState)], Verdict, &str, &str); 7] = [
+    type Row = (
+        &'static [(&'static str, ModuleState)],
+        Verdict,
+        &'static str,
+        &'static str,
+    );
+    let table: [Row; 7] = [
         (&[("vfio_pci", Loaded)], Verdict::Ok, "vfio_pci loaded", ""),
-        (&[("vfio", BuiltIn)], Verdict::Ok, "vfio built into the kernel", ""),
-        (&[("vfio_pci", Installed)], Verdict::Warn, "installed but not loaded", "modprobe vfio_pci"),
-        (&[("vfio_pci", Unknown)], Verdict::Fail, "no module index", "modprobe vfio_pci"),
-        (&[("vfio_pci", Missing)], Verdict::Fail, "not built in, not installed", "CONFIG_VFIO_PCI"),
+        (
+            &[("vfio", BuiltIn)],
+            Verdict::Ok,
+            "vfio built into the kernel",
+            "",
+        ),
+        (
+            &[("vfio_pci", Installed)],
+            Verdict::Warn,
+            "installed but not loaded",
+            "modprobe vfio_pci",
+        ),
+        (
+            &[("vfio_pci", Unknown)],
+            Verdict::Fail,
+            "no module index",
+            "modprobe vfio_pci",
+        ),
+        (
+            &[("vfio_pci", Missing)],
+            Verdict::Fail,
+            "not built in, not installed",
+            "CONFIG_VFIO_PCI",
+        ),
         (
             &[("vfio_iommu_type1", Missing), ("iommufd", Loaded)],
             Verdict::Ok,
@@ -121,9 +231,24 @@ fn the_configuration_must_load_and_select_something() {
         selected,
     };
     let table = [
-        (loaded(2, 3), Verdict::Ok, "2 [[select]] rules in /etc/vfiod/vfiod.toml select 3", ""),
-        (loaded(0, 0), Verdict::Warn, "no [[select]] rule", "add a [[select]] rule"),
-        (loaded(1, 0), Verdict::Warn, "match no PCI function", "vfiod --check-config"),
+        (
+            loaded(2, 3),
+            Verdict::Ok,
+            "2 [[select]] rules in /etc/vfiod/vfiod.toml select 3",
+            "",
+        ),
+        (
+            loaded(0, 0),
+            Verdict::Warn,
+            "no [[select]] rule",
+            "add a [[select]] rule",
+        ),
+        (
+            loaded(1, 0),
+            Verdict::Warn,
+            "match no PCI function",
+            "vfiod --check-config",
+        ),
         (
             ConfigFacts::Loaded {
                 sources: Vec::new(),
@@ -169,7 +294,12 @@ fn device(group: Option<u32>, mates: Vec<Mate>, upstream: Vec<(PciAddress, Acs)>
 fn a_group_is_viable_when_every_mate_but_bridges_is_selected() {
     use Standing::*;
     let table = [
-        (device(Some(3), vec![], vec![]), Verdict::Ok, "group 3: it alone", ""),
+        (
+            device(Some(3), vec![], vec![]),
+            Verdict::Ok,
+            "group 3: it alone",
+            "",
+        ),
         (
             device(Some(3), vec![mate("0000:17:00.1", false, Selected)], vec![]),
             Verdict::Ok,
@@ -178,7 +308,11 @@ fn a_group_is_viable_when_every_mate_but_bridges_is_selected() {
         ),
         // A bridge in the group stays with the host: it blocks nothing.
         (
-            device(Some(3), vec![mate("0000:00:01.0", true, NotSelected)], vec![]),
+            device(
+                Some(3),
+                vec![mate("0000:00:01.0", true, NotSelected)],
+                vec![],
+            ),
             Verdict::Ok,
             "group 3: it alone",
             "",
@@ -200,7 +334,11 @@ fn a_group_is_viable_when_every_mate_but_bridges_is_selected() {
             device(
                 Some(3),
                 vec![
-                    mate("0000:17:00.1", false, Protected("address 0000:17:00.1".into())),
+                    mate(
+                        "0000:17:00.1",
+                        false,
+                        Protected("address 0000:17:00.1".into()),
+                    ),
                     mate("0000:17:00.2", false, NotSelected),
                 ],
                 vec![],
@@ -209,7 +347,12 @@ fn a_group_is_viable_when_every_mate_but_bridges_is_selected() {
             "0000:17:00.1 (protected by address 0000:17:00.1), 0000:17:00.2 (not selected)",
             "select 0000:17:00.1, 0000:17:00.2 too",
         ),
-        (device(None, vec![], vec![]), Verdict::Fail, "in no IOMMU group", "intel_iommu=on"),
+        (
+            device(None, vec![], vec![]),
+            Verdict::Fail,
+            "in no IOMMU group",
+            "intel_iommu=on",
+        ),
     ];
     for (d, verdict, evidence, fix) in table {
         let c = group(&d);
@@ -224,21 +367,72 @@ fn acs_explains_a_shared_group_and_unknown_warns_only_there() {
     let on = Acs::Controls { off: Vec::new() };
     let table = [
         // A viable group is the kernel's proof of isolation, whatever ACS reads.
-        (device(Some(3), vec![], vec![(port, Acs::Unknown)]), true, Verdict::Ok, "not read (extended config space needs root); group 3 isolates it", ""),
-        (device(Some(3), vec![], vec![(port, on.clone())]), true, Verdict::Ok, "on at 0000:00:01.0; group 3 isolates it", ""),
-        (device(Some(3), vec![], vec![]), true, Verdict::Ok, "no bridge above it", ""),
-        (device(Some(3), vec![], vec![(port, Acs::Absent)]), false, Verdict::Warn, "0000:00:01.0 has no ACS: why group 3 is shared", "a port with ACS"),
         (
-            device(Some(3), vec![], vec![(port, Acs::Controls { off: vec!["RR", "CR"] })]),
+            device(Some(3), vec![], vec![(port, Acs::Unknown)]),
+            true,
+            Verdict::Ok,
+            "not read (extended config space needs root); group 3 isolates it",
+            "",
+        ),
+        (
+            device(Some(3), vec![], vec![(port, on.clone())]),
+            true,
+            Verdict::Ok,
+            "on at 0000:00:01.0; group 3 isolates it",
+            "",
+        ),
+        (
+            device(Some(3), vec![], vec![]),
+            true,
+            Verdict::Ok,
+            "no bridge above it",
+            "",
+        ),
+        (
+            device(Some(3), vec![], vec![(port, Acs::Absent)]),
+            false,
+            Verdict::Warn,
+            "0000:00:01.0 has no ACS: why group 3 is shared",
+            "a port with ACS",
+        ),
+        (
+            device(
+                Some(3),
+                vec![],
+                vec![(
+                    port,
+                    Acs::Controls {
+                        off: vec!["RR", "CR"],
+                    },
+                )],
+            ),
             false,
             Verdict::Warn,
             "0000:00:01.0 has ACS RR, CR off",
             "a port with ACS",
         ),
-        (device(Some(3), vec![], vec![(port, Acs::Unknown)]), false, Verdict::Warn, "unknown: not read", "sudo"),
-        (device(Some(3), vec![], vec![(port, on)]), false, Verdict::Warn, "shared by functions of one card", "select"),
+        (
+            device(Some(3), vec![], vec![(port, Acs::Unknown)]),
+            false,
+            Verdict::Warn,
+            "unknown: not read",
+            "sudo",
+        ),
+        (
+            device(Some(3), vec![], vec![(port, on)]),
+            false,
+            Verdict::Warn,
+            "shared by functions of one card",
+            "select",
+        ),
         // No group at all: the group check says it.
-        (device(None, vec![], vec![(port, Acs::Absent)]), false, Verdict::Ok, "its group", ""),
+        (
+            device(None, vec![], vec![(port, Acs::Absent)]),
+            false,
+            Verdict::Ok,
+            "its group",
+            "",
+        ),
     ];
     for (d, viable, verdict, evidence, fix) in table {
         let c = acs(&d, viable);
@@ -267,9 +461,22 @@ fn acs_is_read_from_the_extended_capabilities() {
         (vec![0u8; 256], Acs::Unknown),
         (config_with(&[]), Acs::Absent),
         (config_with(&[(0x0001, 0)]), Acs::Absent),
-        (config_with(&[(0x000d, 0x1d)]), Acs::Controls { off: vec![] }),
-        (config_with(&[(0x0001, 0), (0x000d, 0x01)]), Acs::Controls { off: vec!["RR", "CR", "UF"] }),
-        (config_with(&[(0x000d, 0)]), Acs::Controls { off: vec!["SV", "RR", "CR", "UF"] }),
+        (
+            config_with(&[(0x000d, 0x1d)]),
+            Acs::Controls { off: vec![] },
+        ),
+        (
+            config_with(&[(0x0001, 0), (0x000d, 0x01)]),
+            Acs::Controls {
+                off: vec!["RR", "CR", "UF"],
+            },
+        ),
+        (
+            config_with(&[(0x000d, 0)]),
+            Acs::Controls {
+                off: vec!["SV", "RR", "CR", "UF"],
+            },
+        ),
     ];
     for (config, want) in table {
         assert_eq!(acs_from_config(&config), want);
@@ -294,7 +501,12 @@ fn vfiod_not_reached_warns_with_where_to_look() {
             "vfiod 0.1.0 answers on the system bus, IOMMU present",
             "",
         ),
-        (VfiodFacts::NotRunning { bus: bus.clone() }, Verdict::Warn, "no org.vfiod.Vfiod1 on the system bus", "systemctl status vfiod"),
+        (
+            VfiodFacts::NotRunning { bus: bus.clone() },
+            Verdict::Warn,
+            "no org.vfiod.Vfiod1 on the system bus",
+            "systemctl status vfiod",
+        ),
         (
             VfiodFacts::NoBus {
                 bus,
@@ -346,28 +558,56 @@ fn libvirtd_runs_and_has_read_the_hook() {
         (
             facts(runs(Some(100)), socket(), hook(true, Some(200))),
             (Verdict::Ok, "runs", ""),
-            (Verdict::Warn, "newer than the running libvirtd", "systemctl restart libvirtd"),
+            (
+                Verdict::Warn,
+                "newer than the running libvirtd",
+                "systemctl restart libvirtd",
+            ),
         ),
         // Not running: the next start reads the hook, whenever it was installed.
         (
             facts(None, socket(), hook(true, Some(200))),
-            (Verdict::Ok, "not running now; /run/libvirt/libvirt-sock starts it on demand", ""),
-            (Verdict::Ok, "/etc/libvirt/hooks/qemu.d/vfiod, executable", ""),
+            (
+                Verdict::Ok,
+                "not running now; /run/libvirt/libvirt-sock starts it on demand",
+                "",
+            ),
+            (
+                Verdict::Ok,
+                "/etc/libvirt/hooks/qemu.d/vfiod, executable",
+                "",
+            ),
         ),
         (
             facts(runs(None), Vec::new(), hook(false, Some(200))),
             (Verdict::Ok, "runs", ""),
-            (Verdict::Warn, "not executable", "chmod 0755 /etc/libvirt/hooks/qemu.d/vfiod"),
+            (
+                Verdict::Warn,
+                "not executable",
+                "chmod 0755 /etc/libvirt/hooks/qemu.d/vfiod",
+            ),
         ),
         (
             facts(None, Vec::new(), missing(false)),
-            (Verdict::Warn, "not running: no live pid", "apt install libvirt-daemon-system"),
-            (Verdict::Warn, "no /etc/libvirt/hooks/qemu.d/vfiod", "ln -s /usr/libexec/vfiod-qemu-hook"),
+            (
+                Verdict::Warn,
+                "not running: no live pid",
+                "apt install libvirt-daemon-system",
+            ),
+            (
+                Verdict::Warn,
+                "no /etc/libvirt/hooks/qemu.d/vfiod",
+                "ln -s /usr/libexec/vfiod-qemu-hook",
+            ),
         ),
         (
             facts(runs(Some(1)), Vec::new(), missing(true)),
             (Verdict::Ok, "runs", ""),
-            (Verdict::Warn, "a hooks/qemu script is there", "qemu.d/vfiod"),
+            (
+                Verdict::Warn,
+                "a hooks/qemu script is there",
+                "qemu.d/vfiod",
+            ),
         ),
     ];
     for (f, (dv, de, dfix), (hv, he, hfix)) in table {
@@ -395,14 +635,43 @@ fn libvirtd_runs_and_has_read_the_hook() {
 fn polkitd_on_the_bus_or_installed() {
     let bin = Some("/usr/lib/polkit-1/polkitd".to_string());
     let table = [
-        (Some(true), None, Verdict::Ok, "org.freedesktop.PolicyKit1 is on the bus", ""),
-        (Some(false), bin.clone(), Verdict::Ok, "/usr/lib/polkit-1/polkitd is installed", ""),
+        (
+            Some(true),
+            None,
+            Verdict::Ok,
+            "org.freedesktop.PolicyKit1 is on the bus",
+            "",
+        ),
+        (
+            Some(false),
+            bin.clone(),
+            Verdict::Ok,
+            "/usr/lib/polkit-1/polkitd is installed",
+            "",
+        ),
         (None, bin, Verdict::Ok, "is installed", ""),
-        (Some(false), None, Verdict::Warn, "is not on the bus, no polkitd binary", "apt install polkitd"),
-        (None, None, Verdict::Warn, "bus not reached, no polkitd binary", "apt install polkitd"),
+        (
+            Some(false),
+            None,
+            Verdict::Warn,
+            "is not on the bus, no polkitd binary",
+            "apt install polkitd",
+        ),
+        (
+            None,
+            None,
+            Verdict::Warn,
+            "bus not reached, no polkitd binary",
+            "apt install polkitd",
+        ),
     ];
     for (on_bus, binary, verdict, evidence, fix) in table {
-        expect(&polkit(&PolkitFacts { on_bus, binary }), verdict, evidence, fix);
+        expect(
+            &polkit(&PolkitFacts { on_bus, binary }),
+            verdict,
+            evidence,
+            fix,
+        );
     }
 }
 
@@ -413,15 +682,37 @@ fn the_worst_verdict_decides_the_exit_code_and_the_summary() {
         name: "x".into(),
         verdict: v,
         evidence: "e".into(),
-        fix: if v == Verdict::Ok { String::new() } else { "f".into() },
+        fix: if v == Verdict::Ok {
+            String::new()
+        } else {
+            "f".into()
+        },
     };
     use Verdict::*;
     let table: [(&[Verdict], Verdict, u8, &str, &str); 5] = [
         (&[], Ok, exit::OK, "doctor: all 0 checks ok", "0 ok"),
         (&[Ok, Ok], Ok, exit::OK, "doctor: all 2 checks ok", "2 ok"),
-        (&[Ok, Warn, Warn], Warn, exit::DOCTOR_WARN, "doctor: 2 warnings, run vfioctl doctor", "2 warnings, 1 ok"),
-        (&[Fail, Ok, Warn], Fail, exit::DOCTOR_FAIL, "doctor: 1 failure, 1 warning, run vfioctl doctor", "1 failure, 1 warning, 1 ok"),
-        (&[Fail, Fail], Fail, exit::DOCTOR_FAIL, "doctor: 2 failures, run vfioctl doctor", "2 failures, 0 ok"),
+        (
+            &[Ok, Warn, Warn],
+            Warn,
+            exit::DOCTOR_WARN,
+            "doctor: 2 warnings, run vfioctl doctor",
+            "2 warnings, 1 ok",
+        ),
+        (
+            &[Fail, Ok, Warn],
+            Fail,
+            exit::DOCTOR_FAIL,
+            "doctor: 1 failure, 1 warning, run vfioctl doctor",
+            "1 failure, 1 warning, 1 ok",
+        ),
+        (
+            &[Fail, Fail],
+            Fail,
+            exit::DOCTOR_FAIL,
+            "doctor: 2 failures, run vfioctl doctor",
+            "2 failures, 0 ok",
+        ),
     ];
     for (verdicts, worst, code, summary, tally) in table {
         let r = Report::new("/", verdicts.iter().map(|v| c(*v)).collect());

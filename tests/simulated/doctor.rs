@@ -129,7 +129,10 @@ fn expect(report: &Value, name: &str, verdict: &str, evidence: &str, fix: &str) 
     let c = check(report, name);
     assert_eq!(c["verdict"], verdict, "{c:#}");
     let text = |k: &str| c[k].as_str().unwrap().to_string();
-    assert!(text("evidence").contains(evidence), "{evidence:?} not in {c:#}");
+    assert!(
+        text("evidence").contains(evidence),
+        "{evidence:?} not in {c:#}"
+    );
     assert!(text("fix").contains(fix), "{fix:?} not in {c:#}");
 }
 
@@ -213,11 +216,35 @@ async fn a_host_ready_for_passthrough_passes_every_check() {
     assert_eq!(code, i32::from(exit::OK));
     assert_eq!(report["verdict"], "ok");
     assert_eq!(report["root"], root.display().to_string());
-    expect(&report, "iommu groups", "ok", "groups in /sys/kernel/iommu_groups", "");
-    expect(&report, "iommu units", "ok", "dmar0 in /sys/class/iommu (Intel VT-d)", "");
-    expect(&report, "interrupt remapping", "ok", "on: 3 interrupts on IR- chips", "");
+    expect(
+        &report,
+        "iommu groups",
+        "ok",
+        "groups in /sys/kernel/iommu_groups",
+        "",
+    );
+    expect(
+        &report,
+        "iommu units",
+        "ok",
+        "dmar0 in /sys/class/iommu (Intel VT-d)",
+        "",
+    );
+    expect(
+        &report,
+        "interrupt remapping",
+        "ok",
+        "on: 3 interrupts on IR- chips",
+        "",
+    );
     expect(&report, "vfio_pci", "ok", "vfio_pci loaded", "");
-    expect(&report, "vfio_iommu_type1", "ok", "vfio_iommu_type1 loaded", "");
+    expect(
+        &report,
+        "vfio_iommu_type1",
+        "ok",
+        "vfio_iommu_type1 loaded",
+        "",
+    );
     // The GPU's group holds its audio function, selected too.
     expect(
         &report,
@@ -228,9 +255,27 @@ async fn a_host_ready_for_passthrough_passes_every_check() {
     );
     expect(&report, "acs 0000:17:00.0", "ok", "isolates it", "");
     expect(&report, "vfiod", "ok", "answers on the bus", "");
-    expect(&report, "libvirtd", "ok", "runs: pid 4242 (/run/libvirtd.pid)", "");
-    expect(&report, "libvirt hook", "ok", "there before libvirtd started", "");
-    expect(&report, "polkitd", "ok", "/usr/lib/polkit-1/polkitd is installed", "");
+    expect(
+        &report,
+        "libvirtd",
+        "ok",
+        "runs: pid 4242 (/run/libvirtd.pid)",
+        "",
+    );
+    expect(
+        &report,
+        "libvirt hook",
+        "ok",
+        "there before libvirtd started",
+        "",
+    );
+    expect(
+        &report,
+        "polkitd",
+        "ok",
+        "/usr/lib/polkit-1/polkitd is installed",
+        "",
+    );
     // Every selected function but VFs has its group checked.
     let groups = verdicts(&report)
         .keys()
@@ -382,7 +427,10 @@ fn an_unselected_group_mate_blocks_the_group_and_is_named() {
     let (code, text) = host.doctor_text(NO_BUS);
     assert_eq!(code, i32::from(exit::DOCTOR_FAIL));
     assert!(text.contains("fail  group 0000:17:00.0   group "), "{text}");
-    assert!(text.contains("      fix: select 0000:17:00.1 too"), "{text}");
+    assert!(
+        text.contains("      fix: select 0000:17:00.1 too"),
+        "{text}"
+    );
     assert!(text.lines().all(|l| l.chars().count() <= 80), "{text}");
 
     // Protected instead of unselected: still blocking, and said so.
@@ -401,7 +449,10 @@ fn an_unselected_group_mate_blocks_the_group_and_is_named() {
 
 #[test]
 fn a_configuration_that_does_not_load_fails_and_names_its_error() {
-    let host = Host::new(&HostModel::reference(), "libvirt_uri = \"\"\nno_such_key = 1\n");
+    let host = Host::new(
+        &HostModel::reference(),
+        "libvirt_uri = \"\"\nno_such_key = 1\n",
+    );
     let (code, report) = host.doctor(NO_BUS);
     assert_eq!(code, i32::from(exit::DOCTOR_FAIL), "{report:#}");
     expect(

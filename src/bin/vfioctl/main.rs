@@ -306,24 +306,24 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Check whether this host can pass devices through, without changing anything: the IOMMU
-    /// (groups, DMAR/AMD-Vi units, interrupt remapping), the VFIO modules, the configuration,
-    /// each selected device's IOMMU group and ACS, vfiod on the bus, libvirtd and its hook,
-    /// polkitd.
+    /// Check whether this host can pass devices through; reads only, needs no daemon.
     ///
-    /// Each check prints its verdict (ok, warn, fail), what it read, and the fix. Exits 0 when
-    /// every check is ok, 8 when the worst is a warning, 9 when one fails. Needs no daemon; run
-    /// as root to read ACS and libvirt's socket.
+    /// The checks: the IOMMU (groups, DMAR/AMD-Vi units, interrupt remapping), the VFIO
+    /// modules, the configuration, each selected device's IOMMU group and the ACS above it,
+    /// vfiod on the bus, libvirtd and its hook, polkitd. Each prints its verdict (ok, warn,
+    /// fail), what it read, and the fix. Exits 0 when every check is ok, 8 when the worst is a
+    /// warning, 9 when one fails. Run as root to read ACS.
     Doctor {
         /// The configuration to check: a file, or a directory laid out as /etc/vfiod.
         /// Default: $VFIOD_CONFIG, else /etc/vfiod.
         #[arg(long, value_name = "DIR_OR_FILE")]
         config: Option<std::path::PathBuf>,
-        /// Read the host under this root instead of the configuration's sysfs_root (a
-        /// simulated host's tree).
+        /// Read the host under this root, not the configuration's sysfs_root (a simulated
+        /// host's tree).
         #[arg(long, value_name = "DIR")]
         root: Option<std::path::PathBuf>,
-        /// Print the report as JSON: {root, verdict, checks: [{name, verdict, evidence, fix}]}.
+        /// Print the report as JSON: {root, verdict, checks: [{name, verdict, evidence,
+        /// fix}]}.
         #[arg(long)]
         json: bool,
     },

@@ -22,8 +22,9 @@ pub mod host_model;
 mod render;
 
 pub use host_model::{
-    ConsoleSpec, DflSpec, DriverSpec, FunctionSpec, GroupSpec, HostModel, InterfaceSpec, KernelSpec,
-    MountSpec, ProcessSpec, ResetBehaviour, SriovSpec, REFERENCE_FPGA_AFU, REFERENCE_FPGA_INTERFACE,
+    ConsoleSpec, DflSpec, DriverSpec, FunctionSpec, GroupSpec, HostModel, InterfaceSpec,
+    KernelSpec, MountSpec, ProcessSpec, ResetBehaviour, SriovSpec, REFERENCE_FPGA_AFU,
+    REFERENCE_FPGA_INTERFACE,
 };
 
 use crate::host::sysfs::{Backend, Sysfs};
