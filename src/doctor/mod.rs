@@ -359,7 +359,7 @@ pub fn module(name: &str, alternatives: &[(&str, ModuleState)]) -> Check {
         .collect::<Vec<_>>()
         .join(" or ");
     match state {
-        Loaded => ok(name, format!("{found} loaded (/sys/module/{found})")),
+        Loaded => ok(name, format!("{found} loaded")),
         BuiltIn => ok(name, format!("{found} built into the kernel")),
         Installed => warn(
             name,
