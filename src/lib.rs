@@ -25,6 +25,7 @@ pub mod metrics; // Prometheus metrics: the registry, gauges from the store, the
 pub mod engine; // the engine: inventory passes, reconcile, tasks and the jobs they run
 pub mod dbus; // the D-Bus API: one module per object kind, named errors, polkit
 pub mod client; // D-Bus client side: proxies, the JSON device view, vfioctl tables
+pub mod doctor; // `vfioctl doctor`: can this host pass devices through? checks decided from what is read
 #[cfg(feature = "fleet")]
 pub mod fleet; // the fleet database on PostgreSQL: reports, the conductor, reservations
 pub mod server; // assembles store, engine, D-Bus service and loop into a running daemon

@@ -22,6 +22,11 @@ pub const NO_DEVICE: u8 = 6;
 /// The policy refuses: the device is protected, or the configuration does not manage it, or
 /// the host has no IOMMU.
 pub const REFUSED: u8 = 7;
+/// `vfioctl doctor`: the worst check warns (passthrough can work; something is unknown or
+/// will bite later), none fails.
+pub const DOCTOR_WARN: u8 = 8;
+/// `vfioctl doctor`: a check fails (passthrough cannot work, or not safely, until its fix).
+pub const DOCTOR_FAIL: u8 = 9;
 
 /// Every code with its meaning, as README and the man page list them.
 pub const TABLE: &[(u8, &str)] = &[
@@ -42,6 +47,8 @@ pub const TABLE: &[(u8, &str)] = &[
         REFUSED,
         "refused by policy: the device is protected or not managed, or the host has no IOMMU",
     ),
+    (DOCTOR_WARN, "doctor: a check warns, none fails"),
+    (DOCTOR_FAIL, "doctor: a check fails"),
 ];
 
 /// The exit code for a failure named `error` (a D-Bus error name); anything unnamed here is
@@ -184,7 +191,7 @@ mod tests {
     fn the_codes_are_distinct_and_documented_once() {
         let mut codes: Vec<u8> = TABLE.iter().map(|(c, _)| *c).collect();
         codes.dedup();
-        assert_eq!(codes, (0..=7).collect::<Vec<u8>>());
+        assert_eq!(codes, (0..=9).collect::<Vec<u8>>());
     }
 
     #[test]

@@ -32,13 +32,14 @@ pub enum Iommu {
 
 text_enum!(Iommu, Present => "present", Absent => "absent");
 
+/// How to turn the IOMMU on: the fix [`NoIommu`] and `vfioctl doctor` give.
+pub const ENABLE_IOMMU: &str =
+    "enable VT-d/AMD-Vi in firmware and boot with intel_iommu=on (or amd_iommu=on) iommu=pt";
+
 /// The refusal of any passthrough (a bind to vfio-pci, a claim, an attach) on a host without
 /// an IOMMU, with how to turn it on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "no IOMMU: passthrough is unsafe; enable VT-d/AMD-Vi in firmware and boot with \
-     intel_iommu=on (or amd_iommu=on) iommu=pt"
-)]
+#[error("no IOMMU: passthrough is unsafe; {}", ENABLE_IOMMU)]
 pub struct NoIommu;
 
 impl Iommu {

@@ -672,6 +672,9 @@ fn model(seen: &SeenHost) -> HostModel {
         interfaces: Vec::new(),
         consoles: Vec::new(),
         iommu_groups,
+        // A recording does not hold the kernel's modules nor its interrupts: a kernel ready
+        // for passthrough.
+        kernel: Default::default(),
     }
 }
 

@@ -12,6 +12,7 @@ mod claims;
 mod clean;
 mod dbus_api;
 mod dbus_interfaces;
+mod doctor;
 mod fpga;
 mod history;
 mod hooks;

@@ -11,6 +11,7 @@ use clap::{Parser, Subcommand};
 mod backup;
 mod claim;
 mod device;
+mod doctor;
 mod event;
 #[cfg(feature = "fleet")]
 mod fleet;
@@ -305,6 +306,27 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Check whether this host can pass devices through; reads only, needs no daemon.
+    ///
+    /// The checks: the IOMMU (groups, DMAR/AMD-Vi units, interrupt remapping), the VFIO
+    /// modules, the configuration, each selected device's IOMMU group and the ACS above it,
+    /// vfiod on the bus, libvirtd and its hook, polkitd. Each prints its verdict (ok, warn,
+    /// fail), what it read, and the fix. Exits 0 when every check is ok, 8 when the worst is a
+    /// warning, 9 when one fails. Run as root to read ACS.
+    Doctor {
+        /// The configuration to check: a file, or a directory laid out as /etc/vfiod.
+        /// Default: $VFIOD_CONFIG, else /etc/vfiod.
+        #[arg(long, value_name = "DIR_OR_FILE")]
+        config: Option<std::path::PathBuf>,
+        /// Read the host under this root, not the configuration's sysfs_root (a simulated
+        /// host's tree).
+        #[arg(long, value_name = "DIR")]
+        root: Option<std::path::PathBuf>,
+        /// Print the report as JSON: {root, verdict, checks: [{name, verdict, evidence,
+        /// fix}]}.
+        #[arg(long)]
+        json: bool,
+    },
     /// Print a completion script for SHELL (bash, zsh, fish, elvish, powershell) on stdout, e.g.
     /// `vfioctl completions bash > /etc/bash_completion.d/vfioctl`.
     Completions {
@@ -487,6 +509,20 @@ async fn main() -> ExitCode {
         };
         return hook(target, command).await;
     }
+    if let Command::Doctor { .. } = &args.command {
+        let target = match bus(&args) {
+            Ok(t) => t,
+            Err(e) => {
+                eprintln!("vfioctl: {e}");
+                return ExitCode::from(client::exit::USAGE);
+            }
+        };
+        let Command::Doctor { config, root, json } = args.command else {
+            unreachable!("matched above")
+        };
+        let options = vfiod::doctor::run::Options { config, root };
+        return doctor::doctor(target, options, json).await;
+    }
     #[cfg(feature = "fleet")]
     if let Command::Fleet(_) = &args.command {
         let Command::Fleet(f) = args.command else {
@@ -546,6 +582,7 @@ async fn run(args: Args) -> Result<(), Failure> {
         }
         Command::Record { .. } => unreachable!("vfioctl record is run before connecting"),
         Command::Backup { .. } => unreachable!("vfioctl backup is run before connecting"),
+        Command::Doctor { .. } => unreachable!("vfioctl doctor is run before connecting"),
         #[cfg(feature = "fleet")]
         Command::Fleet(_) => unreachable!("vfioctl fleet is run before connecting"),
     }

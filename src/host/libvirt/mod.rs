@@ -183,12 +183,40 @@ fn needs_running_daemon(uri: &str) -> bool {
 /// Whether a libvirt daemon serving QEMU runs on the host under `root`: the monolithic
 /// `libvirtd` or the modular `virtqemud`, by their pid files and a live process.
 fn local_daemon_running(root: &Path) -> bool {
-    ["run/libvirtd.pid", "run/virtqemud.pid"].iter().any(|f| {
-        std::fs::read_to_string(root.join(f))
-            .ok()
-            .and_then(|t| t.trim().parse::<u32>().ok())
-            .is_some_and(|pid| root.join("proc").join(pid.to_string()).exists())
-    })
+    local_daemon(root).is_some()
+}
+
+/// A libvirt daemon serving QEMU that runs on the host under `root`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LocalDaemon {
+    /// Its pid file, relative to the root (`run/libvirtd.pid`).
+    pub pid_file: &'static str,
+    pub pid: u32,
+    /// When the pid file was written: when the daemon started.
+    pub started: Option<std::time::SystemTime>,
+}
+
+/// The libvirt daemon that runs under `root`, found by its pid file and a live process (never
+/// by its socket, which systemd would answer by starting one).
+pub fn local_daemon(root: &Path) -> Option<LocalDaemon> {
+    ["run/libvirtd.pid", "run/virtqemud.pid"]
+        .into_iter()
+        .find_map(|f| {
+            let path = root.join(f);
+            let pid = std::fs::read_to_string(&path)
+                .ok()?
+                .trim()
+                .parse::<u32>()
+                .ok()?;
+            root.join("proc")
+                .join(pid.to_string())
+                .exists()
+                .then(|| LocalDaemon {
+                    pid_file: f,
+                    pid,
+                    started: std::fs::metadata(&path).and_then(|m| m.modified()).ok(),
+                })
+        })
 }
 
 #[cfg(test)]

@@ -301,6 +301,32 @@ pub struct ConsoleSpec {
     pub device: Option<PciAddress>,
 }
 
+/// What the kernel itself shows of its IOMMU and VFIO beside the devices, for the checks of
+/// `vfioctl doctor`: the modules `sys/module` lists and whether interrupts are remapped
+/// (`proc/interrupts` names `IR-` chips). The IOMMU's own unit, `sys/class/iommu/dmar0`, is
+/// there whenever any function has an IOMMU group.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KernelSpec {
+    /// Loaded modules (`sys/module/<name>/initstate` reads `live`; `vfio_iommu_type1` and
+    /// `iommufd` show `parameters/allow_unsafe_interrupts`, `N`).
+    pub modules: Vec<String>,
+    /// The kernel remaps interrupts (VT-d/AMD-Vi with `intremap` on).
+    pub interrupt_remapping: bool,
+}
+
+impl Default for KernelSpec {
+    /// A kernel ready for passthrough: vfio, vfio-pci and the type1 IOMMU backend loaded,
+    /// interrupts remapped.
+    fn default() -> Self {
+        KernelSpec {
+            modules: ["vfio", "vfio_iommu_type1", "vfio_pci", "vfio_pci_core"]
+                .map(String::from)
+                .to_vec(),
+            interrupt_remapping: true,
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
 pub struct HostModel {
     pub functions: Vec<FunctionSpec>,
@@ -312,6 +338,8 @@ pub struct HostModel {
     /// The IOMMU group a function gets whenever it appears (a VF too), as a replayed host
     /// numbered them; other groups are numbered from 0 up, skipping these numbers.
     pub iommu_groups: std::collections::BTreeMap<PciAddress, u32>,
+    /// The kernel's modules and interrupt remapping (default: ready for passthrough).
+    pub kernel: KernelSpec,
 }
 
 const INTEL: u16 = 0x8086;
@@ -424,6 +452,7 @@ impl HostModel {
             }],
             consoles: Vec::new(),
             iommu_groups: Default::default(),
+            kernel: KernelSpec::default(),
         }
     }
 
@@ -449,6 +478,8 @@ impl HostModel {
         for f in &mut m.functions {
             f.group = GroupSpec::None;
         }
+        // No IOMMU, no remapping of interrupts either.
+        m.kernel.interrupt_remapping = false;
         m
     }
 

@@ -22,8 +22,9 @@ pub mod host_model;
 mod render;
 
 pub use host_model::{
-    ConsoleSpec, DflSpec, DriverSpec, FunctionSpec, GroupSpec, HostModel, InterfaceSpec, MountSpec,
-    ProcessSpec, ResetBehaviour, SriovSpec, REFERENCE_FPGA_AFU, REFERENCE_FPGA_INTERFACE,
+    ConsoleSpec, DflSpec, DriverSpec, FunctionSpec, GroupSpec, HostModel, InterfaceSpec,
+    KernelSpec, MountSpec, ProcessSpec, ResetBehaviour, SriovSpec, REFERENCE_FPGA_AFU,
+    REFERENCE_FPGA_INTERFACE,
 };
 
 use crate::host::sysfs::{Backend, Sysfs};
@@ -152,6 +153,8 @@ struct State {
     exclusive: BTreeSet<String>,
     /// Processes holding device nodes open, by pid.
     processes: BTreeMap<u32, ProcessSpec>,
+    /// [`HostModel::kernel`].
+    kernel: KernelSpec,
 }
 
 /// What survives the process when persistence is on: enough to reopen the tree later as the
@@ -183,6 +186,9 @@ struct Persisted {
     exclusive: BTreeSet<String>,
     #[serde(default)]
     processes: BTreeMap<u32, ProcessSpec>,
+    /// Absent from files saved before it was modelled: the default kernel.
+    #[serde(default)]
+    kernel: KernelSpec,
 }
 
 /// Where [`Persisted`] lives under the root.
@@ -238,6 +244,7 @@ impl SimKernel {
             st.interfaces = model.interfaces.clone();
             st.consoles = model.consoles.clone();
             st.group_hints = model.iommu_groups.clone();
+            st.kernel = model.kernel.clone();
             for d in &model.drivers {
                 st.drivers.insert(d.name.clone(), d.clone());
             }
@@ -274,6 +281,7 @@ impl SimKernel {
                 k.enable_vfs(&mut st, pf, n)?;
             }
             render::host_use(&k.root, &st)?;
+            render::iommu_units(&k.root, &st)?;
             // A function's config space shows whether its slot is multi-function, which an
             // earlier function rendered before its siblings existed could not know. Rendered
             // again with the whole host: the tree equals the one `open` renders from the model.
@@ -317,6 +325,7 @@ impl SimKernel {
             holders: p.holders,
             exclusive: p.exclusive,
             processes: p.processes,
+            kernel: p.kernel,
             ..State::default()
         };
         remove_if_exists(&root.join(STATE_TEMP))?;
@@ -366,6 +375,7 @@ impl SimKernel {
             holders: st.holders.clone(),
             exclusive: st.exclusive.clone(),
             processes: st.processes.clone(),
+            kernel: st.kernel.clone(),
         };
         let text = serde_json::to_vec(&p).map_err(io::Error::other)?;
         let tmp = self.root.join(STATE_TEMP);

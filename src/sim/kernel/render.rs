@@ -78,6 +78,7 @@ pub(super) fn all(root: &Path, st: &State) -> io::Result<()> {
         }
     }
     refresh_vfio_nodes(root, st)?;
+    iommu_units(root, st)?;
     host_use(root, st)
 }
 
@@ -95,12 +96,51 @@ pub(super) fn skeleton(root: &Path, st: &State) -> io::Result<()> {
         write(&bus.join(f), "")?;
     }
     write(&bus.join("drivers_autoprobe"), "1\n")?;
+    kernel(root, st)?;
     for name in st.drivers.keys() {
         let d = bus.join("drivers").join(name);
         fs::create_dir_all(&d)?;
         for f in ["bind", "unbind", "new_id", "remove_id", "uevent"] {
             write(&d.join(f), "")?;
         }
+    }
+    Ok(())
+}
+
+/// The kernel's modules (`sys/module`) and its interrupts (`proc/interrupts`, whose chips are
+/// `IR-` ones when interrupts are remapped), as [`super::KernelSpec`] says.
+fn kernel(root: &Path, st: &State) -> io::Result<()> {
+    for name in &st.kernel.modules {
+        let dir = root.join("sys/module").join(name);
+        fs::create_dir_all(&dir)?;
+        write(&dir.join("initstate"), "live\n")?;
+        if matches!(name.as_str(), "vfio_iommu_type1" | "iommufd") {
+            fs::create_dir_all(dir.join("parameters"))?;
+            write(&dir.join("parameters/allow_unsafe_interrupts"), "N\n")?;
+        }
+    }
+    let ir = if st.kernel.interrupt_remapping {
+        "IR-"
+    } else {
+        ""
+    };
+    let interrupts = [
+        "            CPU0       CPU1".to_string(),
+        format!("   0:         36          0  {ir}IO-APIC    2-edge      timer"),
+        format!("   9:          0          0  {ir}IO-APIC    9-fasteoi   acpi"),
+        format!("  24:          0         12  {ir}PCI-MSIX-0000:3d:00.0    0-edge      nvme0q0"),
+        " NMI:          0          0   Non-maskable interrupts".to_string(),
+        String::new(),
+    ]
+    .join("\n");
+    write(&root.join("proc/interrupts"), interrupts)
+}
+
+/// The IOMMU's unit in `sys/class/iommu` (`dmar0`, as Intel VT-d names it) when any function
+/// has an IOMMU group: the kernel lists its IOMMUs there.
+pub(super) fn iommu_units(root: &Path, st: &State) -> io::Result<()> {
+    if st.devices.values().any(|d| d.group.is_some()) {
+        fs::create_dir_all(root.join("sys/class/iommu/dmar0"))?;
     }
     Ok(())
 }
