@@ -50,6 +50,10 @@ pub enum FaultAction {
     VanishAfter(PciAddress),
     /// Let the write happen after this long: a slow driver (e.g. a long `sriov_numvfs`).
     Delay(Duration),
+    /// Block (counted in [`SimKernel::hanging`]) until [`SimKernel::release_hangs`], then let
+    /// the write happen: a test holds a write at a point it chooses and sees, instead of
+    /// timing a window with [`FaultAction::Delay`].
+    Hold,
 }
 
 /// Which writes a fault applies to.
@@ -1410,6 +1414,7 @@ impl Backend for SimKernel {
             }
             Some(FaultAction::VanishAfter(a)) => vanish = Some(a),
             Some(FaultAction::Delay(d)) => std::thread::sleep(d),
+            Some(FaultAction::Hold) => self.wait_hang(RESET_HANG),
             None => {}
         }
         // A reset runs without the state locked: it may take long or hang, and the rest of
@@ -1520,6 +1525,7 @@ impl Backend for SimKernel {
                 return Err(err(libc::EINTR));
             }
             Some(FaultAction::Delay(d)) => std::thread::sleep(d),
+            Some(FaultAction::Hold) => self.wait_hang(RESET_HANG),
             Some(FaultAction::VanishAfter(_)) | None => {}
         }
         let mut st = self.lock();
