@@ -4,8 +4,9 @@
 //! It renders real files (so `lspci -A linux-sysfs` can read the same tree), implements the
 //! sysfs [`Backend`] (reads come from the files; writes are interpreted), emits uevents through
 //! the same channel type as the real netlink source, and injects faults: a write that fails
-//! with a chosen errno, a write that hangs, an attribute that becomes unreadable, a device
-//! that vanishes or whose config space reads all-ones.
+//! with a chosen errno, a write that hangs, a write held until the test releases it, an
+//! attribute that becomes unreadable, a device that vanishes or whose config space reads
+//! all-ones.
 //!
 //! It resets functions as Linux does: `reset` runs the methods `reset_method` lists, in order,
 //! falling through on ENOTTY; `reset_method` takes an ordered list of supported names,
