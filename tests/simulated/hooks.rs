@@ -121,6 +121,17 @@ fn run_hook(
     }
 }
 
+/// The unix sockets bound to `path` now (the listener and the connections it accepted), from
+/// the kernel's table: a test sees a client reach a socket server without timing it.
+fn unix_sockets_at(path: &std::path::Path) -> usize {
+    let path = path.to_string_lossy();
+    std::fs::read_to_string("/proc/net/unix")
+        .unwrap()
+        .lines()
+        .filter(|l| l.split_whitespace().nth(7) == Some(&*path))
+        .count()
+}
+
 async fn harness() -> (Harness, std::path::PathBuf, String) {
     harness_with(CONFIG, vfiod::sim::kernel::HostModel::reference()).await
 }
@@ -268,12 +279,19 @@ async fn a_domain_started_again_at_once_waits_for_its_devices_clean() {
         (h.kernel.hanging() == 1).then_some(())
     })
     .await;
+    // The prepare reaches vfiod (its connection to vfiod's hook socket shows in the kernel's
+    // table of sockets) while the reset is held: it can only succeed by waiting for the clean.
+    let socket = state.join(vfiod::dbus::hook_socket::SOCKET_NAME);
+    let peers = || unix_sockets_at(&socket);
+    let idle = peers();
     let prepare = {
         let (bus, config, xml) = (bus.clone(), config.clone(), xml.clone());
         std::thread::spawn(move || hook(&bus, &config, &["vm1", "prepare", "begin", "-"], &xml))
     };
-    // No pause to let it arrive: a prepare that answered while the reset is still held did
-    // not wait for the clean.
+    common::eventually(common::HUNG, "the prepare connects to vfiod", || {
+        (peers() > idle).then_some(())
+    })
+    .await;
     let answered_during_the_clean = prepare.is_finished();
     h.kernel.release_hangs();
     let r = prepare.join().unwrap();
