@@ -423,7 +423,7 @@ pub async fn cleaned(h: &Harness, address: &str) -> String {
     let client = &h.client;
     let a = addr(address);
     eventually_async(
-        Duration::from_secs(30),
+        HUNG,
         &format!("{address} is cleaned and back in the pool"),
         || {
             let store = std::sync::Arc::clone(&store);

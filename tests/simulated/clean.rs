@@ -178,7 +178,12 @@ async fn a_released_vf_is_reset_checked_and_back_in_the_pool() {
         ["flr"],
         "reset before the claim"
     );
-    let health = show(&h, &vf).await.reset_health.unwrap();
+    // The clean's record reaches the device's view as the clean ends, which may be just after
+    // the claim got the VF: waited for (seen missing on a loaded machine).
+    let health = eventually_async(common::HUNG, "the reset's health is shown", || async {
+        show(&h, &vf).await.reset_health
+    })
+    .await;
     assert!(health.duration_ms.unwrap() >= 600, "{health:?}");
     release(&h, next).await;
     let result = common::cleaned(&h, &vf).await;

@@ -387,6 +387,9 @@ async fn a_card_in_vf_mode_is_refused_when_a_vf_is_claimed_else_restored_program
     assert_eq!(settled_state(&h, AF).await, "idle");
 
     client::claim::release(&h.client, claim).await.unwrap();
+    // The released VF is cleaned first (a task on the card): waited for, or the program is
+    // refused Busy when it asks before the clean ended (seen on a loaded machine).
+    common::cleaned(&h, "0000:af:00.1").await;
     let (state, result) = finish(&h, &d.program("nlb", Default::default()).await.unwrap()).await;
     assert_eq!(state, "success", "{result}");
     assert!(
