@@ -976,9 +976,12 @@ async fn a_hosts_credentials_cannot_change_another_hosts_rows() {
     // b reports a function, as its reporter would (its own credentials).
     let mut b = db.pg.client("host_b", "pw-b", "fleet").await;
     let report = sample_report("0000:3b:02.0");
+    // Reporting every hour: b stays alive (heard from within down_after intervals) however
+    // long the steps below take on a loaded machine. With 1 s intervals, b counted as down
+    // after 3 s and `find` below saw none of its devices (seen at load 25).
     let meta = |host: &str| db::HostMeta {
         host: host.into(),
-        interval_ms: 1000,
+        interval_ms: 3_600_000,
         down_after: 3,
         version: "test".into(),
     };
