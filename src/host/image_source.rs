@@ -218,7 +218,13 @@ mod tests {
             SourceError::of(&e),
             Some(SourceError::Stalled(Duration::from_millis(300)))
         );
-        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+        // Not before the idle deadline; the error says which deadline ended it (an upper bound
+        // on the time raced a loaded machine).
+        assert!(
+            t.elapsed() >= Duration::from_millis(300),
+            "{:?}",
+            t.elapsed()
+        );
     }
 
     #[test]
@@ -250,7 +256,11 @@ mod tests {
             SourceError::of(&e),
             Some(SourceError::TimedOut(Duration::from_millis(700)))
         );
-        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+        assert!(
+            t.elapsed() >= Duration::from_millis(700),
+            "{:?}",
+            t.elapsed()
+        );
     }
 
     #[test]
@@ -263,15 +273,15 @@ mod tests {
             Arc::clone(&stop),
         )
         .unwrap();
-        let t = Instant::now();
         let stopper = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(200));
             stop.store(true, Ordering::Release);
         });
         let e = read_all(&mut s).unwrap_err();
         stopper.join().unwrap();
+        // Abandoned, with both deadlines a minute away: the stop ended the wait (no bound on
+        // how soon, which raced a loaded machine).
         assert_eq!(SourceError::of(&e), Some(SourceError::Abandoned));
-        assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
     }
 
     #[test]
@@ -279,10 +289,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let fifo = dir.path().join("f");
         nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
-        let t = Instant::now();
+        // Refused without opening it: an open of a FIFO without a writer would never return.
         let e = open_regular(&fifo, "\"f\"").unwrap_err();
         assert_eq!(e.to_string(), "\"f\" is not a regular file but a FIFO");
-        assert!(t.elapsed() < Duration::from_secs(1));
         let e = open_regular(dir.path(), "\"d\"").unwrap_err();
         assert_eq!(e.to_string(), "\"d\" is not a regular file but a directory");
         let e = open_regular(Path::new("/dev/null"), "\"n\"").unwrap_err();

@@ -221,6 +221,11 @@ pub fn addr(s: &str) -> vfiod::model::pci::PciAddress {
     s.parse().expect("address")
 }
 
+/// The deadline for waiting on something that must happen: far past anything a loaded 2-core
+/// machine takes, so it only ends a test that hangs. Tests never bound how long a thing takes
+/// (timing claims live in `benches/`, as ratios); the rule and its guard: tests/library/timing.rs.
+pub const HUNG: Duration = Duration::from_secs(60);
+
 /// Polls `condition` until it returns `Some`, and returns that; fails the test with `what` if it
 /// has not within `within`. The one way tests wait for something asynchronous (no fixed sleeps):
 /// it returns as soon as the condition holds, and a regression fails with a message, not a hang.
@@ -418,7 +423,7 @@ pub async fn cleaned(h: &Harness, address: &str) -> String {
     let client = &h.client;
     let a = addr(address);
     eventually_async(
-        Duration::from_secs(30),
+        HUNG,
         &format!("{address} is cleaned and back in the pool"),
         || {
             let store = std::sync::Arc::clone(&store);

@@ -172,17 +172,22 @@ fn split_fails_and_rolls_back(
     let h = host_with(Duration::from_secs(2));
     let pf = "0000:af:00.0";
     let before = snap(&h, pf);
+    let hangs = matches!(action, FaultAction::Hang(_));
     h.kernel.inject(target, action, times);
-    let started = std::time::Instant::now();
     let err = run(&h, pf, Program::Split { num_vfs: 4 }).unwrap_err();
+    // A fault must not freeze the program: a hung write is given up at the write timeout,
+    // while the hang still holds (a state, where this used to be "under 8 s").
+    let still_hanging = h.kernel.hanging();
     h.kernel.release_hangs();
     let msg = vfiod::error_chain(&err);
     assert!(msg.contains(expect), "message {msg:?} lacks {expect:?}");
     assert!(err.rollback.is_ok(), "rollback failed: {msg}");
-    assert!(
-        started.elapsed() < Duration::from_secs(8),
-        "a fault must not freeze the program"
-    );
+    if hangs {
+        assert_eq!(
+            still_hanging, 1,
+            "the program waited for the hang to end: {msg}"
+        );
+    }
     h.kernel.clear_faults();
     assert_eq!(snap(&h, pf), before, "not rolled back: {msg}");
     assert_whole(&h, pf, "dfl-pci");

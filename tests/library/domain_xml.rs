@@ -673,15 +673,12 @@ fn deep_nesting_and_huge_values_are_survived() {
     );
 }
 
-/// Runs `parse_domain` on `xml` and returns its answer and how long it took.
-fn timed(xml: &str) -> (Result<DomainXml, String>, std::time::Duration) {
-    let t = std::time::Instant::now();
-    let r = parse_domain(xml);
-    (r, t.elapsed())
-}
-
 /// The issue 24 reproducer: 1 MB of XML with 100,000 attributes on one `<hostdev>` took
 /// roxmltree's pairwise duplicate check 26 s. Refused at once, naming the element and line.
+///
+/// These tests prove each worst case is refused by its bound, with its message. How fast (the
+/// old "under 2 s" here, a race on a loaded machine) is claimed by `benches/domain_xml.rs`, on
+/// the same cases scaled to 16 MiB, against a reference measured in the same run.
 #[test]
 fn an_element_with_100k_attributes_is_refused_at_once() {
     let attributes: String = (0..100_000).map(|i| format!(" a{i}='1'")).collect();
@@ -690,14 +687,13 @@ fn an_element_with_100k_attributes_is_refused_at_once() {
          <source><address bus='1'/></source></hostdev></devices></domain>"
     );
     assert!(xml.len() > 1_000_000);
-    let (r, took) = timed(&xml);
+    let r = parse_domain(&xml);
     let e = r.unwrap_err();
     assert!(
         e.contains("<hostdev> on line 2 has more than 1024 attributes"),
         "{e}"
     );
     assert!(e.len() < 300, "{e}");
-    assert!(took < std::time::Duration::from_secs(2), "took {took:?}");
 }
 
 /// Many elements each just under the per-element cap: the document's total of pairwise checks
@@ -710,7 +706,7 @@ fn many_elements_with_many_attributes_are_refused_by_their_total() {
         "<domain><name>vm</name><metadata>{}</metadata></domain>",
         element.repeat(200)
     );
-    let (r, took) = timed(&xml);
+    let r = parse_domain(&xml);
     let e = r.unwrap_err();
     assert!(
         e.contains(&format!(
@@ -719,7 +715,6 @@ fn many_elements_with_many_attributes_are_refused_by_their_total() {
         )),
         "{e}"
     );
-    assert!(took < std::time::Duration::from_secs(2), "took {took:?}");
     // Fewer of them are read as usual.
     let xml = format!(
         "<domain><name>vm</name><metadata>{}</metadata></domain>",
@@ -739,21 +734,19 @@ fn namespaces_declared_deep_or_wide_are_refused_by_their_cost() {
     let nested: String = (0..n).map(|i| format!("<p{i}:x xmlns:p{i}='u'>")).collect();
     let closing: String = (0..n).rev().map(|i| format!("</p{i}:x>")).collect();
     let xml = format!("<domain><name>vm</name><metadata>{nested}{closing}</metadata></domain>");
-    let (r, took) = timed(&xml);
+    let r = parse_domain(&xml);
     let e = r.unwrap_err();
     assert!(e.contains("namespaces in scope"), "{e}");
-    assert!(took < std::time::Duration::from_secs(2), "took {took:?}");
 
     let declarations: String = (0..1000).map(|i| format!(" xmlns:p{i}='u{i}'")).collect();
     let xml = format!(
         "<domain><name>vm</name><metadata><m{declarations}>{}</m></metadata></domain>",
         "<p7:y p7:a='1'/>".repeat(50_000)
     );
-    let (r, took) = timed(&xml);
+    let r = parse_domain(&xml);
     let e = r.unwrap_err();
     assert!(e.contains("<p7:y>"), "{e}");
     assert!(e.contains("1000 namespaces in scope"), "{e}");
-    assert!(took < std::time::Duration::from_secs(2), "took {took:?}");
 }
 
 /// More nodes than the cap (each costs the tree memory) are refused by roxmltree's own limit.

@@ -2,7 +2,8 @@
 //! simulated kernel and what runs on it (conversions, the DFL card, the inventory, the planner,
 //! resets and the health check), the domain XML parser (with libvirt's in-process test
 //! driver), a host's recording and its replay, the SQLite store, the pool client against hostile
-//! HTTP servers on loopback, the man pages as the built binaries print them, and the module map.
+//! HTTP servers on loopback, the man pages as the built binaries print them, the module map, and
+//! the guard that keeps tests from racing the clock.
 //! One binary because they need nothing but a temporary directory.
 
 #[path = "../common/mod.rs"]
@@ -29,3 +30,4 @@ mod store_empty;
 mod store_integrity;
 mod store_retention;
 mod store_tasks;
+mod timing;

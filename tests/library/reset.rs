@@ -5,6 +5,7 @@
 //! falling through on ENOTTY; `reset_method` takes supported names (EINVAL otherwise),
 //! `default` or nothing; a bridge's `reset_subordinate` resets its whole bus.
 
+use crate::common;
 use crate::common::fast_tempdir as scratch_dir;
 use std::collections::BTreeMap;
 use std::fs;
@@ -394,7 +395,13 @@ fn a_hung_reset_is_abandoned_at_the_timeout() {
     let r = h.reset(DATA_NVME, timeout);
     let took = start.elapsed();
     assert!(took >= timeout, "returned before the timeout: {took:?}");
-    assert!(took < timeout + Duration::from_secs(1), "took {took:?}");
+    // Abandoned at the timeout, not at the hang's end: the reset still hangs in the kernel
+    // (its hang lasts until released). That is the claim, not a bound on how long it took.
+    assert_eq!(
+        h.kernel.hanging(),
+        1,
+        "the hung reset is still in the kernel"
+    );
     assert!(r.hung, "{r:#?}");
     assert_eq!(r.worked, None);
     assert_eq!(
@@ -417,7 +424,9 @@ fn a_hung_reset_is_abandoned_at_the_timeout() {
     // The stuck write still holds its thread; release_hangs ends it, with EINTR and no
     // effect: no reset, and no accepted write to `reset`.
     h.kernel.release_hangs();
-    std::thread::sleep(Duration::from_millis(100));
+    common::eventually_blocking(common::HUNG, "the released reset leaves its hang", || {
+        (h.kernel.hanging() == 0).then_some(())
+    });
     assert_eq!(h.kernel.reset_count(addr(DATA_NVME)), Some(0));
     let log = h.kernel.take_write_log();
     assert!(log.iter().all(|(p, _)| !p.ends_with("reset")), "{log:?}");
@@ -602,9 +611,13 @@ fn a_hung_or_failed_group_reset_is_reported() {
     let h = Host::reference();
     h.behave(AUDIO, "bus", ResetBehaviour::Hangs);
     let timeout = Duration::from_millis(300);
-    let start = Instant::now();
     let r = reset_group(&h.sysfs, &[addr(GPU), addr(AUDIO)], timeout);
-    assert!(start.elapsed() < timeout + Duration::from_secs(1));
+    // Abandoned at the timeout while the bus reset still hangs (not a bound on speed).
+    assert_eq!(
+        h.kernel.hanging(),
+        1,
+        "the hung bus reset is still in the kernel"
+    );
     assert!(r.hung && r.worked.is_none(), "{r:#?}");
     assert_eq!(h.kernel.reset_count(addr(GPU)), Some(0));
     h.kernel.release_hangs();

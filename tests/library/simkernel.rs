@@ -1191,23 +1191,36 @@ fn hung_write_times_out_quickly_and_blocks_nothing_else() {
         }
         other => panic!("expected WriteTimeout, got {other:?}"),
     }
+    // It gave up at its timeout, not at the hang's end: the hang (120 s) still holds. That is
+    // the claim, whatever the machine's load (it used to be "under 2 s", a race).
     assert!(
         took >= Duration::from_millis(200),
         "returned before the timeout: {took:?}"
     );
-    assert!(took < Duration::from_secs(2), "took {took:?}");
+    assert_eq!(
+        h.kernel.hanging(),
+        1,
+        "the hung unbind is still in the kernel"
+    );
 
     // While that write is still stuck in the "kernel": another write, reads and the test
-    // views all work (no lock is held across the hang).
-    let t = Instant::now();
-    sysfs
-        .write_device_attr(addr(NIC), "sriov_drivers_autoprobe", "0")
-        .expect("a second write while the first hangs");
-    assert!(t.elapsed() < Duration::from_secs(2));
+    // views all work (no lock is held across the hang): they end while the hang still holds.
+    let s = sysfs.clone();
+    within(
+        common::HUNG,
+        "a second write while the first hangs",
+        move || s.write_device_attr(addr(NIC), "sriov_drivers_autoprobe", "0"),
+    )
+    .expect("a second write while the first hangs");
+    assert_eq!(
+        h.kernel.hanging(),
+        1,
+        "the second write waited for the hang"
+    );
     assert_eq!(h.attr(NIC, "sriov_drivers_autoprobe"), "0");
     let k = Arc::clone(&h.kernel);
     let s = sysfs.clone();
-    let (drv, f) = within(Duration::from_secs(5), "reads during a hang", move || {
+    let (drv, f) = within(common::HUNG, "reads during a hang", move || {
         (
             k.driver_of(addr(DATA_NVME)),
             s.read_function(addr(DATA_NVME)).map(|f| f.driver),
@@ -1243,15 +1256,15 @@ fn released_hang_fails_with_eintr_and_no_effect() {
     std::thread::spawn(move || {
         let _ = tx.send(backend.write(&path, b"4"));
     });
-    // A window in which nothing must happen: the hung write must not return by itself (its
-    // hang lasts 120 s; 300 ms of silence is the evidence, bounded, not a wait for an outcome).
-    assert!(
-        rx.recv_timeout(Duration::from_millis(300)).is_err(),
-        "the write should be hanging"
-    );
+    // The write reaches its hang (the kernel counts it) and has not returned by itself: no
+    // window of silence, the state says so.
+    common::eventually_blocking(common::HUNG, "the write reaches its hang", || {
+        (h.kernel.hanging() == 1).then_some(())
+    });
+    assert!(rx.try_recv().is_err(), "the write should be hanging");
     h.kernel.release_hangs();
     let r = rx
-        .recv_timeout(Duration::from_secs(5))
+        .recv_timeout(common::HUNG)
         .expect("release_hangs must wake the write");
     assert_eq!(r.unwrap_err().raw_os_error(), Some(libc::EINTR));
     assert_eq!(h.attr(NIC, "sriov_numvfs"), "0");
@@ -1557,8 +1570,13 @@ fn bounded_job_reports_a_hung_write_and_is_abandoned() {
         }
         other => panic!("expected WriteTimeout, got {other:?}"),
     }
+    // Abandoned at the timeout, while the hang (120 s) still holds: not a bound on speed.
     assert!(took >= Duration::from_millis(200), "{took:?}");
-    assert!(took < Duration::from_secs(3), "{took:?}");
+    assert_eq!(
+        h.kernel.hanging(),
+        1,
+        "the job's hung write is still in the kernel"
+    );
     assert_eq!(posts, vec![1, 2]);
     assert_eq!(h.attr(NIC, "sriov_drivers_autoprobe"), "0");
 
@@ -1572,7 +1590,7 @@ fn bounded_job_reports_a_hung_write_and_is_abandoned() {
 
     h.kernel.release_hangs();
     let (hung_ok, later) = after_rx
-        .recv_timeout(Duration::from_secs(5))
+        .recv_timeout(common::HUNG)
         .expect("the job ends once the hang is released");
     assert!(!hung_ok, "a released hang fails (EINTR)");
     let msg = vfiod::error_chain(&later.expect_err("the abandoned job must not write on"));

@@ -138,15 +138,18 @@ async fn an_attach_libvirt_refuses_releases_the_claim() {
     assert_eq!(again_view.address, c.address, "the same VF, the best again");
 
     // A live hostdev the session driver cannot assign (no such host device, no VFIO here).
-    let started = std::time::Instant::now();
+    // Bounded only against a hung test (SLOW); the refusal's name and text are the claim.
     let (name, message) = refusal(
-        proxy(&h, &again)
-            .await
-            .attach("vm1", claim::attach_options(&["live"]))
-            .await,
+        tokio::time::timeout(
+            SLOW,
+            proxy(&h, &again)
+                .await
+                .attach("vm1", claim::attach_options(&["live"])),
+        )
+        .await
+        .expect("the attach is answered"),
         "live attach libvirt cannot do",
     );
-    assert!(started.elapsed() < SLOW);
     assert_eq!(name, "org.vfiod.Vfiod1.Error.AttachFailed", "{message}");
     assert!(
         message.contains("could not attach a device to domain vm1"),

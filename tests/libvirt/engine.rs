@@ -120,17 +120,16 @@ async fn a_task_guard_asks_libvirt_across_a_libvirtd_restart() {
     );
 
     d.kill();
-    let t = std::time::Instant::now();
+    // Answered (bounded only against a hung test), with libvirt's failure named: the answer's
+    // name and text are the claim ("within ANSWER_TIMEOUT + 5 s" raced a loaded machine).
     let (name, msg) = refusal(
-        device
-            .set_mode("pf", vfiod::client::mode_options(None))
-            .await
-            .unwrap_err(),
-    );
-    assert!(
-        t.elapsed() < vfiod::host::libvirt::ANSWER_TIMEOUT + Duration::from_secs(5),
-        "answered after {:?}",
-        t.elapsed()
+        tokio::time::timeout(
+            common::HUNG + vfiod::host::libvirt::ANSWER_TIMEOUT,
+            device.set_mode("pf", vfiod::client::mode_options(None)),
+        )
+        .await
+        .expect("the mode change is answered")
+        .unwrap_err(),
     );
     assert_eq!(name, "org.vfiod.Vfiod1.Error.Failed", "{msg}");
     assert!(

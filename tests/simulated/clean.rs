@@ -5,8 +5,8 @@
 //! operator resets the task. Also the operator's `[[clean]]` command, `vfioctl clean`,
 //! `clean = "none"`, and a hold that a stopped vfiod left behind.
 
-use crate::common::{self, addr, dict, eventually_async, vfioctl, Harness};
-use std::time::{Duration, Instant};
+use crate::common::{self, addr, dict, eventually, eventually_async, vfioctl, Harness};
+use std::time::Duration;
 use vfiod::client::claim;
 use vfiod::sim::kernel::{FaultAction, FaultTarget, ResetBehaviour};
 use zbus::Variant;
@@ -171,20 +171,19 @@ async fn a_released_vf_is_reset_checked_and_back_in_the_pool() {
         "{seen:?}"
     );
     // ...and a claim over D-Bus waits for the clean instead of failing: it gets the VF once
-    // it was reset.
-    let asked = std::time::Instant::now();
+    // it was reset (the order is the claim; how long it waited is not, under load).
     let next = claim(&h, &vf, "tenant2").await;
     assert_eq!(
         h.kernel.resets(addr(&vf)),
         ["flr"],
         "reset before the claim"
     );
-    assert!(
-        asked.elapsed() >= Duration::from_millis(200),
-        "{:?}",
-        asked.elapsed()
-    );
-    let health = show(&h, &vf).await.reset_health.unwrap();
+    // The clean's record reaches the device's view as the clean ends, which may be just after
+    // the claim got the VF: waited for (seen missing on a loaded machine).
+    let health = eventually_async(common::HUNG, "the reset's health is shown", || async {
+        show(&h, &vf).await.reset_health
+    })
+    .await;
     assert!(health.duration_ms.unwrap() >= 600, "{health:?}");
     release(&h, next).await;
     let result = common::cleaned(&h, &vf).await;
@@ -288,12 +287,16 @@ async fn a_hung_reset_is_abandoned_and_the_device_quarantined() {
     h.kernel
         .set_reset_behaviour(addr(&vf), "flr", ResetBehaviour::Hangs)
         .unwrap();
-    let released = Instant::now();
     release(&h, c).await;
     let reason = quarantined(&h, &vf).await;
-    let took = released.elapsed();
     assert!(reason.contains("the reset hung"), "{reason}");
-    assert!(took < Duration::from_secs(8), "abandoned after {took:?}");
+    // Abandoned, not waited for: the reset still hangs in the kernel (it would forever) when
+    // the device is quarantined. A state, where this used to be "within 8 s".
+    assert_eq!(
+        h.kernel.hanging(),
+        1,
+        "the hung reset is still in the kernel"
+    );
     // vfiod answers meanwhile, and lists the device.
     let (ok, out) = vfioctl(&bus(&h), &["show", &vf]);
     assert!(ok && out.contains("quarantined"), "{out}");
@@ -522,9 +525,24 @@ async fn vfiods_own_shortage_during_a_clean_blames_nothing_on_the_device() {
     );
 
     // A health-check read that fails so: held, not quarantined, cleaned once it reads again.
+    let last = tasks.iter().map(|t| t.id).max().unwrap_or(0);
     h.kernel.make_unreadable(addr(&vf), "config", libc::EMFILE);
     release(&h, claim(&h, &vf, "tenant2").await).await;
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // A clean after the release ended on the short read (its task says so): past that point,
+    // not after a pause, the device is still held and not quarantined.
+    let store = h.store();
+    eventually(
+        common::HUNG,
+        "a clean ends short on the config read",
+        || {
+            let tasks = store.tasks(Some(addr(&vf)), 20).ok()?;
+            tasks
+                .iter()
+                .any(|t| t.id > last && t.message.contains("short of its own resources"))
+                .then_some(())
+        },
+    )
+    .await;
     let d = show(&h, &vf).await;
     assert_ne!(d.state, "usable", "still held: {d:?}");
     assert!(!d.state_reason.starts_with("quarantined"), "{d:?}");

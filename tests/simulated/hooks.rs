@@ -8,7 +8,7 @@ use crate::common;
 use crate::common::{addr, dict, Harness};
 use std::io::Write;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use vfiod::client::claim;
 use zbus::Variant;
 
@@ -56,7 +56,6 @@ pub(crate) struct Ran {
     pub code: i32,
     pub stdout: String,
     pub stderr: String,
-    took: Duration,
 }
 
 /// Runs the hook as libvirt runs it (`qemu.d/vfiod`, the `vfiod-qemu-hook` binary) with
@@ -85,7 +84,6 @@ fn run_hook(
     args: &[&str],
     xml: &str,
 ) -> Ran {
-    let started = Instant::now();
     let mut child = command
         .args(args)
         .env("VFIOD_BUS", bus)
@@ -101,13 +99,37 @@ fn run_hook(
         .unwrap()
         .write_all(xml.as_bytes())
         .unwrap();
-    let out = child.wait_with_output().unwrap();
+    // A hook that never ends fails the test at common::HUNG instead of hanging it; how long a
+    // run took is not asserted by tests (the hook's deadlines show in what it says).
+    let pid = child.id();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    let out = match rx.recv_timeout(common::HUNG) {
+        Ok(out) => out.unwrap(),
+        Err(_) => {
+            // SAFETY: kill(2) on the pid of our own child, which has not been reaped.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            panic!("the hook {args:?} did not end within {:?}", common::HUNG);
+        }
+    };
     Ran {
         code: out.status.code().unwrap_or(-1),
         stdout: String::from_utf8_lossy(&out.stdout).into(),
         stderr: String::from_utf8_lossy(&out.stderr).into(),
-        took: started.elapsed(),
     }
+}
+
+/// The unix sockets bound to `path` now (the listener and the connections it accepted), from
+/// the kernel's table: a test sees a client reach a socket server without timing it.
+fn unix_sockets_at(path: &std::path::Path) -> usize {
+    let path = path.to_string_lossy();
+    std::fs::read_to_string("/proc/net/unix")
+        .unwrap()
+        .lines()
+        .filter(|l| l.split_whitespace().nth(7) == Some(&*path))
+        .count()
 }
 
 async fn harness() -> (Harness, std::path::PathBuf, String) {
@@ -241,23 +263,40 @@ async fn a_domain_started_again_at_once_waits_for_its_devices_clean() {
         let r = hook(&bus, &config, &["vm1", op, "begin", "-"], &xml);
         assert_eq!(r.code, 0, "{op}: {}", r.stderr);
     }
-    // The reset takes 600 ms: the clean is still running when the domain starts again.
+    // The reset is held in the kernel until the test releases it: the clean is still running
+    // when the domain starts again (a state the test sees, where a 600 ms reset and "it took
+    // at least 300 ms" raced the machine's load).
     h.kernel.inject(
         FaultTarget::DeviceAttr(addr(VF0), "reset".into()),
-        FaultAction::Delay(Duration::from_millis(600)),
+        FaultAction::Hold,
         Some(1),
     );
     for op in ["stopped", "release"] {
         let r = hook(&bus, &config, &["vm1", op, "end", "-"], &xml);
         assert_eq!(r.code, 0, "{op}: {}", r.stderr);
     }
-    let r = hook(&bus, &config, &["vm1", "prepare", "begin", "-"], &xml);
+    common::eventually(common::HUNG, "the clean reaches its reset", || {
+        (h.kernel.hanging() == 1).then_some(())
+    })
+    .await;
+    // The prepare reaches vfiod (its connection to vfiod's hook socket shows in the kernel's
+    // table of sockets) while the reset is held: it can only succeed by waiting for the clean.
+    let socket = state.join(vfiod::dbus::hook_socket::SOCKET_NAME);
+    let peers = || unix_sockets_at(&socket);
+    let idle = peers();
+    let prepare = {
+        let (bus, config, xml) = (bus.clone(), config.clone(), xml.clone());
+        std::thread::spawn(move || hook(&bus, &config, &["vm1", "prepare", "begin", "-"], &xml))
+    };
+    common::eventually(common::HUNG, "the prepare connects to vfiod", || {
+        (peers() > idle).then_some(())
+    })
+    .await;
+    let answered_during_the_clean = prepare.is_finished();
+    h.kernel.release_hangs();
+    let r = prepare.join().unwrap();
+    assert!(!answered_during_the_clean, "{}", r.stderr);
     assert_eq!(r.code, 0, "{}", r.stderr);
-    assert!(
-        r.took >= Duration::from_millis(300),
-        "it waited: {:?}",
-        r.took
-    );
     assert_eq!(h.kernel.resets(addr(VF0)), ["flr"], "cleaned in between");
     assert_eq!(claims_now(&h).await.len(), 1);
     for op in ["stopped", "release"] {
@@ -437,7 +476,13 @@ async fn without_vfiod_notifications_pass_and_prepare_fails_closed_only_for_mana
     ] {
         let r = hook(&bus, &config, &["vm1", op, sub, "-"], &managed);
         assert_eq!(r.code, 0, "{op}: {}", r.stderr);
-        assert!(r.took < Duration::from_secs(5), "{op} took {:?}", r.took);
+        // Passed on the bus's answer that vfiod is not there, not after waiting for a deadline
+        // (a fact of the run, where "under 5 s" raced the load).
+        assert!(
+            !r.stderr.contains("did not answer within"),
+            "{op}: {}",
+            r.stderr
+        );
     }
     let r = hook(&bus, &config, &["vm1", "prepare", "begin", "-"], &managed);
     assert_eq!(r.code, 1);
@@ -481,11 +526,8 @@ fn a_daemon_that_does_not_answer_is_given_up_on_at_the_deadline() {
     let xml = domain_xml("vm1", &[VF0]);
     let r = hook(&bus, &config, &["vm1", "stopped", "end", "-"], &xml);
     assert_eq!(r.code, 0, "{}", r.stderr);
-    assert!(
-        r.took < Duration::from_millis(1500),
-        "notification took {:?}",
-        r.took
-    );
+    // Given up on at its own deadline: the hook says which (the silent socket never answers,
+    // so no bound on the run's time is needed to prove it).
     assert!(
         r.stderr.contains("did not answer within 500 ms"),
         "{}",
@@ -494,11 +536,6 @@ fn a_daemon_that_does_not_answer_is_given_up_on_at_the_deadline() {
     // prepare: no records either (no state directory): any PCI hostdev may be vfiod's.
     let r = hook(&bus, &config, &["vm1", "prepare", "begin", "-"], &xml);
     assert_eq!(r.code, 1, "{}", r.stderr);
-    assert!(
-        r.took < Duration::from_millis(3000),
-        "prepare took {:?}",
-        r.took
-    );
     assert!(
         r.stderr.contains("did not answer within 1500 ms"),
         "{}",
@@ -1014,7 +1051,14 @@ fn the_hook_never_reads_the_xml_past_its_deadline() {
     );
     let r = hook(&bus, &config, &["vm1", "prepare", "begin", "-"], &xml);
     assert_eq!(r.code, 1, "{}", r.stderr);
-    assert!(r.took < Duration::from_millis(2500), "took {:?}", r.took);
+    // It decided at its deadline, from what it had read by then. How long the run takes
+    // against a trivial document's (about the same: both end at the deadline) is claimed by
+    // benches/hook_deadline.rs; "under 2.5 s" here raced the machine's load.
+    assert!(
+        r.stderr.contains("did not answer within 800 ms"),
+        "{}",
+        r.stderr
+    );
 }
 
 /// Issue 24 item 3, the daemon's side: vfiod reads the hook's XML off the async threads, so a
@@ -1035,30 +1079,18 @@ async fn a_slow_document_does_not_hold_vfiod_past_the_deadline() {
     h.replace_config(&format!("{CONFIG}[hooks]\ndeadline_ms = 1000\n"));
     let m = h.manager().await;
     m.reload().await.unwrap();
-    let started = Instant::now();
-    let asked = m.hook("vm1", "prepare", "begin", "-", &xml);
-    let other = async {
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        let t = Instant::now();
-        vfiod::client::list_devices(&h.client).await.unwrap();
-        t.elapsed()
-    };
-    let (answer, listed_in) = tokio::join!(asked, other);
-    let took = started.elapsed();
-    // At the deadline, or sooner when the parse is quick.
-    let (code, _, message) = answer.unwrap();
-    assert!(
-        took < Duration::from_millis(2500),
-        "took {took:?}: {message}"
-    );
+    // The hook and another call at once, each bounded only against a hung test: the answer
+    // says the deadline ended it (or the parse was quick), and the other call is answered.
+    // (Bounds on how long each took, "2.5 s" and "2 s", raced the machine's load.)
+    let asked = tokio::time::timeout(common::HUNG, m.hook("vm1", "prepare", "begin", "-", &xml));
+    let other = tokio::time::timeout(common::HUNG, vfiod::client::list_devices(&h.client));
+    let (answer, listed) = tokio::join!(asked, other);
+    let (code, _, message) = answer.expect("the hook is answered").unwrap();
     assert!(
         code == 0 || message.contains("no answer for prepare begin - of vm1 within 1000 ms"),
         "{code}: {message}"
     );
-    assert!(
-        listed_in < Duration::from_secs(2),
-        "a list took {listed_in:?}"
-    );
+    listed.expect("vfiod answers a list meanwhile").unwrap();
 }
 
 /// vfiod answers the hook on its own socket (`STATE_DIR/hook.sock`, peer to peer) as on the
@@ -1124,7 +1156,7 @@ async fn the_hook_asks_on_vfiods_socket_first_and_on_the_bus_without_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stuck_peers_on_the_hook_socket_do_not_keep_the_hook_from_vfiod() {
     use std::io::Read;
-    use vfiod::dbus::hook_socket::{HANDSHAKE, MAX_PEERS, SOCKET_NAME};
+    use vfiod::dbus::hook_socket::{MAX_PEERS, SOCKET_NAME};
     let (h, config, bus) = harness().await;
     let socket = h.dir.path().join("state").join(SOCKET_NAME);
     let mut stuck: Vec<_> = (0..MAX_PEERS + 4)
@@ -1132,13 +1164,15 @@ async fn stuck_peers_on_the_hook_socket_do_not_keep_the_hook_from_vfiod() {
         .collect();
     let vm1 = domain_xml("vm1", &[VF0]);
     let r = hook(&bus, &config, &["vm1", "prepare", "begin", "-"], &vm1);
+    // Answered by vfiod (after its deadline the hook would have decided alone, and a prepare
+    // of a managed device fails closed then): no bound on the run's time needed.
     assert_eq!(r.code, 0, "{}", r.stderr);
-    assert!(r.took < Duration::from_secs(3), "took {:?}", r.took);
     assert_eq!(claims_now(&h).await.len(), 1, "vfiod answered, on the bus");
-    // Each stuck peer is hung up on once the handshake time is over.
-    let started = Instant::now();
+    // Each stuck peer is hung up on once the handshake time is over: the read ends with the
+    // peer's end of file (a peer kept would fail the read at common::HUNG; "within 3
+    // handshakes" raced the machine's load).
     for (i, s) in stuck.iter_mut().enumerate() {
-        s.set_read_timeout(Some(HANDSHAKE * 2)).unwrap();
+        s.set_read_timeout(Some(common::HUNG)).unwrap();
         let mut buf = [0u8; 64];
         let read = s.read(&mut buf);
         assert!(
@@ -1146,11 +1180,6 @@ async fn stuck_peers_on_the_hook_socket_do_not_keep_the_hook_from_vfiod() {
             "stuck peer {i}: {read:?}, not hung up on"
         );
     }
-    assert!(
-        started.elapsed() < HANDSHAKE * 3,
-        "the stuck peers were not hung up on: {:?}",
-        started.elapsed()
-    );
     // The slots are free again: the socket answers with the bus out of reach.
     let no_bus = format!("unix:path={}", h.dir.path().join("no-bus").display());
     let r = hook(&no_bus, &config, &["vm1", "started", "begin", "-"], &vm1);

@@ -244,14 +244,15 @@ async fn a_fifo_or_a_device_given_to_add_from_path_is_refused_at_once() {
     let p = images(&h.client).await.unwrap();
     let fifo = h.dir.path().join("f");
     nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
-    let bound = std::time::Duration::from_secs(2);
+    // Refused before a read, whatever the load: a FIFO opened would wait for a writer for
+    // ever, /dev/zero would be read for ever, so the deadline only ends a hung test.
+    let bound = common::HUNG;
     let digest = sha(b"never sent");
     for (path, kind) in [
         (fifo.to_str().unwrap(), "a FIFO"),
         ("/dev/zero", "a character device"),
         (h.dir.path().to_str().unwrap(), "a directory"),
     ] {
-        let started = std::time::Instant::now();
         let r = tokio::time::timeout(bound, p.add_from_path("fp1", path, &digest, dict(&[])))
             .await
             .unwrap_or_else(|_| panic!("AddFromPath on {kind} did not answer within {bound:?}"));
@@ -261,7 +262,6 @@ async fn a_fifo_or_a_device_given_to_add_from_path_is_refused_at_once() {
                 && msg.contains(&format!("not a regular file but {kind}")),
             "{name}: {msg}"
         );
-        assert!(started.elapsed() < bound);
     }
     // The daemon answers, and nothing was kept.
     let listed = tokio::time::timeout(bound, p.list())
@@ -357,17 +357,16 @@ async fn adds_from_descriptors_are_capped_bounded_and_stopped_with_their_caller(
     }
     let msg = until_capped(&p, h.dir.path()).await;
     assert!(msg.contains("busy, try again"), "{msg}");
-    tokio::time::timeout(
-        Duration::from_secs(1),
-        h.manager().await.get_events(dict(&[])),
-    )
-    .await
-    .expect("Manager answers while adds are held")
-    .unwrap();
-    // The silent pipes fail on the 1 s read deadline, as TimedOut, keeping nothing.
-    let started = Instant::now();
+    // (That the daemon answers while adds are held, with no read deadline near, is proven in
+    // `an_add_stops_when_its_caller_leaves_the_bus`; here the adds time out after 1 s.)
+    tokio::time::timeout(common::HUNG, h.manager().await.get_events(dict(&[])))
+        .await
+        .expect("Manager answers while adds are held")
+        .unwrap();
+    // The silent pipes fail on the 1 s read deadline, as TimedOut, keeping nothing (how soon
+    // after it is not a claim: the error says which deadline ended them).
     for (_conn, call) in callers {
-        let r = tokio::time::timeout(Duration::from_secs(5), call)
+        let r = tokio::time::timeout(common::HUNG, call)
             .await
             .expect("a silent pipe fails within the read deadline")
             .unwrap();
@@ -377,11 +376,6 @@ async fn adds_from_descriptors_are_capped_bounded_and_stopped_with_their_caller(
             "{name}: {msg}"
         );
     }
-    assert!(
-        started.elapsed() < Duration::from_secs(4),
-        "{:?}",
-        started.elapsed()
-    );
     drop(writers);
     assert!(p.list().await.unwrap().is_empty());
 
@@ -408,20 +402,22 @@ async fn adds_from_descriptors_are_capped_bounded_and_stopped_with_their_caller(
         name.ends_with("TimedOut") && msg.contains("longer than 3 s"),
         "{name}: {msg}"
     );
-    assert!(
-        took >= Duration::from_millis(2900) && took < Duration::from_secs(5),
-        "{took:?}"
-    );
+    // Not before the total deadline; the message names it (an upper bound on how long it took
+    // would be a race on a loaded machine).
+    assert!(took >= Duration::from_millis(2900), "{took:?}");
 }
 
 /// Issue 24 (6): the adds kept reading after their callers had gone. An add whose caller left
-/// the bus stops within a moment (the read deadline here is the default minute) and frees its
-/// place.
+/// the bus stops and frees its place. The read and total deadlines are a day here: nothing else
+/// can end the held adds within the test's deadline, so the freed place proves the stop, with
+/// no bound on how quickly (it used to be "within 3 s").
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_add_stops_when_its_caller_leaves_the_bus() {
-    use std::time::{Duration, Instant};
     use vfiod::dbus::image::MAX_LOCAL_ADDS;
-    let h = Harness::start(STEADY_CONFIG).await;
+    let h = Harness::start(&format!(
+        "{STEADY_CONFIG}\n[images]\nread_timeout_seconds = 86400\ntimeout_seconds = 86400\n"
+    ))
+    .await;
     let p = images(&h.client).await.unwrap();
     let digest = sha(b"whatever");
     let bus = h.bus.address().to_string();
@@ -433,7 +429,11 @@ async fn an_add_stops_when_its_caller_leaves_the_bus() {
         callers.push(add_until_admitted(bus.clone(), format!("gone{i}"), r, digest.clone()).await);
     }
     until_capped(&p, h.dir.path()).await;
-    let left = Instant::now();
+    // The daemon answers while every place is held by a silent pipe.
+    tokio::time::timeout(common::HUNG, h.manager().await.get_events(dict(&[])))
+        .await
+        .expect("Manager answers while adds are held")
+        .unwrap();
     for (conn, call) in callers {
         call.abort();
         let _ = call.await;
@@ -442,7 +442,7 @@ async fn an_add_stops_when_its_caller_leaves_the_bus() {
     let x = build::xclbin([0xab; 16], [0x01; 16], b"after");
     let file = h.dir.path().join("after.xclbin");
     std::fs::write(&file, &x).unwrap();
-    let added = common::eventually_async(Duration::from_secs(3), "a place freed", || async {
+    let added = common::eventually_async(common::HUNG, "a place freed", || async {
         let f = std::fs::File::open(&file).unwrap();
         p.add("after", zbus::Fd::from(&f), &sha(&x), dict(&[]))
             .await
@@ -450,11 +450,6 @@ async fn an_add_stops_when_its_caller_leaves_the_bus() {
     })
     .await;
     assert_eq!(ImageEntry::from_dict(&added).name, "after");
-    assert!(
-        left.elapsed() < Duration::from_secs(3),
-        "{:?}",
-        left.elapsed()
-    );
     // Nothing of the abandoned adds was kept; the writers are still open.
     let names: Vec<String> = p
         .list()

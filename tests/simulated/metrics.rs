@@ -181,7 +181,7 @@ async fn a_mode_task_and_a_hook_call_show_in_the_metrics_and_the_textfile() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_textfile_is_written_when_none_is_configured() {
-    let h = Harness::start(STEADY_CONFIG).await;
+    let mut h = Harness::start(STEADY_CONFIG).await;
     let m = h.manager().await;
     let (code, _, _) = m.hook("vm1", "started", "begin", "-", XML).await.unwrap();
     assert_eq!(code, 0);
@@ -194,8 +194,19 @@ async fn no_textfile_is_written_when_none_is_configured() {
         Some(1.0),
         "{text}"
     );
-    // The writer's first turn is at start: past it, still no .prom file anywhere vfiod writes.
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(h
+        .server
+        .as_ref()
+        .unwrap()
+        .engine
+        .settings()
+        .metrics
+        .textfile
+        .is_none());
+    // The writer's first turn runs before it looks at its stop: once the daemon has stopped
+    // (which waits for the writer's task), every turn it would take is past, and there is still
+    // no .prom file anywhere vfiod writes. An event, where this used to be a 1 s pause.
+    h.stop_server().await;
     fn proms(dir: &Path, found: &mut Vec<PathBuf>) {
         for e in std::fs::read_dir(dir).unwrap().flatten() {
             let p = e.path();
@@ -210,15 +221,6 @@ async fn no_textfile_is_written_when_none_is_configured() {
     proms(&h.dir.path().join("state"), &mut found);
     proms(h.dir.path(), &mut found);
     assert!(found.is_empty(), "{found:?}");
-    assert!(h
-        .server
-        .as_ref()
-        .unwrap()
-        .engine
-        .settings()
-        .metrics
-        .textfile
-        .is_none());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

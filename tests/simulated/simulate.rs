@@ -178,18 +178,32 @@ fn a_second_run_on_the_same_sim_root_refuses_with_the_holders_pid() {
     let mut first = Sim::start(&root);
     let bus = first.wait_banner();
 
-    let started = Instant::now();
-    let out = Command::new(env!("CARGO_BIN_EXE_vfiod"))
+    // The first run holds the lock for as long as it runs: a second run that waited for it
+    // would never end, so the deadline only ends such a hung test (this was "within 10 s").
+    let second = Command::new(env!("CARGO_BIN_EXE_vfiod"))
         .args(["--simulate", "--sim-root"])
         .arg(&root)
         .env("VFIOD_LOG", "warn")
         .stdin(Stdio::null())
-        .output()
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
         .unwrap();
-    let took = started.elapsed();
+    let pid = second.id();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(second.wait_with_output());
+    });
+    let out = match rx.recv_timeout(common::HUNG) {
+        Ok(out) => out.unwrap(),
+        Err(_) => {
+            // SAFETY: kill(2) on the pid of our own child, not yet reaped.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            panic!("a second run on a held sim root did not end");
+        }
+    };
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "the second run must fail: {err}");
-    assert!(took < Duration::from_secs(10), "{took:?}");
     assert!(
         err.contains(&format!(
             "is in use by vfiod pid {} (lock {})",

@@ -334,7 +334,6 @@ async fn get_all(h: &Harness, path: &str, iface: &str) -> Props {
 /// over its bound (naming it, the round and the stuck tasks) or an unexpected reply.
 async fn fire(h: &Harness, clients: &[zbus::Connection], round: usize) -> Vec<i64> {
     let calls = burst();
-    let started = Instant::now();
     let replies = futures_util::future::join_all(calls.iter().enumerate().map(|(i, kind)| {
         let reply = send(&clients[i % clients.len()], *kind);
         async move {
@@ -395,8 +394,8 @@ async fn fire(h: &Harness, clients: &[zbus::Connection], round: usize) -> Vec<i6
             (_, Err(e)) => panic!("{what}: {e}"),
         }
     }
-    let took = started.elapsed();
-    assert!(took < CALL_BOUND, "round {round}: the burst took {took:?}");
+    // Every call was answered within CALL_BOUND (a deadline against a deadlock, above): no
+    // bound on the whole burst's time, which only added a race with the machine's load.
     tasks
 }
 

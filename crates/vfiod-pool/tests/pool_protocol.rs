@@ -420,16 +420,12 @@ async fn a_second_driver_on_a_numbered_session_is_refused_at_once() {
     let mut cfg = DriverConfig::new(&s.id, "host-a", 500);
     cfg.give_up = Duration::from_secs(60);
     let (d, _handle) = driver::driver(client(&pool), cfg);
-    let t = Instant::now();
+    // Refused at its first batch, not given up on after `give_up` (60 s): the message says
+    // which ("within 10 s" raced a loaded machine).
     let err = d
         .run()
         .await
         .expect_err("a second driver on a numbered session ran");
-    assert!(
-        t.elapsed() < Duration::from_secs(10),
-        "refused after {:?}",
-        t.elapsed()
-    );
     let msg = err.to_string();
     assert!(
         msg.contains("items up to 100") && msg.contains("another driver"),

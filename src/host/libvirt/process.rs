@@ -100,6 +100,8 @@ struct Shared {
     awaiting_daemon: AtomicBool,
     /// The watcher thread runs (one per handle).
     watching: AtomicBool,
+    /// The watcher's looks for a daemon so far ([`Libvirt::daemon_looks`]).
+    looks: AtomicU64,
 }
 
 struct Running {
@@ -232,6 +234,7 @@ fn watch(shared: &Arc<Shared>) {
                     tracing::warn!("{}", crate::error_chain(&e));
                 }
             }
+            shared.looks.fetch_add(1, Ordering::AcqRel);
         });
     if started.is_err() {
         // Calls still start the helper when the daemon runs.
@@ -378,6 +381,7 @@ impl Libvirt {
             restart: Mutex::new(FIRST_RESTART),
             awaiting_daemon: AtomicBool::new(false),
             watching: AtomicBool::new(false),
+            looks: AtomicU64::new(0),
         });
         if uri.is_some() {
             start_helper_if_daemon(&shared)?;
@@ -386,6 +390,13 @@ impl Libvirt {
             shared,
             timeout: ANSWER_TIMEOUT,
         })
+    }
+
+    /// How many times the watcher has looked for a libvirt daemon (each [`DAEMON_POLL`] while
+    /// none ran at first), counted after each look has acted: a test waits for a look instead
+    /// of sleeping past the poll.
+    pub fn daemon_looks(&self) -> u64 {
+        self.shared.looks.load(Ordering::Acquire)
     }
 
     /// The same helper, with calls bounded by `timeout`.

@@ -4,8 +4,9 @@
 //! It renders real files (so `lspci -A linux-sysfs` can read the same tree), implements the
 //! sysfs [`Backend`] (reads come from the files; writes are interpreted), emits uevents through
 //! the same channel type as the real netlink source, and injects faults: a write that fails
-//! with a chosen errno, a write that hangs, an attribute that becomes unreadable, a device
-//! that vanishes or whose config space reads all-ones.
+//! with a chosen errno, a write that hangs, a write held until the test releases it, an
+//! attribute that becomes unreadable, a device that vanishes or whose config space reads
+//! all-ones.
 //!
 //! It resets functions as Linux does: `reset` runs the methods `reset_method` lists, in order,
 //! falling through on ENOTTY; `reset_method` takes an ordered list of supported names,
@@ -51,6 +52,10 @@ pub enum FaultAction {
     VanishAfter(PciAddress),
     /// Let the write happen after this long: a slow driver (e.g. a long `sriov_numvfs`).
     Delay(Duration),
+    /// Block (counted in [`SimKernel::hanging`]) until [`SimKernel::release_hangs`], then let
+    /// the write happen: a test holds a write at a point it chooses and sees, instead of
+    /// timing a window with [`FaultAction::Delay`].
+    Hold,
 }
 
 /// Which writes a fault applies to.
@@ -1420,6 +1425,7 @@ impl Backend for SimKernel {
             }
             Some(FaultAction::VanishAfter(a)) => vanish = Some(a),
             Some(FaultAction::Delay(d)) => std::thread::sleep(d),
+            Some(FaultAction::Hold) => self.wait_hang(RESET_HANG),
             None => {}
         }
         // A reset runs without the state locked: it may take long or hang, and the rest of
@@ -1530,6 +1536,7 @@ impl Backend for SimKernel {
                 return Err(err(libc::EINTR));
             }
             Some(FaultAction::Delay(d)) => std::thread::sleep(d),
+            Some(FaultAction::Hold) => self.wait_hang(RESET_HANG),
             Some(FaultAction::VanishAfter(_)) | None => {}
         }
         let mut st = self.lock();
