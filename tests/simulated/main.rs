@@ -13,6 +13,7 @@ mod clean;
 mod dbus_api;
 mod dbus_interfaces;
 mod fpga;
+mod holder_index;
 mod hooks;
 mod images;
 mod images_url;
