@@ -13,9 +13,14 @@
 //!
 //! An IOMMU group moves as a whole: the callers (the inventory's scan, [`crate::hook::host_uses`])
 //! extend a use to the function's group-mates.
+//!
+//! Who holds a node is the costly fact (every process's descriptors): the edge keeps it in a
+//! [`HolderIndex`], rebuilt in the background, and a caller that waits (the qemu hook's guard)
+//! reads again only the processes [`pids_to_check`] names. The inventory counts a VM's use
+//! only where no claim of vfiod's explains it ([`outside_vfiod`]): a QEMU started by hand.
 
 use crate::model::pci::PciAddress;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// A block device below one or more functions (a namespace, a partition; a multipath head is
 /// below every controller of its subsystem), as the edge found it.
@@ -235,6 +240,119 @@ pub fn host_uses(facts: &Facts) -> BTreeMap<PciAddress, Vec<String>> {
         }
     }
     out
+}
+
+/// What the last scan of every process's descriptors found (`host::sysfs::hostuse::index`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HolderIndex {
+    /// Every node of a PCI function a process held.
+    pub open: Vec<OpenNode>,
+    /// The pids `/proc` listed, ascending: a pid not among them started since.
+    pub seen: Vec<u32>,
+    /// Counts the scans since vfiod started (0: none yet, every process is new).
+    pub generation: u64,
+}
+
+/// The most processes started since the last index that a guard reads at once (the newest
+/// pids): each costs its descriptors' reads, and a host that forks hard (a build) would
+/// otherwise make the guard as slow as a whole scan. The rest wait for the next refresh.
+pub const NEW_PIDS_MAX: usize = 64;
+
+/// The processes a bounded read reads again.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Recheck {
+    /// Ascending.
+    pub pids: Vec<u32>,
+    /// New processes beyond [`NEW_PIDS_MAX`], left to the next refresh.
+    pub left_to_refresh: usize,
+}
+
+/// Which processes to read again, of those `/proc` lists now (`listed`, ascending): every one
+/// the index found holding a node of a function in `scope` (`None`: any function; it may have
+/// closed it or exited since), and those the index has not seen (started since it was built),
+/// the newest [`NEW_PIDS_MAX`] of them. Pure.
+pub fn pids_to_check(index: &HolderIndex, listed: &[u32], scope: Option<&[PciAddress]>) -> Recheck {
+    let holders: BTreeSet<u32> = index
+        .open
+        .iter()
+        .filter(|o| scope.is_none_or(|s| o.functions.iter().any(|f| s.contains(f))))
+        .map(|o| o.process.pid)
+        .collect();
+    let new: Vec<u32> = listed
+        .iter()
+        .copied()
+        .filter(|p| index.seen.binary_search(p).is_err())
+        .collect();
+    let left_to_refresh = new.len().saturating_sub(NEW_PIDS_MAX);
+    let mut pids: Vec<u32> = listed
+        .iter()
+        .copied()
+        .filter(|p| holders.contains(p))
+        .chain(new.into_iter().skip(left_to_refresh))
+        .collect();
+    pids.sort_unstable();
+    pids.dedup();
+    Recheck {
+        pids,
+        left_to_refresh,
+    }
+}
+
+/// The uses that keep a function from vfiod's claims (the inventory's protection): every host
+/// use, and a VM's use of a function no claim of vfiod's holds (`claimed`): a QEMU started by
+/// hand, a libvirt domain given it without vfiod. A VM holding a function vfiod claimed for it
+/// is that claim at work. Pure.
+pub fn outside_vfiod(
+    uses: BTreeMap<PciAddress, Vec<Use>>,
+    claimed: &BTreeSet<PciAddress>,
+) -> BTreeMap<PciAddress, Vec<Use>> {
+    uses.into_iter()
+        .filter_map(|(f, us)| {
+            let kept: Vec<Use> = us
+                .into_iter()
+                .filter(|u| matches!(u, Use::Host(_)) || !claimed.contains(&f))
+                .collect();
+            (!kept.is_empty()).then_some((f, kept))
+        })
+        .collect()
+}
+
+/// The reason a function the inventory protects for its uses records: `used by the host:
+/// WHY; WHY` when the host uses it, else `used by VM vm1: WHY` (`used by a VM: ...` when its
+/// command line names none). Pure.
+pub fn protection_reason(uses: &[Use]) -> Option<String> {
+    let host: Vec<&str> = uses
+        .iter()
+        .filter_map(|u| match u {
+            Use::Host(why) => Some(why.as_str()),
+            Use::Vm { .. } => None,
+        })
+        .collect();
+    if !host.is_empty() {
+        return Some(format!("{HOST_USE_PREFIX}{}", host.join("; ")));
+    }
+    let vms: Vec<String> = uses
+        .iter()
+        .filter_map(|u| match u {
+            Use::Vm {
+                vm: Some(vm), why, ..
+            } => Some(format!("used by VM {vm}: {why}")),
+            Use::Vm { vm: None, why, .. } => Some(format!("used by a VM: {why}")),
+            Use::Host(_) => None,
+        })
+        .collect();
+    (!vms.is_empty()).then(|| vms.join("; "))
+}
+
+/// How the reason of a function the host uses starts.
+pub const HOST_USE_PREFIX: &str = "used by the host: ";
+
+/// Whether a recorded reason is one [`protection_reason`] wrote (not `[[protect]]`'s, not a
+/// group-mate's).
+pub fn is_use_reason(reason: &str) -> bool {
+    reason.starts_with(HOST_USE_PREFIX)
+        || reason.starts_with("used by VM ")
+        || reason.starts_with("used by a VM: ")
 }
 
 /// The guest name in a QEMU command line (its arguments, in order): `-name guest=vm1,...`
@@ -566,6 +684,156 @@ mod tests {
             got[&a("0000:02:00.0")],
             vec!["block device nvme0n1 is held exclusively".to_string()]
         );
+    }
+
+    /// Which processes a bounded read reads again: the index's holders of the functions asked
+    /// about that `/proc` still lists, and the processes the index has not seen, the newest
+    /// [`NEW_PIDS_MAX`] of them.
+    #[test]
+    fn pids_to_check_table() {
+        let g = a("0000:3b:02.0");
+        let held = |pid: u32, f: PciAddress| OpenNode {
+            node: Node::VfioGroup(40),
+            functions: vec![f],
+            process: process(pid, "qemu-system-x86", None),
+        };
+        let index = HolderIndex {
+            open: vec![held(10, a(F)), held(20, g), held(30, a(F))],
+            seen: vec![1, 10, 20, 30, 40],
+            generation: 3,
+        };
+        let many: Vec<u32> = [1, 10, 20, 30, 40]
+            .into_iter()
+            .chain(100..100 + NEW_PIDS_MAX as u32 + 5)
+            .collect();
+        let newest: Vec<u32> = (105..100 + NEW_PIDS_MAX as u32 + 5).collect();
+        let only_f = [a(F)];
+        let other = [a("0000:af:00.0")];
+        type Row<'a> = (
+            &'a str,
+            &'a [u32],
+            Option<&'a [PciAddress]>,
+            Vec<u32>,
+            usize,
+        );
+        let rows: Vec<Row> = vec![
+            (
+                "nothing new, scope F",
+                &[1, 10, 20, 30, 40],
+                Some(&only_f),
+                vec![10, 30],
+                0,
+            ),
+            (
+                "every function",
+                &[1, 10, 20, 30, 40],
+                None,
+                vec![10, 20, 30],
+                0,
+            ),
+            (
+                "a holder gone from /proc",
+                &[1, 20, 30, 40],
+                Some(&only_f),
+                vec![30],
+                0,
+            ),
+            (
+                "a process started since",
+                &[1, 10, 20, 30, 40, 41],
+                Some(&only_f),
+                vec![10, 30, 41],
+                0,
+            ),
+            (
+                "a function no one held",
+                &[1, 10, 20, 30, 40, 41],
+                Some(&other),
+                vec![41],
+                0,
+            ),
+            (
+                "more new processes than the cap: the newest",
+                &many,
+                Some(&other),
+                newest,
+                5,
+            ),
+        ];
+        for (what, listed, scope, pids, left) in rows {
+            let got = pids_to_check(&index, listed, scope);
+            assert_eq!(got.pids, pids, "{what}");
+            assert_eq!(got.left_to_refresh, left, "{what}");
+        }
+        // Before the first scan every process is new.
+        let got = pids_to_check(&HolderIndex::default(), &[5, 6], None);
+        assert_eq!((got.pids, got.left_to_refresh), (vec![5, 6], 0));
+    }
+
+    /// What protects a function in the inventory, and the reason it records: the host's uses
+    /// always; a VM's only outside vfiod's claims (a QEMU started by hand).
+    #[test]
+    fn uses_outside_vfiod_and_their_reasons() {
+        let vm = |name: Option<&str>| Use::Vm {
+            vm: name.map(str::to_string),
+            pid: 900,
+            why: "/dev/vfio/devices/vfio0 is open by pid 900 (qemu-system-x86)".into(),
+        };
+        let f = a(F);
+        let claimed = BTreeSet::from([f]);
+        type Row = (&'static str, Vec<Use>, bool, Option<&'static str>);
+        let rows: Vec<Row> = vec![
+            ("nothing", vec![], false, None),
+            (
+                "the host",
+                vec![host("network interface enp2s0 is up")],
+                true,
+                Some("used by the host: network interface enp2s0 is up"),
+            ),
+            (
+                "a QEMU by hand",
+                vec![vm(Some("scratch"))],
+                false,
+                Some("used by VM scratch: /dev/vfio/devices/vfio0 is open by pid 900 (qemu-system-x86)"),
+            ),
+            (
+                "a QEMU without a name",
+                vec![vm(None)],
+                false,
+                Some("used by a VM: /dev/vfio/devices/vfio0 is open by pid 900 (qemu-system-x86)"),
+            ),
+            ("the VM of vfiod's claim", vec![vm(Some("vm1"))], true, None),
+            (
+                "the host and a VM: the host says it",
+                vec![vm(Some("scratch")), host("block device nvme1n1 is held exclusively")],
+                false,
+                Some("used by the host: block device nvme1n1 is held exclusively"),
+            ),
+            (
+                "the host beside vfiod's claim",
+                vec![vm(Some("vm1")), host("/dev/nvme1 is open by pid 8 (nvme)")],
+                true,
+                Some("used by the host: /dev/nvme1 is open by pid 8 (nvme)"),
+            ),
+        ];
+        for (what, uses, is_claimed, want) in rows {
+            let claimed = if is_claimed {
+                claimed.clone()
+            } else {
+                BTreeSet::new()
+            };
+            let kept = outside_vfiod(BTreeMap::from([(f, uses)]), &claimed);
+            let got = kept.get(&f).and_then(|us| protection_reason(us));
+            assert_eq!(got.as_deref(), want, "{what}");
+            assert_eq!(kept.contains_key(&f), want.is_some(), "{what}");
+            if let Some(w) = want {
+                assert!(is_use_reason(w), "{what}");
+            }
+        }
+        assert!(!is_use_reason("protected by config (address=0000:17:00.0)"));
+        assert!(!is_use_reason(
+            "shares its IOMMU group with protected device 0000:17:00.0"
+        ));
     }
 
     #[test]

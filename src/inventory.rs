@@ -11,7 +11,8 @@
 //! out).
 
 use crate::config::Settings;
-use crate::host::sysfs::{hostuse, RawFunction, Sysfs, SysfsError};
+use crate::host::sysfs::{RawFunction, Sysfs, SysfsError};
+use crate::hostuse::{self, Use};
 use crate::model::device::{Device, Kind, Mode, Role, State};
 use crate::model::event::EventKind;
 use crate::model::pci::{ClassCode, PciAddress};
@@ -258,14 +259,17 @@ pub fn with_holds(
     devices
 }
 
-/// Whether the records (`devices`, from the last pass) no longer say what the host uses now
-/// (`now`, [`crate::hostuse::host_uses`] of what was just read): a holder came or went since
-/// (an LVM volume, a mount, a process with a node open), which no PCI uevent announces. A claim
-/// asks this before it chooses, and a pass settles it. Pure.
-pub fn host_use_is_stale(devices: &[Device], now: &BTreeMap<PciAddress, Vec<String>>) -> bool {
+/// Whether the records (`devices`, from the last pass) no longer say what uses them now
+/// (`now`: [`crate::hostuse::uses`] of what was just read, as [`crate::hostuse::outside_vfiod`]
+/// keeps them): a holder came or went since (an LVM volume, a mount, a process with a node
+/// open, a QEMU started by hand), which no PCI uevent announces. A claim asks this before it
+/// chooses, the holder index's refresh after it reads, and a pass settles it. Pure.
+pub fn host_use_is_stale(devices: &[Device], now: &BTreeMap<PciAddress, Vec<Use>>) -> bool {
     devices.iter().any(|d| {
-        let recorded = d.state_reason.strip_prefix(HOST_USE_PREFIX);
-        let used = now.get(&d.address).map(|whys| whys.join("; "));
+        let recorded = Some(d.state_reason.as_str()).filter(|r| hostuse::is_use_reason(r));
+        let used = now
+            .get(&d.address)
+            .and_then(|us| hostuse::protection_reason(us));
         match d.state {
             State::Usable | State::Cleaning => used.is_some(),
             // The reason too: a claim refused names the holder there is now.
@@ -300,25 +304,47 @@ fn config_reason(selector: &impl std::fmt::Display) -> String {
     format!("protected by config ({selector})")
 }
 
-/// How the reason of a function the host uses starts.
-pub const HOST_USE_PREFIX: &str = "used by the host: ";
+pub use crate::hostuse::HOST_USE_PREFIX;
 
 /// Reads every function under the sysfs root and classifies it. `previous` is what the store
 /// holds, used to keep a broken device's identity. Only a failure to list the bus is an error:
-/// a single unreadable function becomes a broken record.
+/// a single unreadable function becomes a broken record. The host's uses are read whole here
+/// (every process's descriptors); the daemon's pass uses [`scan_with`].
 pub fn scan(
     sysfs: &Sysfs,
     settings: &Settings,
     previous: &BTreeMap<PciAddress, Device>,
 ) -> Result<Vec<Device>, SysfsError> {
+    let facts = crate::host::sysfs::hostuse::read(
+        sysfs,
+        crate::host::sysfs::hostuse::Scope::All,
+        &settings.host.allow_console_gpu,
+    );
+    let host: BTreeMap<PciAddress, Vec<Use>> = hostuse::host_uses(&facts)
+        .into_iter()
+        .map(|(f, whys)| (f, whys.into_iter().map(Use::Host).collect()))
+        .collect();
+    scan_with(sysfs, settings, previous, &host)
+}
+
+/// [`scan`] with the uses that protect a function given (`uses`: the host's, and VMs' outside
+/// vfiod's claims, [`crate::hostuse::outside_vfiod`]), as the daemon's pass reads them through
+/// its holder index.
+pub fn scan_with(
+    sysfs: &Sysfs,
+    settings: &Settings,
+    previous: &BTreeMap<PciAddress, Device>,
+    uses: &BTreeMap<PciAddress, Vec<Use>>,
+) -> Result<Vec<Device>, SysfsError> {
     let addresses = sysfs.list_functions()?;
-    let host_use = hostuse::detect(sysfs, &settings.host.allow_console_gpu);
     let raws = read_all(sysfs, &addresses);
 
     // Direct protection: host use, then the config's protect list.
     let mut protected: BTreeMap<PciAddress, String> = BTreeMap::new();
-    for (a, whys) in &host_use {
-        protected.insert(*a, format!("{HOST_USE_PREFIX}{}", whys.join("; ")));
+    for (a, us) in uses {
+        if let Some(why) = hostuse::protection_reason(us) {
+            protected.insert(*a, why);
+        }
     }
     for (a, raw) in &raws {
         let Ok(raw) = raw else { continue };
@@ -658,7 +684,19 @@ mod tests {
         let used = || {
             BTreeMap::from([(
                 a("0000:01:00.1"),
-                vec!["block device nvme1n1 is held by dm-0 (vg0-data)".to_string()],
+                vec![Use::Host(
+                    "block device nvme1n1 is held by dm-0 (vg0-data)".to_string(),
+                )],
+            )])
+        };
+        let by_vm = || {
+            BTreeMap::from([(
+                a("0000:01:00.1"),
+                vec![Use::Vm {
+                    vm: Some("vm9".into()),
+                    pid: 900,
+                    why: "IOMMU group 7 is open by pid 900 (qemu-system-x86)".into(),
+                }],
             )])
         };
         let table = [
@@ -703,6 +741,20 @@ mod tests {
                 true,
             ),
             (State::Broken, "EIO", used(), false),
+            // A QEMU outside vfiod's claims came, stayed, went.
+            (State::Usable, "", by_vm(), true),
+            (
+                State::Protected,
+                "used by VM vm9: IOMMU group 7 is open by pid 900 (qemu-system-x86)",
+                by_vm(),
+                false,
+            ),
+            (
+                State::Protected,
+                "used by VM vm9: IOMMU group 7 is open by pid 900 (qemu-system-x86)",
+                BTreeMap::new(),
+                true,
+            ),
         ];
         for (state, reason, now, stale) in table {
             let mut d = broken(a("0000:01:00.1"), None, &unread);

@@ -74,17 +74,15 @@ impl super::Engine {
         }
     }
 
-    /// A pass first when the host's uses read now (`crate::hostuse`) are not what the records
-    /// say (a holder came or went since the last pass: no PCI uevent announces an LVM volume,
-    /// a mount or a process opening a node), so that a claim chooses among what is usable now.
-    /// A failure to read leaves the records as they are, and says so.
-    async fn settle_host_use(&self) {
+    /// A pass first when the uses read now (`crate::hostuse`, through the holder index) are
+    /// not what the records say (a holder came or went since the last pass: no PCI uevent
+    /// announces an LVM volume, a mount, a process opening a node or a QEMU started by hand),
+    /// so that a claim chooses among what is usable now. A failure to read leaves the records
+    /// as they are, and says so. The holder index's background refresh asks the same.
+    pub(super) async fn settle_host_use(&self) {
         let stale = self
             .read(|core| {
-                let now = crate::host::sysfs::hostuse::detect(
-                    core.sysfs(),
-                    &core.settings().host.allow_console_gpu,
-                );
+                let now = core.uses_now()?;
                 core.store()
                     .devices()
                     .map(|devices| crate::inventory::host_use_is_stale(&devices, &now))

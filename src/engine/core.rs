@@ -7,14 +7,15 @@ use super::event::{DeviceTasks, DeviceView};
 use super::removals::Removals;
 use crate::config::{ConfigError, Settings};
 use crate::host::libvirt::{Libvirt, LibvirtEvent};
-use crate::host::sysfs::{Sysfs, SysfsError};
+use crate::host::sysfs::{hostuse, Sysfs, SysfsError};
+use crate::hostuse::{HolderIndex, Use};
 use crate::inventory;
 use crate::model::device::{Device, Role};
 use crate::model::event::EventKind;
 use crate::model::iommu::{Iommu, NoIommu};
 use crate::model::pci::PciAddress;
 use crate::store::{DeviceChange, Event, NewEvent, Store, StoreError, TaskRecord};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
 
@@ -102,6 +103,12 @@ pub struct Core {
     removals: Arc<Removals>,
     /// The host's IOMMU as the last inventory pass found it; `None` before the first.
     iommu: std::sync::Mutex<Option<Iommu>>,
+    /// Who held which node at the last scan of every process (see
+    /// [`crate::host::sysfs::hostuse`]), and its generation for whoever waits for a refresh.
+    holders: std::sync::Mutex<Arc<HolderIndex>>,
+    holders_built: tokio::sync::watch::Sender<u64>,
+    /// One scan of every process at a time (a pass and the background refresh).
+    holders_scan: std::sync::Mutex<()>,
 }
 
 impl Core {
@@ -132,7 +139,56 @@ impl Core {
             modules,
             removals: Arc::default(),
             iommu: std::sync::Mutex::new(None),
+            holders: std::sync::Mutex::default(),
+            holders_built: tokio::sync::watch::channel(0).0,
+            holders_scan: std::sync::Mutex::new(()),
         })
+    }
+
+    /// The holder index as the last scan of every process left it (empty before the first:
+    /// then every process is new to a bounded read).
+    pub fn holders(&self) -> Arc<HolderIndex> {
+        Arc::clone(&self.holders.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// Scans every process's descriptors into a new holder index, keeps it and says so to
+    /// [`Core::subscribe_holders`]. As slow as the host has processes: on the blocking pool,
+    /// never on a path that something waits on.
+    pub fn refresh_holders(&self) -> Arc<HolderIndex> {
+        let _one = self.holders_scan.lock().unwrap_or_else(|p| p.into_inner());
+        let generation = self.holders().generation + 1;
+        let index = Arc::new(hostuse::index(&self.sysfs, generation));
+        *self.holders.lock().unwrap_or_else(|p| p.into_inner()) = Arc::clone(&index);
+        self.holders_built.send_replace(generation);
+        index
+    }
+
+    /// The generation of the holder index, moving at each refresh.
+    pub fn subscribe_holders(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.holders_built.subscribe()
+    }
+
+    /// Every use of every function as the kernel says it now, read through the holder index
+    /// (bounded), kept as the inventory counts them ([`crate::hostuse::outside_vfiod`]: a VM's
+    /// use of a function no claim of vfiod's holds).
+    pub fn uses_now(&self) -> Result<BTreeMap<PciAddress, Vec<Use>>, StoreError> {
+        let claimed: BTreeSet<PciAddress> = self
+            .store
+            .active_claim_records()?
+            .into_iter()
+            .filter(|c| c.state.holds())
+            .flat_map(|c| c.functions)
+            .collect();
+        let read = hostuse::read_indexed(
+            &self.sysfs,
+            hostuse::Scope::All,
+            &self.settings().host.allow_console_gpu,
+            &self.holders(),
+        );
+        Ok(crate::hostuse::outside_vfiod(
+            crate::hostuse::uses(&read.facts),
+            &claimed,
+        ))
     }
 
     /// libvirt's domain lifecycle events and connection changes, once (the engine's loop takes
@@ -212,6 +268,9 @@ impl Core {
     /// One inventory pass: scan, diff against the store, commit.
     pub fn refresh(&self) -> Result<Pass, EngineError> {
         self.note_iommu(crate::host::sysfs::iommu::read(&self.sysfs));
+        // Every process read again: a pass (a rescan, a poll, a uevent) sees every holder.
+        self.refresh_holders();
+        let uses = self.uses_now()?;
         let settings = self.settings();
         let previous: BTreeMap<PciAddress, Device> = self
             .store
@@ -220,7 +279,7 @@ impl Core {
             .map(|d| (d.address, d))
             .collect();
         let scanned = inventory::with_holds(
-            inventory::scan(&self.sysfs, &settings, &previous)?,
+            inventory::scan_with(&self.sysfs, &settings, &previous, &uses)?,
             &self.store.clean_holds()?,
         );
         let (changes, mut new_events) = inventory::diff(&previous, &scanned);

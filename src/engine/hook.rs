@@ -88,9 +88,16 @@ pub(super) async fn off_the_executor<T: Send + 'static>(
         .map_err(|e| format!("the parse did not finish: {e}"))?
 }
 
-/// The host's uses read now, with the console GPUs the settings allow left out.
+/// The host's uses read now through the holder index (bounded: see
+/// [`hostuse::read_indexed`]), with the console GPUs the settings allow left out.
 fn detect_now(core: &super::core::Core) -> hostuse::HostUse {
-    hostuse::detect(core.sysfs(), &core.settings().host.allow_console_gpu)
+    let read = hostuse::read_indexed(
+        core.sysfs(),
+        hostuse::Scope::All,
+        &core.settings().host.allow_console_gpu,
+        &core.holders(),
+    );
+    crate::hostuse::host_uses(&read.facts)
 }
 
 /// What the host uses among everything vfiod knows (the records and the host's uses read now),
@@ -104,15 +111,30 @@ fn host_uses_now(
     guard: bool,
 ) -> HostUses {
     // The XML's functions and their group-mates (a mate's use refuses a function too): what
-    // the kernel says of them now, decided by `crate::hostuse`.
+    // the kernel says of them now, decided by `crate::hostuse`. Bounded in time: of the
+    // processes, the holder index's holders of these functions and those started since it was
+    // built (see `host::sysfs::hostuse` for the window this leaves).
     let scope = hook::guard_scope(devices, functions);
-    let facts = hostuse::read(
+    let read = hostuse::read_indexed(
         core.sysfs(),
         hostuse::Scope::Only(&scope),
         &core.settings().host.allow_console_gpu,
+        &core.holders(),
     );
+    if read.left_to_refresh > 0 {
+        tracing::debug!(
+            domain,
+            "host guard: {} process(es) started since the last holder scan are left to the \
+             next one",
+            read.left_to_refresh
+        );
+    }
     let configured = crate::inventory::protected_by_config(&core.settings(), devices);
-    let uses = hook::host_uses(devices, &configured, &crate::hostuse::host_uses(&facts));
+    let uses = hook::host_uses(
+        devices,
+        &configured,
+        &crate::hostuse::host_uses(&read.facts),
+    );
     if guard {
         return uses;
     }

@@ -12,6 +12,7 @@ mod attachments;
 mod claim;
 mod clean;
 pub mod context;
+mod holders;
 mod hook;
 mod migration;
 mod pool;
@@ -274,6 +275,7 @@ impl Engine {
         job: Box<dyn Job>,
         requested_by: &str,
     ) -> Result<TaskRecord, JobError> {
+        self.settle_protection_of(job.device()).await;
         let me = Arc::clone(self);
         let who = requested_by.to_string();
         let (cx, started) = tokio::task::spawn_blocking(move || {

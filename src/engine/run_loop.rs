@@ -85,6 +85,9 @@ impl Engine {
         let clean_wanted = self.store().clean_wanted();
         let mut leases = tokio::time::interval(LEASE_CHECK);
         leases.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Beside the loop: a scan of every process must not hold up uevents or libvirt's
+        // events. Ends with the loop.
+        let _holders = self.start_holder_refresh();
         loop {
             let work = tokio::select! {
                 _ = &mut shutdown => break,

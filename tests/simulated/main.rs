@@ -15,6 +15,7 @@ mod dbus_interfaces;
 mod doctor;
 mod fpga;
 mod history;
+mod holder_index;
 mod hooks;
 mod images;
 mod images_url;

@@ -5,9 +5,29 @@
 //! process holds (`/proc/*/fd`, by device number through `/sys/dev/{char,block}`), and the boot
 //! GPU driving the console ([`super::console`]). Reads only: the exclusive open is closed at once
 //! and writes nothing.
+//!
+//! The processes' descriptors are the costly part: a host has thousands of processes, and no
+//! kernel interface says who holds a node short of reading every `/proc/PID/fd`. [`index`] does
+//! that whole scan, off any caller that waits (the daemon's inventory pass and a background
+//! refresh every `[host] holder_refresh_ms`, on the blocking pool), into a
+//! [`crate::hostuse::HolderIndex`]. [`read_indexed`] (the qemu hook's guard, claims, the
+//! inventory) then reads only what is cheap and exact at once (mounts, swap, interfaces, the
+//! console GPU; every block device's `holders/` and exclusive-open probe) and, of the
+//! processes, only those the index found holding a node of the functions asked about (their
+//! descriptors read again: a holder that closed it or exited no longer counts) and those
+//! started since the index was built (`/proc` lists them now and the index does not; at most
+//! [`crate::hostuse::NEW_PIDS_MAX`], the newest).
+//!
+//! **The window**: a process that was already running when the index was built and opens a
+//! node of the function non-exclusively after that (an exclusive open is the probe's, a
+//! holder's `holders/` entry is read at once) is seen at the next refresh, at most
+//! `holder_refresh_ms` later; so is a pid reused since the refresh, and a new process beyond
+//! the cap. The job guards ([`read`]: they take functions away for good) scan every process.
 
 use super::{DeviceNumber, NodeKind, Sysfs};
-use crate::hostuse::{BlockDevice, BlockHolder, Facts, Named, Node, OpenNode, Process};
+use crate::hostuse::{
+    BlockDevice, BlockHolder, Facts, HolderIndex, Named, Node, OpenNode, Process,
+};
 use crate::model::pci::PciAddress;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Component, Path};
@@ -77,7 +97,7 @@ fn block_endpoints(sysfs: &Sysfs, name: &str, depth: u8) -> Vec<PciAddress> {
         }
     }
     let class_link = sysfs.path("sys/class/block").join(&name);
-    let Ok(canon) = sysfs.backend().canonicalize(&class_link) else {
+    let Some(canon) = resolve(sysfs, &class_link) else {
         return Vec::new();
     };
     let mut found: Vec<PciAddress> = pci_ancestors(&canon)
@@ -144,7 +164,7 @@ fn named(sysfs: &Sysfs, allow_console_gpu: &[PciAddress]) -> Vec<Named> {
             if flags & IFF_UP == 0 {
                 continue;
             }
-            if let Ok(canon) = sysfs.backend().canonicalize(&dir) {
+            if let Some(canon) = resolve(sysfs, &dir) {
                 if let Some(addr) = pci_ancestors(&canon).into_iter().last() {
                     uses.push(Named {
                         function: addr,
@@ -181,6 +201,32 @@ impl Scope<'_> {
     }
 }
 
+/// Where sysfs link `link` leads (`sys/class/block/nvme0n1` ->
+/// `sys/devices/pci0000:00/.../nvme0n1`): its target joined to its directory, `..` taken
+/// lexically, which is what sysfs links mean (relative, through real directories) at one
+/// `readlink` rather than a `canonicalize`'s walk of every component. Anything else
+/// (an absolute or odd target, not a link) is canonicalized.
+fn resolve(sysfs: &Sysfs, link: &Path) -> Option<std::path::PathBuf> {
+    if let Ok(target) = sysfs.backend().read_link(link) {
+        if target.is_relative() {
+            let mut out = link.parent()?.to_path_buf();
+            let mut lexical = true;
+            for c in target.components() {
+                match c {
+                    Component::ParentDir => lexical &= out.pop(),
+                    Component::Normal(n) => out.push(n),
+                    Component::CurDir => {}
+                    _ => lexical = false,
+                }
+            }
+            if lexical {
+                return Some(out);
+            }
+        }
+    }
+    sysfs.backend().canonicalize(link).ok()
+}
+
 /// The functions a device's canonical sysfs path lies below: its nearest PCI ancestor, or,
 /// for an NVMe multipath head (`sys/devices/virtual/nvme-subsystem/nvme-subsysN/nvmeXnY`, no
 /// PCI parent), every controller of the subsystem (`nvme-subsysN/nvmeZ` links to
@@ -214,7 +260,7 @@ fn functions_below(sysfs: &Sysfs, canon: &Path) -> Vec<PciAddress> {
         if !is_controller {
             continue;
         }
-        if let Ok(c) = sysfs.backend().canonicalize(&dir.join(n)) {
+        if let Some(c) = resolve(sysfs, &dir.join(n)) {
             if let Some(f) = pci_ancestors(&c).into_iter().last() {
                 if !out.contains(&f) {
                     out.push(f);
@@ -235,7 +281,7 @@ fn block_devices(sysfs: &Sysfs, scope: Scope<'_>) -> Vec<BlockDevice> {
     let mut out = Vec::new();
     for name in names {
         let Some(name) = name.to_str() else { continue };
-        let Ok(canon) = sysfs.backend().canonicalize(&class.join(name)) else {
+        let Some(canon) = resolve(sysfs, &class.join(name)) else {
             continue;
         };
         let functions = scope.filter(functions_below(sysfs, &canon));
@@ -300,7 +346,7 @@ fn node_of(sysfs: &Sysfs, number: DeviceNumber, target: &str) -> Option<(Node, V
         .path("sys/dev")
         .join(number.kind.sys_dev())
         .join(number.to_string());
-    let canon = sysfs.backend().canonicalize(&link).ok()?;
+    let canon = resolve(sysfs, &link)?;
     let functions = functions_below(sysfs, &canon);
     if functions.is_empty() {
         return None;
@@ -320,25 +366,31 @@ fn node_of(sysfs: &Sysfs, number: DeviceNumber, target: &str) -> Option<(Node, V
     Some((node, functions))
 }
 
-/// Every device node of a function in `scope` that a process holds: `/proc/*/fd` targets, by
-/// device number through `/sys/dev/{char,block}`, and `/dev/vfio/<group>` by the group's
-/// members. A process or descriptor that vanishes mid-scan is skipped. The processes are
-/// shared among a few threads: a host has thousands, and the hook's guard waits for this.
-fn open_nodes(sysfs: &Sysfs, scope: Scope<'_>) -> Vec<OpenNode> {
-    let proc_dir = sysfs.path("proc");
-    let Ok(entries) = sysfs.backend().read_dir(&proc_dir) else {
+/// The pids `/proc` lists now; a process that exits meanwhile is the reader's to skip.
+fn listed_pids(sysfs: &Sysfs) -> Vec<u32> {
+    let Ok(entries) = sysfs.backend().read_dir(&sysfs.path("proc")) else {
         return Vec::new();
     };
-    let pids: Vec<u32> = entries
+    let mut pids: Vec<u32> = entries
         .iter()
         .filter_map(|p| p.to_str()?.parse().ok())
         .collect();
+    pids.sort_unstable();
+    pids
+}
+
+/// Every device node of a function in `scope` that one of `pids` holds: `/proc/PID/fd`
+/// targets, by device number through `/sys/dev/{char,block}`, and `/dev/vfio/<group>` by the
+/// group's members. A process or descriptor that vanishes mid-scan is skipped. Many processes
+/// are shared among a few threads: a host has thousands.
+fn open_nodes(sysfs: &Sysfs, scope: Scope<'_>, pids: &[u32]) -> Vec<OpenNode> {
+    let proc_dir = sysfs.path("proc");
     let threads = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .clamp(1, SCAN_THREADS);
     let chunk = pids.len().div_ceil(threads).max(PIDS_PER_THREAD);
     let mut out: Vec<OpenNode> = if pids.len() <= chunk {
-        open_nodes_of(sysfs, scope, &proc_dir, &pids)
+        open_nodes_of(sysfs, scope, &proc_dir, pids)
     } else {
         std::thread::scope(|s| {
             let workers: Vec<_> = pids
@@ -424,16 +476,74 @@ fn open_nodes_of(sysfs: &Sysfs, scope: Scope<'_>, proc_dir: &Path, pids: &[u32])
 
 /// What the kernel says about who uses the functions in `scope`: the mounts, swap and
 /// interfaces it names, every block device below them (holders, exclusive opens) and every
-/// node of theirs a process holds, and the console GPU unless `allow_console_gpu` lists it.
+/// node of theirs a process holds (every process's descriptors read now: exact, and as slow as
+/// the host has processes), and the console GPU unless `allow_console_gpu` lists it.
 /// [`crate::hostuse`] decides from it.
 pub fn read(sysfs: &Sysfs, scope: Scope<'_>, allow_console_gpu: &[PciAddress]) -> Facts {
+    let pids = listed_pids(sysfs);
+    read_with(
+        sysfs,
+        scope,
+        allow_console_gpu,
+        open_nodes(sysfs, scope, &pids),
+    )
+}
+
+fn read_with(
+    sysfs: &Sysfs,
+    scope: Scope<'_>,
+    allow_console_gpu: &[PciAddress],
+    open: Vec<OpenNode>,
+) -> Facts {
     let mut named = named(sysfs, allow_console_gpu);
     named.retain(|n| scope.keeps(&n.function));
     Facts {
         named,
         blocks: block_devices(sysfs, scope),
-        open: open_nodes(sysfs, scope),
+        open,
     }
+}
+
+/// Every process's descriptors, read now: the holder index (generation `generation`) that
+/// [`read_indexed`] starts from. As slow as the host has processes: for the daemon's
+/// background refresh and its inventory pass, never for a caller that waits.
+pub fn index(sysfs: &Sysfs, generation: u64) -> HolderIndex {
+    let seen = listed_pids(sysfs);
+    let open = open_nodes(sysfs, Scope::All, &seen);
+    HolderIndex {
+        open,
+        seen,
+        generation,
+    }
+}
+
+/// [`read`], bounded in time by `index` (see the module's header): the facts that are cheap
+/// at once, and of the processes only the index's holders of the functions in `scope`, read
+/// again, and the processes started since the index was built (at most
+/// [`crate::hostuse::NEW_PIDS_MAX`]; how many more there were is said with the facts).
+pub fn read_indexed(
+    sysfs: &Sysfs,
+    scope: Scope<'_>,
+    allow_console_gpu: &[PciAddress],
+    index: &HolderIndex,
+) -> Indexed {
+    let only = match scope {
+        Scope::All => None,
+        Scope::Only(fs) => Some(fs),
+    };
+    let check = crate::hostuse::pids_to_check(index, &listed_pids(sysfs), only);
+    let open = open_nodes(sysfs, scope, &check.pids);
+    Indexed {
+        facts: read_with(sysfs, scope, allow_console_gpu, open),
+        left_to_refresh: check.left_to_refresh,
+    }
+}
+
+/// What [`read_indexed`] found, and how many new processes it left to the next refresh.
+#[derive(Clone, Debug, Default)]
+pub struct Indexed {
+    pub facts: Facts,
+    pub left_to_refresh: usize,
 }
 
 /// The host's uses of every function: [`read`] everything, decided by
