@@ -53,7 +53,8 @@ fn main() {
         let cx = engine.job_context();
         let job = Box::new(ModeJob::new(nic, Some(target)));
         let started = task::begin(&cx, job, "bench", &|_, _| {}).unwrap();
-        task::run(&cx, started, &|_, _| {}).unwrap()
+        // No pass before the end (the daemon's settle): the inventory is refreshed untimed.
+        task::run(&cx, started, &|_, _| {}, &|| {}).unwrap()
     };
     let target = Target::Vf {
         num_vfs: 64,

@@ -198,26 +198,14 @@ impl Engine {
         let _guard = self.pass_lock.lock().await;
         let (publishing, events) = (Arc::clone(&self.publishing), self.events.clone());
         let changes = Arc::clone(&self.changes);
-        self.read(move |core| {
-            let pass = core.refresh()?;
-            if pass.changes.is_empty() {
-                return Ok(pass);
-            }
-            bump(&changes);
-            let _publishing = publishing.lock().unwrap_or_else(|p| p.into_inner());
-            let mut tasks = Vec::new();
-            for c in &pass.changes {
-                if let DeviceChange::Added(d) = c {
-                    tasks.push(core.device_tasks(d.address)?);
-                }
-            }
-            let _ = events.send(EngineEvent::Inventory {
-                changes: pass.changes.clone(),
-                tasks,
-            });
-            Ok::<_, EngineError>(pass)
-        })
-        .await?
+        self.read(move |core| pass_and_publish(core, &publishing, &events, &changes))
+            .await?
+    }
+
+    /// [`Engine::refresh`] from a blocking thread (a task's, before its end is recorded).
+    fn refresh_blocking(&self) -> Result<Pass, EngineError> {
+        let _guard = self.pass_lock.blocking_lock();
+        pass_and_publish(&self.core, &self.publishing, &self.events, &self.changes)
     }
 
     /// Re-reads the configuration, then a pass under the new settings (selection and protection
@@ -291,14 +279,30 @@ impl Engine {
         Ok(task)
     }
 
-    /// Runs a started task on the blocking pool, then an inventory pass (its device's VFs and
-    /// drivers changed).
+    /// Runs a started task on the blocking pool, with an inventory pass before its end is
+    /// recorded (its device's VFs and drivers changed: a claim after the end must choose from
+    /// what the kernel has now), and one after it (for what recording the end changed, or
+    /// when the worker failed before its pass).
     async fn run_task(self: Arc<Self>, cx: JobContext, started: task::Started) {
         let id = started.task.id;
         let me = Arc::clone(&self);
         let outcome = tokio::task::spawn_blocking(move || {
             let notify = |t: &TaskRecord, c: task::Change| me.task_changed(t, c);
-            task::run(&cx, started, &notify)
+            // The records follow the kernel before the end is visible: a claim right after a
+            // restore's end must not get a VF the restore removed (issue 33's soak).
+            let settle = || {
+                if let Err(e) = me.refresh_blocking() {
+                    tracing::error!(
+                        task_id = id,
+                        "inventory pass at the end of the task failed: {}",
+                        crate::error_chain(&e)
+                    );
+                }
+            };
+            let ended = task::run(&cx, started, &notify, &settle);
+            // The task's end is visible from here on: what it changed must be recorded already.
+            job::pause_point("task:ended");
+            ended
         })
         .await;
         match outcome {
@@ -517,6 +521,33 @@ fn is_mode_kind(kind: crate::model::task::TaskKind) -> bool {
 }
 
 /// Counts one more committed change.
+/// One inventory pass, committed, then published (the new devices with their tasks), the
+/// events in commit order. The caller holds the pass lock.
+fn pass_and_publish(
+    core: &Core,
+    publishing: &Mutex<()>,
+    events: &EventSender,
+    changes: &watch::Sender<u64>,
+) -> Result<Pass, EngineError> {
+    let pass = core.refresh()?;
+    if pass.changes.is_empty() {
+        return Ok(pass);
+    }
+    bump(changes);
+    let _publishing = publishing.lock().unwrap_or_else(|p| p.into_inner());
+    let mut tasks = Vec::new();
+    for c in &pass.changes {
+        if let DeviceChange::Added(d) = c {
+            tasks.push(core.device_tasks(d.address)?);
+        }
+    }
+    let _ = events.send(EngineEvent::Inventory {
+        changes: pass.changes.clone(),
+        tasks,
+    });
+    Ok(pass)
+}
+
 fn bump(changes: &watch::Sender<u64>) {
     changes.send_modify(|n| *n = n.wrapping_add(1));
 }

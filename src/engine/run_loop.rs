@@ -132,6 +132,11 @@ impl Engine {
             let turn = async {
                 match work {
                     Work::Pass(burst) => {
+                        #[cfg(feature = "test-hooks")]
+                        let _ = tokio::task::spawn_blocking(|| {
+                            super::job::pause_point("loop:uevent-pass")
+                        })
+                        .await;
                         self.note_uevents(burst).await;
                         self.pass().await;
                     }

@@ -125,10 +125,16 @@ pub fn begin(
 /// Runs a started task to its end and returns its final record: progress through the job's
 /// phases, rollback after a failure or a panic, success or error recorded. An error keeps the
 /// device until an operator resets the task. `Err` only when the store cannot record the outcome.
+///
+/// `settle` runs once the job (and any rollback) is done and before the end is recorded: the
+/// engine records there what the task changed in the kernel (an inventory pass), so that
+/// nobody sees the task ended while the records still show the state before it (a restore's
+/// VFs, gone from the kernel, still claimable).
 pub fn run(
     cx: &JobContext,
     started: Started,
     notify: &dyn Fn(&TaskRecord, Change),
+    settle: &dyn Fn(),
 ) -> Result<TaskRecord, StoreError> {
     let Started {
         task,
@@ -165,6 +171,7 @@ pub fn run(
     let t = match outcome {
         Ok(message) => {
             tracing::info!(result = %message, "task succeeded");
+            settle();
             cx.store.task_succeeded(id, &message)?
         }
         Err(failure) => {
@@ -181,6 +188,7 @@ pub fn run(
                 Ok(done) => format!("{}; rollback {done}", failure.message),
                 Err(e) => format!("{}; rollback failed too: {}", failure.message, e.message),
             };
+            settle();
             if settled {
                 tracing::warn!(result = %message, "task failed; its rollback settled it");
                 cx.store.task_settled(id, &message)?

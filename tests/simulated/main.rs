@@ -32,4 +32,5 @@ mod state_lock;
 mod stress;
 mod strict;
 mod tasks;
+mod vf_gap;
 mod vfioctl;

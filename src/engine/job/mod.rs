@@ -57,11 +57,14 @@ pub(crate) fn kill_point(_point: &str) {}
 
 /// For the tests of a race (`tests/simulated/hooks.rs`), only in builds with the `test-hooks`
 /// feature: `VFIOD_TEST_PAUSE_AT=<point>` makes a job wait a second when it reaches `point`
-/// ("clean:given-back": a clean has given its functions back, its task has not ended yet), so
-/// that a test can act inside that window every time rather than once in a hundred runs.
+/// ("clean:given-back": a clean has given its functions back, its task has not ended yet;
+/// "task:ended": a task's end is recorded and published, nothing after it has run yet;
+/// "loop:uevent-pass": the loop has a burst of uevents and is about to pass on it; several,
+/// comma-separated), so that a test can act inside that window every time rather than once in
+/// a hundred runs.
 #[cfg(feature = "test-hooks")]
 pub(crate) fn pause_point(point: &str) {
-    if std::env::var("VFIOD_TEST_PAUSE_AT").is_ok_and(|p| p == point) {
+    if std::env::var("VFIOD_TEST_PAUSE_AT").is_ok_and(|p| p.split(',').any(|p| p == point)) {
         std::thread::sleep(std::time::Duration::from_secs(1));
     }
 }
