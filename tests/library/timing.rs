@@ -29,6 +29,12 @@ use std::path::{Path, PathBuf};
 
 /// Known sites, not yet rewritten: (file, the line's text, trimmed).
 const ALLOWED: &[(&str, &str)] = &[
+    // Not a wait: the mixed-fault soak SIGKILLs vfiod at a random moment of a restore, and what
+    // it asserts after the restart (records agree with sysfs) must hold at every moment.
+    (
+        "tests/soak_faults.rs",
+        "std::thread::sleep(Duration::from_millis(rng.below(300)));",
+    ),
     // A settle before the baseline of descriptors (compared, with slack, after the pressure).
     (
         "tests/exhaustion.rs",
