@@ -4,13 +4,13 @@
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use vfiod::config::{Settings, DEFAULT_CONFIG_PATH, DEFAULT_DROPIN_DIR};
+use vfiod::config::{ConfigError, Settings, DEFAULT_CONFIG_PATH, DEFAULT_DROPIN_DIR};
 use vfiod::error_chain;
 use vfiod::store::backup;
 
 /// The state directory: `--state-dir`, else the configuration's `state_dir` (the file in
 /// $VFIOD_CONFIG, else /etc/vfiod/vfiod.toml and conf.d, as the daemon reads them).
-fn state_dir(given: Option<PathBuf>) -> Result<PathBuf, String> {
+fn state_dir(given: Option<PathBuf>) -> Result<PathBuf, ConfigError> {
     if let Some(d) = given {
         return Ok(d);
     }
@@ -22,17 +22,18 @@ fn state_dir(given: Option<PathBuf>) -> Result<PathBuf, String> {
             false,
         ),
     };
-    loaded.map(|s| s.state_dir).map_err(|e| {
-        format!(
-            "{}; pass the state directory with --state-dir",
-            error_chain(&e)
-        )
-    })
+    loaded.map(|s| s.state_dir)
 }
 
 pub fn run(file: &Path, force: bool, dir: Option<PathBuf>, json: bool) -> ExitCode {
-    let result =
-        state_dir(dir).and_then(|d| backup::backup(&d, file, force).map_err(|e| error_chain(&e)));
+    // Both errors become the one line the operator reads here, at the edge that prints it.
+    let result = match state_dir(dir) {
+        Ok(d) => backup::backup(&d, file, force).map_err(|e| error_chain(&e)),
+        Err(e) => Err(format!(
+            "{}; pass the state directory with --state-dir",
+            error_chain(&e)
+        )),
+    };
     match result {
         Ok(r) if json => match serde_json::to_string_pretty(&r) {
             Ok(text) => {
