@@ -9,7 +9,7 @@ import re
 import time
 
 from testbed import vfiod
-from testbed.guest import Guest
+from testbed.guest import Guest, patient
 from testbed.nested import (define_os_domain, domain_state, live_hostdevs, serial_mark, serial_path,
                             wait_os_ready, wait_serial)
 from testbed.runner import Testbed, scenario
@@ -166,8 +166,9 @@ def claims(tb: Testbed) -> None:
     t = time.monotonic()
     detach(g, cid)
     seconds = time.monotonic() - t
+    # No bound on the seconds (a performance figure, it goes to the summary): a detach the guest did not
+    # acknowledge within detach_timeout fails, and detach() would have raised.
     tb.note("vfioctl detach --wait", seconds)
-    assert seconds < 15, f"vfioctl detach --wait took {seconds:.1f} s (a running guest acknowledges in about 1 s)"
     check_detached(g, cid, vf)
 
     # 7. A paused domain does not acknowledge the unplug: the detach fails after detach_timeout, the claim
@@ -185,7 +186,8 @@ def claims(tb: Testbed) -> None:
     assert res.rc != 0, f"vfioctl detach succeeded although {VM} is paused:\n{res.describe()}"
     assert re.search(r"(?i)did not complete|timed? ?out|not (yet )?(complete|removed|acknowledged)", res.err), \
         f"the failed detach does not say that it did not complete in time:\n{res.describe()}"
-    assert DETACH_TIMEOUT - 1 <= seconds <= DETACH_TIMEOUT + 20, \
+    # At least detach_timeout (vfiod waited for the guest); the upper bound only says it did not hang.
+    assert DETACH_TIMEOUT - 1 <= seconds <= DETACH_TIMEOUT + patient(20), \
         f"the failed detach took {seconds:.1f} s, detach_timeout is {DETACH_TIMEOUT} s:\n{res.describe()}"
     c = active_claims(g).get(late)
     assert c is not None and c["state"] == "detaching", \

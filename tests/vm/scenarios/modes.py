@@ -134,8 +134,8 @@ def modes(tb: Testbed) -> None:
     res = g.run(f"vfioctl mode {PF} pf --wait", check=False)
     assert res.rc != 0 and "org.vfiod.Vfiod1.Error.InUse" in res.err, res.describe()
     check_split(g)
-    g.run(f"kill {holder}")
-    time.sleep(1)
+    # Gone, not only signalled: the next mode change must find the group free.
+    g.run(f"kill {holder}; while kill -0 {holder} 2>/dev/null; do sleep 0.1; done", timeout=30)
     g.run(f"vfioctl mode {PF} pf --wait", quiet=True)
     check_whole(g)
 

@@ -18,7 +18,7 @@ from datetime import datetime
 from pathlib import Path
 
 from testbed import vfiod
-from testbed.guest import Guest
+from testbed.guest import Guest, patient
 from testbed import initramfs
 from testbed.nested import define_os_domain, domain_state, migrate, serial_lines, serial_path, wait_serial
 from testbed.runner import Testbed, scenario
@@ -220,7 +220,27 @@ class Driver:
 
     def report(self) -> dict:
         where = self.where()
-        where.wait_for("the driver in the nested domain to finish", lambda: not self.active(), 900, 3)
+        # Done when the driver says so; stuck when its console has said nothing new for a while (it
+        # prints its progress every 10 items). No bound on the whole: how fast it streams depends on
+        # the machine (20-200 items/s), and a stall, not slowness, is the failure to report, with
+        # what the driver and the pool said last (stop 37's CI gave up after 900 s without either).
+        seen = {"lines": -1, "at": time.monotonic()}
+
+        def finished() -> bool:
+            if not self.active():
+                return True
+            lines = self.console()
+            if len(lines) != seen["lines"]:
+                seen["lines"], seen["at"] = len(lines), time.monotonic()
+            elif time.monotonic() - seen["at"] > patient(120):
+                pool = self.hosts[0].run(f"journalctl -u {POOL_UNIT} --no-pager -o cat | tail -20", check=False,
+                                         quiet=True).out
+                raise AssertionError(f"the driver in {VM} on {where.name} printed nothing for "
+                                     f"{patient(120):.0f} s; its console:\n" + "\n".join(lines[-30:])
+                                     + f"\nthe pool's log (hosta):\n{pool}")
+            return False
+
+        where.wait_for("the driver in the nested domain to finish", finished, 1200, 3)
         lines = self.console()
         begin = max(i for i, line in enumerate(lines) if line == f"{DRIVE_MARK}report")
         end = next(i for i in range(begin, len(lines)) if lines[i].startswith(f"{DRIVE_MARK}exit"))

@@ -182,6 +182,12 @@ def summary(outcomes: list[Outcome], image_seconds: float | None, image_built: b
         if o.retried:
             lines.append(f"* {o.name} ran twice: the first run failed while a guest kernel stalled "
                          f"({o.retried}); its seconds are both runs'")
+    # The cause again, last: CI shows the tail of a long output, and stop 37's showed the failures'
+    # serial logs but not the assertions printed before them.
+    for o in outcomes:
+        if not o.passed:
+            why = o.error.strip().splitlines()
+            lines.append(f"{o.name} failed: " + "\n    ".join(why[:12] + (["..."] if len(why) > 12 else [])))
     lines.append("")
     lines.append(f"vm: {passed} passed, {len(outcomes) - passed} failed")
     return "\n".join(lines)
