@@ -7,7 +7,9 @@ sha256, and is rebuilt only when that directory is missing or incomplete.
 
 A built image directory holds:
   rootfs.img       raw ext4 file system (no partition table), only ever used as a read-only backing file
-  vmlinuz, initrd  the image's kernel and initramfs, for direct boot
+  vmlinuz, initrd  the image's kernel and initramfs
+  vmlinux          the kernel uncompressed, which guests boot directly (also inside, NESTED_VMLINUX, for
+                   nested domains)
   id_ed25519[.pub] the ssh key baked into the image (root's authorized key, and root's own key)
   recipe.txt       what was hashed, for humans
   complete         written last: a directory without it is a failed build
@@ -18,10 +20,12 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import lzma
 import os
 import shutil
 import subprocess
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,8 +52,15 @@ BUILD = {
     ],
     # Free space left in the guest's root file system (the file is sparse: it costs nothing until used).
     "free_mib": 3072,
-    "format": 2,
+    # 3: the uncompressed kernel, for guests (vmlinux) and nested domains (NESTED_VMLINUX).
+    "format": 3,
 }
+
+# The image's kernel uncompressed, an ELF file with Xen's PVH entry note (Debian's kernels have
+# CONFIG_PVH), which QEMU boots directly: a nested domain under TCG inside a TCG guest spends about 55 s
+# decompressing a bzImage (its initramfs prompt after 137 s from the bzImage, 83 s from this, measured
+# 2026-12-07 on a quiet 2-core machine). `{release}` is `uname -r`.
+NESTED_VMLINUX = "/var/lib/libvirt/images/vmlinux-{release}"
 
 
 @dataclass(frozen=True)
@@ -62,7 +73,10 @@ class Image:
 
     @property
     def kernel(self) -> Path:
-        return self.dir / "vmlinuz"
+        """The kernel uncompressed (extract_vmlinux), booted by its PVH entry: a guest is ready about 10 s
+        sooner than from the bzImage (24-26 s vs 36 s, 2026-12-07), which it no longer decompresses under
+        TCG."""
+        return self.dir / "vmlinux"
 
     @property
     def initrd(self) -> Path:
@@ -162,6 +176,11 @@ def build(final: Path, recipe_text: str) -> None:
             raise RuntimeError(f"expected one kernel and one initrd in {boot}, found {kernels} {initrds}")
         shutil.copy(kernels[0], work / "vmlinuz")
         shutil.copy(initrds[0], work / "initrd")
+        release = kernels[0].name.removeprefix("vmlinuz-")
+        vmlinux = rootdir / NESTED_VMLINUX.format(release=release).lstrip("/")
+        vmlinux.parent.mkdir(parents=True, exist_ok=True)
+        vmlinux.write_bytes(extract_vmlinux(kernels[0].read_bytes()))
+        shutil.copy(vmlinux, work / "vmlinux")
         used_mib = int(subprocess.run(["du", "-sm", str(rootdir)], check=True, capture_output=True,
                                       text=True).stdout.split()[0])
         size_mib = used_mib + BUILD["free_mib"]
@@ -178,6 +197,35 @@ def build(final: Path, recipe_text: str) -> None:
         if rootdir.exists():
             shutil.rmtree(rootdir, ignore_errors=True)
         raise
+
+
+def extract_vmlinux(bzimage: bytes) -> bytes:
+    """The uncompressed kernel inside a bzImage, as the kernel's scripts/extract-vmlinux finds it: the first
+    payload at a compressor's magic number that decompresses to an ELF file (xz and gzip here with Python's
+    own modules, zstd with the zstd program where there is one)."""
+    def xz(data: bytes) -> bytes:
+        return lzma.LZMADecompressor().decompress(data)
+
+    def gz(data: bytes) -> bytes:
+        return zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(data)
+
+    def zst(data: bytes) -> bytes:
+        if shutil.which("zstd") is None:
+            return b""
+        # The payload is followed by the rest of the bzImage: zstd complains, its output is whole.
+        return subprocess.run(["zstd", "-dc"], input=data, capture_output=True).stdout
+
+    for magic, decompress in ((b"\xfd7zXZ\x00", xz), (b"\x1f\x8b\x08", gz), (b"\x28\xb5\x2f\xfd", zst)):
+        at = bzimage.find(magic)
+        while at >= 0:
+            try:
+                out = decompress(bzimage[at:])
+            except (lzma.LZMAError, zlib.error, EOFError):
+                out = b""
+            if out[:4] == b"\x7fELF":
+                return out
+            at = bzimage.find(magic, at + 1)
+    raise RuntimeError("no ELF kernel found inside the bzImage (xz, gzip or zstd payload)")
 
 
 def run(cmd: list[str], env: dict[str, str] | None = None, log_to: Path | None = None) -> None:

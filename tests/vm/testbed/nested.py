@@ -9,6 +9,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 
 from .guest import Guest
+from .image import NESTED_VMLINUX
 
 # How every nested domain runs: TCG inside the guest, not KVM. Under KVM (the guest's AMD-V, itself emulated
 # by the outer TCG) the guest's kernel failed in KVM's own paths: hung in kvm_destroy_vm on a lost IPI (stop
@@ -90,7 +91,8 @@ def migrate(src: Guest, dst: Guest, name: str, timeout: float = 300) -> float:
     return seconds
 
 
-# A domain that runs an OS: the guest's own kernel and initramfs, no disk. A guest OS is what makes a live
+# A domain that runs an OS: the guest's own kernel (uncompressed, booted by its PVH entry: image.NESTED_VMLINUX)
+# and initramfs, no disk. A guest OS is what makes a live
 # detach complete: QEMU's hot-unplug (ACPI, q35 default) waits for the guest kernel to eject the device.
 # `break=top` stops the initramfs at its first step in a shell on the serial console: no udev, so no driver
 # binds a hot-added VF, and the kernel keeps running (and answering hot-plug) for as long as the domain
@@ -159,7 +161,8 @@ def define_os_domain(guest: Guest, name: str, memory_mib: int = 256, start: bool
     initramfs and the `break=top` command line; `user_net_mac` adds a virtio NIC on QEMU's user-mode
     network (USER_NET)."""
     release = guest.run("uname -r", quiet=True).out.strip()
-    xml = OS_DOMAIN.format(domain_type=domain_type, name=name, memory_mib=memory_mib, kernel=f"/boot/vmlinuz-{release}",
+    xml = OS_DOMAIN.format(domain_type=domain_type, name=name, memory_mib=memory_mib,
+                           kernel=NESTED_VMLINUX.format(release=release),
                            initrd=initrd or f"/boot/initrd.img-{release}", cmdline=cmdline, log=serial_path(name),
                            interfaces=USER_NET.format(mac=user_net_mac) if user_net_mac else "",
                            hostdevs="".join(hostdev_xml(a) for a in hostdevs))
