@@ -121,6 +121,7 @@ pub fn plan(p: &DevicePlan) -> Dict {
         Decision::Leave { .. } => "leave",
         Decision::Target { .. } => "target",
         Decision::Refuse { .. } => "refuse",
+        Decision::Wait { .. } => "wait",
     };
     let program = serde_json::to_value(&p.program)
         .ok()

@@ -401,8 +401,16 @@ impl Engine {
             return;
         }
         let job = job::ModeJob::new(address, None);
-        if let Err(e) = self.start_task(Box::new(job), requested_by).await {
-            tracing::warn!(device = %address, "not reconciled: {}", crate::error_chain(&e));
+        match self.start_task(Box::new(job), requested_by).await {
+            Ok(_) => {}
+            // A task of vfiod's own holds it (its driver bound during a bind or a restore):
+            // that task brings it to the policy's target.
+            Err(e) if e.is_busy() => {
+                tracing::debug!(device = %address, "not reconciled: {}", crate::error_chain(&e))
+            }
+            Err(e) => {
+                tracing::warn!(device = %address, "not reconciled: {}", crate::error_chain(&e))
+            }
         }
     }
 
@@ -437,6 +445,10 @@ impl Engine {
                             tracing::warn!(device = %p.address, "{reason}")
                         }
                         (Decision::Leave { .. }, _) => {}
+                        // Planned again when its driver binds (`Engine::run`).
+                        (Decision::Wait { reason, .. }, _) => {
+                            tracing::info!(device = %p.address, "{reason}")
+                        }
                     }
                 }
                 Ok::<_, crate::mode::planner::ModeError>(wanted)

@@ -6,8 +6,10 @@
 use super::Engine;
 use crate::host::libvirt::LibvirtEvent;
 use crate::host::uevent::{EventReceiver, Uevent};
+use crate::model::device::Role;
 use crate::model::event::EventKind;
-use crate::store::NewEvent;
+use crate::model::pci::PciAddress;
+use crate::store::{DeviceChange, NewEvent};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -254,9 +256,73 @@ impl Engine {
         }
     }
 
-    async fn pass(&self) {
-        if let Err(e) = self.refresh().await {
-            tracing::error!("inventory pass failed: {}", crate::error_chain(&e));
+    /// An inventory pass; then the policy, again, for each function whose driver has just bound.
+    /// At boot a PF's driver may bind after vfiod's start-up reconcile, which left the PF waiting
+    /// for it ([`crate::mode::policy::Decision::Wait`]); a hot-plugged function gets its mode
+    /// too. A function the policy leaves alone, or that is there already, gets no task.
+    async fn pass(self: &Arc<Self>) {
+        match self.refresh().await {
+            Ok(pass) => {
+                for address in drivers_bound(&pass.changes) {
+                    self.reconcile_device(address, "vfiod (a driver bound to it)")
+                        .await;
+                }
+            }
+            Err(e) => tracing::error!("inventory pass failed: {}", crate::error_chain(&e)),
+        }
+    }
+}
+
+/// The functions other than VFs that a pass saw get a driver: bound where they had none, or
+/// added with one (hot-plug). A VF has no mode of its own; one that changes driver is the work
+/// of its PF's task or of a claim.
+fn drivers_bound(changes: &[DeviceChange]) -> Vec<PciAddress> {
+    changes
+        .iter()
+        .filter_map(|c| match c {
+            DeviceChange::Added(d) if d.driver.is_some() => Some(d),
+            DeviceChange::Changed { old, new } if old.driver.is_none() && new.driver.is_some() => {
+                Some(new)
+            }
+            _ => None,
+        })
+        .filter(|d| d.role != Role::Vf)
+        .map(|d| d.address)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::device::Device;
+
+    fn dev(address: &str, role: Role, driver: Option<&str>) -> Device {
+        Device {
+            role,
+            driver: driver.map(str::to_string),
+            ..Device::example(address)
+        }
+    }
+
+    #[test]
+    fn a_pass_reconciles_the_functions_whose_driver_bound() {
+        let pf = |d| dev("0000:01:00.0", Role::Pf, d);
+        let vf = |d| dev("0000:01:00.1", Role::Vf, d);
+        #[rustfmt::skip]
+        let table: Vec<(DeviceChange, bool)> = vec![
+            (DeviceChange::Changed { old: pf(None), new: pf(Some("nvme")) }, true),
+            (DeviceChange::Changed { old: pf(Some("nvme")), new: pf(Some("vfio-pci")) }, false),
+            (DeviceChange::Changed { old: pf(Some("nvme")), new: pf(None) }, false),
+            (DeviceChange::Changed { old: pf(None), new: pf(None) }, false),
+            (DeviceChange::Added(pf(Some("nvme"))), true),
+            (DeviceChange::Added(pf(None)), false),
+            (DeviceChange::Removed(pf(Some("nvme"))), false),
+            (DeviceChange::Changed { old: vf(None), new: vf(Some("vfio-pci")) }, false),
+            (DeviceChange::Added(vf(Some("nvme"))), false),
+        ];
+        for (change, want) in table {
+            let got = drivers_bound(std::slice::from_ref(&change));
+            assert_eq!(!got.is_empty(), want, "{change:?}");
         }
     }
 }

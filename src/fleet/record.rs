@@ -105,35 +105,10 @@ fn record(d: &Device, local_reason: Option<String>) -> Record {
 pub(crate) mod tests {
     use super::*;
     use crate::claim::Held;
-    use crate::model::device::{Kind, Mode};
     use crate::model::pci::ClassCode;
 
     pub fn device(addr: &str) -> Device {
-        Device {
-            address: addr.parse().unwrap(),
-            vendor_id: 0x8086,
-            device_id: 0x154c,
-            subsystem_vendor_id: 0,
-            subsystem_device_id: 0,
-            revision: 1,
-            class: ClassCode(0x020000),
-            vendor_name: "Intel".into(),
-            device_name: "X710 VF".into(),
-            kind: Kind::Nic,
-            driver: Some("vfio-pci".into()),
-            driver_override: None,
-            numa_node: Some(0),
-            iommu_group: Some(40),
-            role: Role::Function,
-            separable: false,
-            mode: Mode::Pf,
-            total_vfs: 0,
-            num_vfs: 0,
-            parent_pf: None,
-            managed: true,
-            state: State::Usable,
-            state_reason: String::new(),
-        }
+        Device::example(addr)
     }
 
     #[test]

@@ -137,6 +137,13 @@ pub enum PlanError {
     NoVfLayout { pf: PciAddress },
     #[error("VF {index} of {pf} would fall outside the PCI address space")]
     VfOutOfRange { pf: PciAddress, index: u32 },
+    /// Checked here, not left to the kernel's ENOENT: the split would stop after its first write
+    /// with the kernel's "no driver bound to device" in the log and nothing said to the caller.
+    #[error(
+        "{pf} has no driver bound, so it cannot be split {}",
+        crate::mode::policy::NO_PF_DRIVER
+    )]
+    NoPfDriver { pf: PciAddress },
 }
 
 /// Address of VF `index` from the PF's routing id, offset and stride (SR-IOV spec 3.3.10).
@@ -232,6 +239,9 @@ fn split_steps(
     let (Some(offset), Some(stride)) = (s.vf_offset, s.vf_stride) else {
         return Err(PlanError::NoVfLayout { pf });
     };
+    if s.pf.driver.is_none() {
+        return Err(PlanError::NoPfDriver { pf });
+    }
     // Host VF drivers must not grab the VFs between creation and our bind.
     if s.autoprobe != Some(false) {
         steps.push(write(SysPath::device(pf, "sriov_drivers_autoprobe"), "0"));
@@ -587,6 +597,18 @@ mod tests {
         assert_eq!(
             build(&s, &Program::Split { num_vfs: 1 }, "vfio-pci"),
             Err(PlanError::NoVfLayout { pf: s.pf.address })
+        );
+    }
+
+    #[test]
+    fn split_of_a_pf_without_a_driver_is_refused() {
+        let mut s = nic();
+        s.pf.driver = None;
+        let e = build(&s, &Program::Split { num_vfs: 1 }, "vfio-pci").unwrap_err();
+        assert_eq!(e, PlanError::NoPfDriver { pf: s.pf.address });
+        assert!(
+            e.to_string().contains("the split runs when one binds"),
+            "{e}"
         );
     }
 

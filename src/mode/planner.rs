@@ -129,10 +129,27 @@ pub fn plan_device(
     let rule = settings.rule_for(address, device.vendor_id, device.device_id, device.class);
     let decision = policy::decide(&device, rule, settings.scenario);
     let (program, plan) = match &decision {
-        Decision::Target { target, .. } => {
-            let (program, plan, _) = plan_to(sysfs, store, &device, target)?;
-            (program, plan)
-        }
+        Decision::Target { target, .. } => match plan_to(sysfs, store, &device, target) {
+            Ok((program, plan, _)) => (program, plan),
+            // The record said it had a driver; the kernel says it has none now (unbound since
+            // the last pass): it waits, as the policy would have said.
+            Err(ModeError::Plan {
+                source: e @ PlanError::NoPfDriver { .. },
+                ..
+            }) => {
+                let decision = Decision::Wait {
+                    target: target.clone(),
+                    reason: e.to_string(),
+                };
+                return Ok(DevicePlan {
+                    address,
+                    decision,
+                    program: Program::Nothing,
+                    plan: None,
+                });
+            }
+            Err(e) => return Err(e),
+        },
         _ => (Program::Nothing, None),
     };
     Ok(DevicePlan {

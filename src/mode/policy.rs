@@ -13,6 +13,10 @@ use serde::Serialize;
 /// The default driver for VFs handed to VMs.
 pub const VFIO_PCI: &str = "vfio-pci";
 
+/// Why a PF without a driver cannot be split, and what happens next (a [`Decision::Wait`]).
+pub const NO_PF_DRIVER: &str = "(the kernel creates VFs through the PF's driver and none is \
+     bound): the split runs when one binds; if none will, load the PF's driver module";
+
 /// Where a device should be.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[serde(tag = "mode", rename_all = "lowercase")]
@@ -34,6 +38,11 @@ pub enum Decision {
     Target { target: Target, reason: String },
     /// The configuration asks for something this device cannot do.
     Refuse { reason: String },
+    /// The device should be in `target` but cannot get there yet: a PF to split that has no
+    /// driver, since the kernel creates VFs through the PF's driver (`sriov_numvfs` answers
+    /// "no driver bound to device" without one). At boot the PF's driver may bind after vfiod
+    /// has started; the pass that sees it bind plans the device again (`Engine::run`).
+    Wait { target: Target, reason: String },
 }
 
 impl Decision {
@@ -41,13 +50,15 @@ impl Decision {
         match self {
             Decision::Leave { reason }
             | Decision::Target { reason, .. }
-            | Decision::Refuse { reason } => reason,
+            | Decision::Refuse { reason }
+            | Decision::Wait { reason, .. } => reason,
         }
     }
 }
 
 /// Which PFs this policy splits, for the claim rules (see [`crate::claim::SplitPolicy`]): a PF
-/// whose target is VF mode, whatever its mode now.
+/// whose target is VF mode, whatever its mode now, and one waiting for its driver to be split
+/// (it is not offered whole meanwhile).
 pub fn split_policy(
     settings: std::sync::Arc<crate::config::Settings>,
 ) -> crate::claim::SplitPolicy {
@@ -56,6 +67,9 @@ pub fn split_policy(
         matches!(
             decide(d, rule, settings.scenario),
             Decision::Target {
+                target: Target::Vf { .. },
+                ..
+            } | Decision::Wait {
                 target: Target::Vf { .. },
                 ..
             }
@@ -125,8 +139,15 @@ pub fn decide(device: &Device, rule: Option<&DeviceRule>, scenario: Scenario) ->
                     ),
                 };
             }
+            let target = Target::Vf { num_vfs, vf_driver };
+            if device.num_vfs == 0 && device.driver.is_none() {
+                return Decision::Wait {
+                    target,
+                    reason: format!("{why}; waiting for a driver to bind to the PF {NO_PF_DRIVER}"),
+                };
+            }
             Decision::Target {
-                target: Target::Vf { num_vfs, vf_driver },
+                target,
                 reason: why,
             }
         }
@@ -311,6 +332,46 @@ mod tests {
             if want.is_none() {
                 assert!(matches!(got, Decision::Refuse { .. }), "{got:?}");
             }
+        }
+    }
+
+    /// A PF whose driver has not bound yet (at boot, vfiod may start first): a split waits for
+    /// it, anything else goes ahead.
+    #[test]
+    fn a_pf_without_a_driver_waits_for_one_before_a_split() {
+        use Scenario::*;
+        let bare = |num_vfs| Device {
+            driver: None,
+            num_vfs,
+            mode: if num_vfs > 0 { Mode::Vf } else { Mode::Pf },
+            ..dev(true, State::Usable, Role::Pf)
+        };
+        let vf64 = Target::Vf {
+            num_vfs: 64,
+            vf_driver: VFIO_PCI.into(),
+        };
+        #[rustfmt::skip]
+        let table: &[(Device, Scenario, Option<Mode>, &str)] = &[
+            (bare(0), Public,  None,           "wait"),
+            (bare(0), Private, Some(Mode::Vf), "wait"),
+            (bare(0), Private, None,           "target"), // PF mode needs no driver
+            (bare(0), Public,  Some(Mode::Pf), "target"),
+            (bare(8), Public,  None,           "target"), // split already (a resplit)
+            (dev(true, State::Usable, Role::Pf), Public, None, "target"),
+        ];
+        for (d, scenario, mode, want) in table {
+            let got = decide(d, Some(&rule(*mode, None)), *scenario);
+            let kind = match &got {
+                Decision::Wait { target, reason } => {
+                    assert_eq!(target, &vf64, "{got:?}");
+                    assert!(reason.contains("waiting for a driver"), "{got:?}");
+                    assert!(reason.contains("load the PF's driver module"), "{got:?}");
+                    "wait"
+                }
+                Decision::Target { .. } => "target",
+                _ => "other",
+            };
+            assert_eq!(kind, *want, "{:?} {scenario:?} {mode:?}: {got:?}", d.driver);
         }
     }
 

@@ -104,6 +104,37 @@ impl Device {
     pub fn object_name(&self) -> String {
         self.address.nodedev_name()
     }
+
+    /// A usable, managed function at `address` (an Intel NIC's VF on vfio-pci, not split), for
+    /// unit tests to change the fields they are about.
+    #[cfg(test)]
+    pub(crate) fn example(address: &str) -> Device {
+        Device {
+            address: address.parse().unwrap(),
+            vendor_id: 0x8086,
+            device_id: 0x154c,
+            subsystem_vendor_id: 0,
+            subsystem_device_id: 0,
+            revision: 1,
+            class: ClassCode(0x020000),
+            vendor_name: "Intel".into(),
+            device_name: "X710 VF".into(),
+            kind: Kind::Nic,
+            driver: Some("vfio-pci".into()),
+            driver_override: None,
+            numa_node: Some(0),
+            iommu_group: Some(40),
+            role: Role::Function,
+            separable: false,
+            mode: Mode::Pf,
+            total_vfs: 0,
+            num_vfs: 0,
+            parent_pf: None,
+            managed: true,
+            state: State::Usable,
+            state_reason: String::new(),
+        }
+    }
 }
 
 #[cfg(test)]

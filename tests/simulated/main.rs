@@ -22,6 +22,7 @@ mod images_url;
 mod introspection;
 mod job_guards;
 mod jobs;
+mod late_driver;
 mod metrics;
 mod passthrough;
 mod replay;

@@ -179,6 +179,7 @@ pub(crate) fn print_plans(
                 }
                 "target" => p.program.clone(),
                 "refuse" => "refused".to_string(),
+                "wait" => "waiting".to_string(),
                 _ => "left alone".to_string(),
             };
             println!("{}: {what} ({})", p.address, p.reason);

@@ -105,6 +105,17 @@ impl Job for ModeJob {
                             device.total_vfs
                         )));
                     }
+                    // Refused before a task exists: one would fail at its first write and stay
+                    // failed until reset. (Prepare checks the kernel's state again.)
+                    if device.num_vfs == 0 && device.driver.is_none() {
+                        return Err(JobError::Unavailable {
+                            address,
+                            reason: format!(
+                                "it has no driver bound, so it cannot be split {}",
+                                crate::mode::policy::NO_PF_DRIVER
+                            ),
+                        });
+                    }
                 }
                 t.clone()
             }
@@ -115,6 +126,9 @@ impl Job for ModeJob {
                     Decision::Target { target, .. } => target,
                     Decision::Leave { reason } | Decision::Refuse { reason } => {
                         return Err(invalid(reason))
+                    }
+                    Decision::Wait { reason, .. } => {
+                        return Err(JobError::Unavailable { address, reason })
                     }
                 }
             }

@@ -485,6 +485,35 @@ impl SimKernel {
         self.persist(&st)
     }
 
+    /// Loads a driver's module, as `modprobe` does: the driver registers (its directory appears
+    /// under `bus/pci/drivers/`) and binds every unbound function it matches, as the kernel's
+    /// `driver_attach()` does (a function overridden to another driver, or a VF its PF keeps from
+    /// autoprobe, stays unbound). A driver already loaded: EEXIST, nothing changes.
+    pub fn load_driver(&self, spec: DriverSpec) -> io::Result<()> {
+        let mut st = self.lock();
+        if st.drivers.contains_key(&spec.name) {
+            return Err(err(libc::EEXIST));
+        }
+        let name = spec.name.clone();
+        st.drivers.insert(name.clone(), spec);
+        render::driver(&self.root, &name)?;
+        let unbound: Vec<PciAddress> = st
+            .devices
+            .values()
+            .filter(|d| d.driver.is_none())
+            .filter(|d| d.driver_override.as_ref().is_none_or(|o| *o == name))
+            .filter(|d| Self::matches(&st, d, &name))
+            .map(|d| d.spec.address)
+            .collect();
+        for address in unbound {
+            match self.bind(&mut st, address, &name) {
+                Err(e) if e.raw_os_error() == Some(libc::ENODEV) => {}
+                other => other?,
+            }
+        }
+        self.persist(&st)
+    }
+
     /// Hot-adds a new function (its parent must exist).
     pub fn hot_add(&self, spec: FunctionSpec) -> io::Result<()> {
         let mut st = self.lock();

@@ -98,11 +98,17 @@ pub(super) fn skeleton(root: &Path, st: &State) -> io::Result<()> {
     write(&bus.join("drivers_autoprobe"), "1\n")?;
     kernel(root, st)?;
     for name in st.drivers.keys() {
-        let d = bus.join("drivers").join(name);
-        fs::create_dir_all(&d)?;
-        for f in ["bind", "unbind", "new_id", "remove_id", "uevent"] {
-            write(&d.join(f), "")?;
-        }
+        driver(root, name)?;
+    }
+    Ok(())
+}
+
+/// A registered driver's directory under `bus/pci/drivers/`.
+pub(super) fn driver(root: &Path, name: &str) -> io::Result<()> {
+    let d = root.join("sys/bus/pci/drivers").join(name);
+    fs::create_dir_all(&d)?;
+    for f in ["bind", "unbind", "new_id", "remove_id", "uevent"] {
+        write(&d.join(f), "")?;
     }
     Ok(())
 }

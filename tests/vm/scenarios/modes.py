@@ -1,7 +1,7 @@
 """PF/VF modes on a real kernel: the guest's SR-IOV NVMe is split at boot onto vfio-pci (vfiod loads the
 module), restored with its nvme driver on reload, split again before libvirtd after a reboot; a VM holding
-a VF open or a running libvirt domain with a VF assigned is never disturbed; a driver that cannot load fails the task before any write; split time
-against a shell script."""
+a VF open or a running libvirt domain with a VF assigned is never disturbed; a driver that cannot load fails the task before any write; a PF
+whose driver loads after vfiod started is split when it binds; split time against a shell script."""
 
 from __future__ import annotations
 
@@ -81,8 +81,8 @@ def timed_ms(g: Guest, script: str) -> float:
 @scenario()
 def modes(tb: Testbed) -> None:
     """the NVMe split at boot onto vfio-pci, restored on reload, re-applied after reboot before libvirtd;
-    a VF held open or assigned to a running domain is refused; an unloadable driver fails cleanly;
-    vfiod's split against a shell script"""
+    a VF held open or assigned to a running domain is refused; an unloadable driver fails cleanly; a PF
+    whose driver loads after vfiod started is split when it binds; vfiod's split against a shell script"""
     g = tb.boot()
     # Scenario public: vfiod splits the selected NVMe before it takes its bus name.
     tb.note("install+enable (split at start)", vfiod.install(g, dropin=PUBLIC))
@@ -178,6 +178,30 @@ def modes(tb: Testbed) -> None:
     latest = tasks(g)[0]
     for field in (f"VFIOD_TASK_ID={latest['id']}", f"VFIOD_DEVICE={PF}", "VFIOD_KIND=split"):
         assert field in journal, f"journalctl -o verbose lacks {field}"
+
+    # The PF's driver loads after vfiod started (as at a slow boot, where nvme once bound after vfiod's
+    # start-up split had failed on it): vfiod waits for the driver, and splits the PF when it binds.
+    g.run("systemctl stop vfiod")
+    g.run(f"sh -c '{SHELL_RESTORE}'")
+    g.run("modprobe -r nvme")
+    assert driver(g, PF) == "none", f"{PF} is on {driver(g, PF)} after modprobe -r nvme"
+    g.run("cat > /etc/vfiod/conf.d/test.toml", input=PUBLIC)
+    last = tasks(g)[0]["id"]
+    g.run("systemctl start vfiod")
+    plan = g.json(f"vfioctl plan {PF} --json", quiet=True)
+    entry = plan[0] if isinstance(plan, list) else plan
+    assert entry.get("decision") == "wait" and "the split runs when one binds" in entry.get("reason", ""), plan
+    assert [x for x in tasks(g) if x["id"] > last] == [], f"vfiod tried the PF without its driver: {tasks(g)[:2]}"
+    assert g.run(f"cat {DEV}/sriov_numvfs", quiet=True).out.strip() == "0"
+    t = time.monotonic()
+    g.run("modprobe nvme")
+    g.wait_for("the split once nvme bound", lambda: len(vfs(g)) == 2 and all(driver(g, v) == "vfio-pci" for v in vfs(g)),
+               60)
+    tb.note("modprobe nvme to the split done", time.monotonic() - t)
+    check_split(g)
+    latest = tasks(g)[0]
+    assert latest["kind"] == "split" and latest["state"] == "success" and \
+        latest["requested_by"] == "vfiod (a driver bound to it)", latest
 
     # Back to public; after a reboot the split is re-applied before libvirtd starts.
     set_scenario(g, PUBLIC)
