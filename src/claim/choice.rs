@@ -177,6 +177,11 @@ impl Reason {
     fn category(&self) -> &'static str {
         match self {
             Reason::Broken(_) => "broken",
+            Reason::Protected(why)
+                if why.starts_with("used by VM ") || why.starts_with("used by a VM") =>
+            {
+                "used by a VM"
+            }
             Reason::Protected(_) => "used by the host",
             Reason::NotManaged => "not selected by the configuration",
             Reason::Claimed { .. } | Reason::PfClaimed { .. } | Reason::VfClaimed { .. } => {
@@ -207,6 +212,9 @@ impl fmt::Display for Reason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Reason::Broken(why) => write!(f, "is broken ({why})"),
+            // The inventory's own reasons say who uses it ("used by the host: boot disk",
+            // "used by VM vm1: ..."): said once, not "used by the host (used by VM vm1: ...)".
+            Reason::Protected(why) if crate::hostuse::is_use_reason(why) => write!(f, "is {why}"),
             Reason::Protected(why) => write!(f, "is used by the host ({why})"),
             Reason::NotManaged => f.write_str(
                 "is not selected by the configuration (add a [[select]] rule for it to claim it)",
@@ -689,6 +697,25 @@ mod tests {
             got.push(c.device.to_string());
         }
         got
+    }
+
+    /// Who uses a protected function is said once, by whichever words say it.
+    #[test]
+    fn a_protected_function_says_who_uses_it_once() {
+        #[rustfmt::skip]
+        let table = [
+            ("used by the host: boot disk", "is used by the host: boot disk", "used by the host"),
+            ("used by VM vm1: IOMMU group 7 is open by pid 9 (qemu-system-x86)",
+             "is used by VM vm1: IOMMU group 7 is open by pid 9 (qemu-system-x86)", "used by a VM"),
+            ("used by a VM: /dev/vfio/7 is open by pid 9", "is used by a VM: /dev/vfio/7 is open by pid 9",
+             "used by a VM"),
+            ("listed in [[protect]]", "is used by the host (listed in [[protect]])", "used by the host"),
+        ];
+        for (recorded, said, counted) in table {
+            let r = Reason::Protected(recorded.to_string());
+            assert_eq!(r.to_string(), said);
+            assert_eq!(r.category(), counted, "{recorded}");
+        }
     }
 
     #[test]
