@@ -159,6 +159,23 @@ impl Server {
             // Each task refreshes after it ends; one more pass settles the counts.
             engine.refresh().await?;
         }
+        // Once at start, in the journal (and in `vfioctl status` until a reload runs them again):
+        // whether this host can pass functions through, with the fix of each check that is not ok.
+        let report = engine.examine_host().await;
+        tracing::info!("{}", report.summary());
+        for c in report
+            .checks
+            .iter()
+            .filter(|c| c.verdict != crate::doctor::Verdict::Ok)
+        {
+            tracing::info!(
+                "doctor: {} {}: {} (fix: {})",
+                c.verdict.as_str(),
+                c.name,
+                c.evidence,
+                c.fix
+            );
+        }
         // Functions a claim's end held for a clean that a stopped vfiod did not finish.
         let cleans = engine.start_cleans().await;
         if !cleans.is_empty() {

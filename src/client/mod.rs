@@ -52,6 +52,9 @@ pub trait Manager {
     /// "present", "absent" or "" (before the first pass); not signalled.
     #[zbus(property(emits_changed_signal = "false"))]
     fn iommu(&self) -> zbus::Result<String>;
+    /// The doctor's summary as of start-up or the last reload; not signalled.
+    #[zbus(property(emits_changed_signal = "false"))]
+    fn doctor(&self) -> zbus::Result<String>;
     fn get_metrics(&self) -> zbus::Result<String>;
     fn get_device(&self, address: &str) -> zbus::Result<zbus::OwnedObjectPath>;
     fn get_events(&self, query: Dict) -> zbus::Result<Vec<Dict>>;

@@ -37,6 +37,10 @@ pub struct StatusView {
     /// on; absent when it has one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub no_iommu: Option<String>,
+    /// `vfioctl doctor`'s checks in one line, as the daemon ran them at start-up or its last
+    /// reload; "" from a daemon that does not say.
+    #[serde(default)]
+    pub doctor: String,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -141,6 +145,8 @@ pub async fn read(conn: &Connection) -> Result<StatusView, ClientError> {
             .map_or(0, |d| d.as_millis() as i64),
         no_iommu: (m.iommu().await? == crate::model::iommu::Iommu::Absent.as_str())
             .then(|| crate::model::iommu::NoIommu.to_string()),
+        // An older daemon has no such property: say nothing rather than fail.
+        doctor: m.doctor().await.unwrap_or_default(),
     })
 }
 
@@ -176,6 +182,9 @@ pub fn render(s: &StatusView, time: impl Fn(i64) -> String) -> String {
     out.push_str(&format!("vfiod {}  scenario {}\n", s.version, s.scenario));
     if let Some(why) = &s.no_iommu {
         out.push_str(&format!("{why}\n"));
+    }
+    if !s.doctor.is_empty() {
+        out.push_str(&format!("{}\n", s.doctor));
     }
     out.push_str(&format!(
         "devices: {} ({} usable, {} protected, {} broken{})\n",
@@ -284,6 +293,7 @@ mod tests {
             pools: vec![],
             read_ms: 1_000_000,
             no_iommu: None,
+            doctor: String::new(),
         }
     }
 
@@ -309,6 +319,17 @@ mod tests {
             ..base()
         };
         assert!(render(&connecting, t).contains("\nlibvirt: qemu:///system connecting\n"));
+        let doctored = StatusView {
+            doctor: "doctor: 1 failure, run vfioctl doctor".into(),
+            ..base()
+        };
+        assert!(
+            render(&doctored, t).starts_with(
+                "vfiod 0.1.0  scenario private\ndoctor: 1 failure, run vfioctl doctor\ndevices:"
+            ),
+            "{}",
+            render(&doctored, t)
+        );
         let busy = StatusView {
             simulated: true,
             libvirt: Some(LibvirtView {

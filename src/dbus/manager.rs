@@ -177,6 +177,14 @@ impl Manager {
             .unwrap_or_default()
     }
 
+    /// `vfioctl doctor`'s checks of this host in one line ("doctor: all 14 checks ok",
+    /// "doctor: 2 warnings, run vfioctl doctor"), as of start-up or the last reload. Not
+    /// signalled: read it when needed.
+    #[zbus(property(emits_changed_signal = "false"))]
+    fn doctor(&self) -> String {
+        self.objects.engine.doctor_summary()
+    }
+
     /// The fleet reporter: empty when `[fleet]` is off; else `report_interval_s` u and
     /// `last_report_ms` t (Unix ms of the last report the database took, 0 when none since
     /// vfiod started). Not signalled: read it when needed.

@@ -74,3 +74,25 @@ fn host_facts(
         },
     }
 }
+
+/// The checks as the daemon runs them for `vfioctl status` and its journal, at start-up and
+/// after a reload: the host under the running configuration's root with that configuration
+/// (already loaded: it is valid), vfiod answering (it is the caller), and the bus not asked
+/// (polkitd counts as there when its binary is). Reads only.
+pub fn host_report(settings: &Settings, version: &str) -> Report {
+    let root = settings.sysfs_root.clone();
+    let sources = settings
+        .sources
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect();
+    let facts = Facts {
+        vfiod: super::VfiodFacts::Answers {
+            bus: "bus it serves".into(),
+            version: version.into(),
+            iommu: String::new(),
+        },
+        ..host_facts(&root, settings, sources, None)
+    };
+    Report::new(root.display().to_string(), checks(&facts))
+}

@@ -72,6 +72,9 @@ pub struct Engine {
     /// The Prometheus counters and histograms, updated where tasks end, hooks answer, pool
     /// calls fail and the fleet reports (see [`crate::metrics`]).
     metrics: Arc<crate::metrics::Metrics>,
+    /// `vfioctl doctor`'s checks of this host in one line, as of start-up or the last reload
+    /// (see [`Engine::examine_host`]); "" before the first.
+    doctor: Mutex<String>,
 }
 
 impl Engine {
@@ -92,8 +95,41 @@ impl Engine {
             changes: Arc::new(watch::channel(0).0),
             libvirt_link: libvirt_link::LinkRecord::default(),
             metrics: Arc::default(),
+            doctor: Mutex::default(),
         };
         (Arc::new(engine), stream)
+    }
+
+    /// Runs `vfioctl doctor`'s checks of this host under the running configuration (reads only;
+    /// see [`crate::doctor::run::host_report`]) and keeps their one-line summary for
+    /// `vfioctl status`.
+    pub async fn examine_host(&self) -> crate::doctor::Report {
+        let settings = self.settings();
+        let report = tokio::task::spawn_blocking(move || {
+            crate::doctor::run::host_report(&settings, env!("CARGO_PKG_VERSION"))
+        })
+        .await
+        .unwrap_or_else(|e| {
+            crate::doctor::Report::new(
+                "",
+                vec![crate::doctor::Check {
+                    name: "doctor".into(),
+                    verdict: crate::doctor::Verdict::Warn,
+                    evidence: format!("the checks did not run: {e}"),
+                    fix: "vfioctl doctor".into(),
+                }],
+            )
+        });
+        *self.doctor.lock().unwrap_or_else(|p| p.into_inner()) = report.summary();
+        report
+    }
+
+    /// The summary [`Engine::examine_host`] kept.
+    pub fn doctor_summary(&self) -> String {
+        self.doctor
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     pub fn core(&self) -> &Arc<Core> {
@@ -213,7 +249,11 @@ impl Engine {
     pub async fn reload(&self) -> Result<Pass, EngineError> {
         self.read(|core| core.reload()).await??;
         self.send(EngineEvent::Settings);
-        self.refresh().await
+        let pass = self.refresh().await;
+        // What it selects may have changed, and with it the groups the checks look at.
+        let report = self.examine_host().await;
+        tracing::info!("{}", report.summary());
+        pass
     }
 
     /// Records a task change: the store has committed it; tell the consumer and the waiters.
