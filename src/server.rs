@@ -161,20 +161,29 @@ impl Server {
         }
         // Once at start, in the journal (and in `vfioctl status` until a reload runs them again):
         // whether this host can pass functions through, with the fix of each check that is not ok.
-        let report = engine.examine_host().await;
-        tracing::info!("{}", report.summary());
-        for c in report
-            .checks
-            .iter()
-            .filter(|c| c.verdict != crate::doctor::Verdict::Ok)
-        {
-            tracing::info!(
-                "doctor: {} {}: {} (fix: {})",
-                c.verdict.as_str(),
-                c.name,
-                c.evidence,
-                c.fix
-            );
+        engine.set_host_examiner(std::sync::Arc::new(|settings| {
+            let report = crate::doctor::run::host_report(settings, env!("CARGO_PKG_VERSION"));
+            let lines = report
+                .checks
+                .iter()
+                .filter(|c| c.verdict != crate::doctor::Verdict::Ok)
+                .map(|c| {
+                    format!(
+                        "doctor: {} {}: {} (fix: {})",
+                        c.verdict.as_str(),
+                        c.name,
+                        c.evidence,
+                        c.fix
+                    )
+                })
+                .collect();
+            (report.summary(), lines)
+        }));
+        if let Some((summary, lines)) = engine.examine_host().await {
+            tracing::info!("{summary}");
+            for line in lines {
+                tracing::info!("{line}");
+            }
         }
         // Functions a claim's end held for a clean that a stopped vfiod did not finish.
         let cleans = engine.start_cleans().await;

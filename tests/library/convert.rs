@@ -237,7 +237,10 @@ fn a_vf_that_vanishes_mid_split_rolls_back() {
 #[test]
 fn kernel_refusals_name_errno_and_path() {
     let h = host();
-    // No PF driver: the kernel refuses sriov_numvfs with ENOENT.
+    // Planned while the PF had its driver, which goes before the writes (the planner refuses a
+    // split of a PF without one): the kernel refuses sriov_numvfs with ENOENT.
+    let planned = snap(&h, "0000:af:00.0");
+    let p = plan::build(&planned, &Program::Split { num_vfs: 2 }, "vfio-pci").unwrap();
     h.sysfs
         .write(
             &h.sysfs.driver_dir("dfl-pci").join("unbind"),
@@ -245,7 +248,6 @@ fn kernel_refusals_name_errno_and_path() {
         )
         .unwrap();
     let before = snap(&h, "0000:af:00.0");
-    let p = plan::build(&before, &Program::Split { num_vfs: 2 }, "vfio-pci").unwrap();
     let err = convert::apply(&h.sysfs, &p, &before, &mut |_, _, _| {}).unwrap_err();
     assert_eq!(err.error.errno(), Some(libc::ENOENT));
     let msg = vfiod::error_chain(&err);
