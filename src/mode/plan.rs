@@ -284,7 +284,31 @@ pub fn build(snapshot: &Snapshot, program: &Program, vf_driver: &str) -> Result<
     let mut steps = Vec::new();
     match program {
         Program::Nothing => {}
-        Program::Split { num_vfs } => split_steps(&mut steps, snapshot, *num_vfs, vf_driver)?,
+        Program::Split { num_vfs } => {
+            // A PF vfiod moved (to vfio-pci, for a claim of it whole) goes back to the driver it
+            // had first: VFs are created by the PF's own driver (vfio-pci creates none unless
+            // loaded with enable_sriov, and answers ENOENT).
+            let pf = &snapshot.pf;
+            let returned = match snapshot.original_drivers.get(&pf.address) {
+                Some(Some(orig)) if pf.driver.as_deref() != Some(orig.as_str()) => {
+                    unbind_steps(&mut steps, pf, Some(orig));
+                    Some(Binding {
+                        driver: Some(orig.clone()),
+                        driver_override: None,
+                        ..pf.clone()
+                    })
+                }
+                _ => None,
+            };
+            let s = match returned {
+                Some(pf) => &Snapshot {
+                    pf,
+                    ..snapshot.clone()
+                },
+                None => snapshot,
+            };
+            split_steps(&mut steps, s, *num_vfs, vf_driver)?
+        }
         Program::Restore => {
             restore_steps(&mut steps, snapshot);
             // Return the PF to the driver it had before vfiod changed it, if vfiod did.
@@ -598,6 +622,41 @@ mod tests {
             build(&s, &Program::Split { num_vfs: 1 }, "vfio-pci"),
             Err(PlanError::NoVfLayout { pf: s.pf.address })
         );
+    }
+
+    /// A PF left on vfio-pci after a claim of it whole: back to its own driver, then split.
+    #[test]
+    fn split_of_a_pf_vfiod_moved_returns_it_to_its_driver_first() {
+        let mut s = nic();
+        s.pf.driver = Some("vfio-pci".into());
+        s.pf.driver_override = Some("vfio-pci".into());
+        s.original_drivers
+            .insert(s.pf.address, Some("i40e".to_string()));
+        let p = build(&s, &Program::Split { num_vfs: 2 }, "vfio-pci").unwrap();
+        let text: Vec<String> = p.steps.iter().map(|st| st.to_string()).collect();
+        let numvfs = text
+            .iter()
+            .position(|t| t.contains("sriov_numvfs"))
+            .unwrap();
+        let returned = text
+            .iter()
+            .position(|t| t.contains("expect 0000:3b:00.0 bound to i40e"))
+            .unwrap_or_else(|| panic!("no return to i40e in {text:#?}"));
+        assert!(returned < numvfs, "{text:#?}");
+        assert!(text[0].contains("driver_override"), "{text:#?}");
+        // Not moved by vfiod (no record, or on its own driver): the split alone.
+        for original in [None, Some("i40e")] {
+            let mut s = nic();
+            if let Some(o) = original {
+                s.original_drivers.insert(s.pf.address, Some(o.to_string()));
+            }
+            let p = build(&s, &Program::Split { num_vfs: 2 }, "vfio-pci").unwrap();
+            assert!(
+                p.steps[0].to_string().contains("sriov_drivers_autoprobe"),
+                "{:?}",
+                p.steps
+            );
+        }
     }
 
     #[test]
