@@ -181,16 +181,16 @@ def modes(tb: Testbed) -> None:
 
     # The PF's driver loads after vfiod started (as at a slow boot, where nvme once bound after vfiod's
     # start-up split had failed on it): vfiod waits for the driver, and splits the PF when it binds.
+    last = tasks(g)[0]["id"]
     g.run("systemctl stop vfiod")
     g.run(f"sh -c '{SHELL_RESTORE}'")
     g.run("modprobe -r nvme")
     assert driver(g, PF) == "none", f"{PF} is on {driver(g, PF)} after modprobe -r nvme"
     g.run("cat > /etc/vfiod/conf.d/test.toml", input=PUBLIC)
-    last = tasks(g)[0]["id"]
     g.run("systemctl start vfiod")
     plan = g.json(f"vfioctl plan {PF} --json", quiet=True)
-    entry = plan[0] if isinstance(plan, list) else plan
-    assert entry.get("decision") == "wait" and "the split runs when one binds" in entry.get("reason", ""), plan
+    decision = (plan[0] if isinstance(plan, list) else plan)["decision"]
+    assert decision["decision"] == "wait" and "the split runs when one binds" in decision["reason"], plan
     assert [x for x in tasks(g) if x["id"] > last] == [], f"vfiod tried the PF without its driver: {tasks(g)[:2]}"
     assert g.run(f"cat {DEV}/sriov_numvfs", quiet=True).out.strip() == "0"
     t = time.monotonic()

@@ -15,6 +15,7 @@ from testbed import vfiod
 from testbed.guest import Guest, Result
 from testbed.nested import define_os_domain, domain_state, live_hostdevs, serial_mark, wait_os_ready, wait_serial
 from testbed.runner import Testbed, scenario
+from scenarios import claims as claims_scenario
 
 MARKER = "quickstart"
 # The guest's values for the block's first line: the emulated SR-IOV NVMe PF, which the guest's host does
@@ -110,7 +111,8 @@ def others_unchanged(before: dict[str, str], now: dict[str, str], when: str) -> 
 
 @scenario()
 def quickstart(tb: Testbed) -> None:
-    """the README's real-host quickstart verbatim (only its variables line replaced): a drop-in selecting
+    """the README's real-host quickstart verbatim (only its variables line replaced), then the claims
+    scenario's steps in the same guest and nested domain: a drop-in selecting
     the NVMe PF, check-config, reload, plan, claim, attach to a running domain (live XML, vfio-pci, seen by
     the nested kernel), detach, claim and release; nothing else touched, a clean journal"""
     lines = readme_block((tb.repo / "README.md").read_text())
@@ -165,7 +167,8 @@ def quickstart(tb: Testbed) -> None:
     assert domain_state(g, VM) == "running", f"{VM} is {domain_state(g, VM)!r} after the quickstart"
     problems = vfiod.journal_problems(g)
     assert not problems, "vfiod logged warnings or errors during the quickstart:\n  " + "\n  ".join(problems)
-    g.run(f"virsh destroy {VM}")
+    # Then the claims scenario's steps, in this guest with this nested domain (see scenarios.claims).
+    claims_scenario.after_quickstart(tb, g, DROPIN)
 
 
 # ---- what each step must have done --------------------------------------------------------------------
