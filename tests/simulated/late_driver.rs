@@ -1,5 +1,6 @@
-//! A PF whose driver binds after vfiod has started (at boot: a slow module load, or a driver
-//! loaded by hand later) is split when its driver binds.
+//! A PF is split by its own driver. One whose driver binds after vfiod has started (at boot: a
+//! slow module load, or a driver loaded by hand later) is split when its driver binds; one vfiod
+//! moved to vfio-pci is given back to its driver first.
 //!
 //! The defect this guards against: the start-up reconcile tried the split of a PF with no driver,
 //! `sriov_numvfs` answered ENOENT ("no driver bound to device; cannot configure SR-IOV" in the
@@ -99,4 +100,38 @@ async fn vf_mode_asked_of_a_pf_without_a_driver_says_why_it_waits() {
     );
     assert_eq!(h.kernel.num_vfs(addr(NIC)), Some(0));
     assert_eq!(h.kernel.driver_of(addr(NIC)), None);
+}
+
+/// The NIC whole on vfio-pci (as a claim of it whole, or `pf_driver`, leaves it).
+const NIC_ON_VFIO: &str = r#"
+scenario = "private"
+poll_interval = 3600
+[[select]]
+id = "8086:1572"
+num_vfs = 4
+pf_driver = "vfio-pci"
+"#;
+
+/// A PF vfiod moved to vfio-pci is split by its own driver: vfio-pci creates no VFs (Linux's
+/// answers ENOENT unless loaded with enable_sriov), so the split gives the PF back to the driver
+/// it had first. The split used to write `sriov_numvfs` to vfio-pci and fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pf_vfiod_moved_to_vfio_pci_is_split_by_its_own_driver() {
+    let h = Harness::start(NIC_ON_VFIO).await;
+    assert_eq!(h.kernel.driver_of(addr(NIC)).as_deref(), Some("vfio-pci"));
+    let bus = h.bus.address().to_string();
+    h.replace_config(CONFIG);
+    let (ok, out) = vfioctl(&bus, &["reload"]);
+    assert!(ok, "{out}");
+    let task = eventually(HUNG, "the split after the reload", || {
+        h.store()
+            .tasks(Some(addr(NIC)), 1)
+            .unwrap()
+            .into_iter()
+            .find(|t| t.kind == TaskKind::Split && t.state.is_final())
+    })
+    .await;
+    assert_eq!(task.state, TaskState::Success, "{task:?}");
+    assert_eq!(h.kernel.num_vfs(addr(NIC)), Some(4));
+    assert_eq!(h.kernel.driver_of(addr(NIC)).as_deref(), Some("i40e"));
 }

@@ -495,8 +495,9 @@ impl HostModel {
             DriverSpec::new("c6xxvf", &[(INTEL, 0x37c9)], false),
             DriverSpec::new("dfl-pci", &[(INTEL, 0x0b2b), (INTEL, 0x0b2c)], true),
             DriverSpec::new("nvme", &[(SAMSUNG, 0xa824), (SAMSUNG, 0xa80a)], true),
-            // vfio-pci binds only by driver_override; it can enable VFs of a PF it owns.
-            DriverSpec::new("vfio-pci", &[], true),
+            // vfio-pci binds only by driver_override. It enables no VFs of a PF it owns: Linux's
+            // vfio-pci answers ENOENT unless loaded with enable_sriov=1 (off by default).
+            DriverSpec::new("vfio-pci", &[], false),
             DriverSpec::new("pci-stub", &[], false),
         ]
     }
