@@ -6,7 +6,7 @@
 use super::Engine;
 use crate::host::libvirt::LibvirtEvent;
 use crate::host::uevent::{EventReceiver, Uevent};
-use crate::model::device::Role;
+use crate::model::device::{Role, State};
 use crate::model::event::EventKind;
 use crate::model::pci::PciAddress;
 use crate::store::{DeviceChange, NewEvent};
@@ -256,16 +256,16 @@ impl Engine {
         }
     }
 
-    /// An inventory pass; then the policy, again, for each function whose driver has just bound.
-    /// At boot a PF's driver may bind after vfiod's start-up reconcile, which left the PF waiting
-    /// for it ([`crate::mode::policy::Decision::Wait`]); a hot-plugged function gets its mode
-    /// too. A function the policy leaves alone, or that is there already, gets no task.
+    /// An inventory pass; then the policy, again, for each function that has just become ready
+    /// for it ([`ready_for_policy`]). At boot a PF's driver may bind after vfiod's start-up
+    /// reconcile, which left the PF waiting for it ([`crate::mode::policy::Decision::Wait`]); a
+    /// hot-plugged function gets its mode too. A function the policy leaves alone, or that is
+    /// there already, gets no task.
     async fn pass(self: &Arc<Self>) {
         match self.refresh().await {
             Ok(pass) => {
-                for address in drivers_bound(&pass.changes) {
-                    self.reconcile_device(address, "vfiod (a driver bound to it)")
-                        .await;
+                for (address, why) in ready_for_policy(&pass.changes) {
+                    self.reconcile_device(address, why).await;
                 }
             }
             Err(e) => tracing::error!("inventory pass failed: {}", crate::error_chain(&e)),
@@ -273,21 +273,31 @@ impl Engine {
     }
 }
 
-/// The functions other than VFs that a pass saw get a driver: bound where they had none, or
-/// added with one (hot-plug). A VF has no mode of its own; one that changes driver is the work
-/// of its PF's task or of a claim.
-fn drivers_bound(changes: &[DeviceChange]) -> Vec<PciAddress> {
+/// The functions other than VFs that a pass saw become ready for the policy, with what made
+/// them so (the task's `requested_by`): a driver bound where there was none, added with one
+/// (hot-plug), or usable again (no longer protected, broken or being cleaned). Both can come one
+/// pass apart: when nvme binds, udev opens the new namespace to probe it, so the pass that sees
+/// the driver sees the PF used by the host, and the next one sees it usable. A VF has no mode of
+/// its own; one that changes is the work of its PF's task or of a claim.
+fn ready_for_policy(changes: &[DeviceChange]) -> Vec<(PciAddress, &'static str)> {
     changes
         .iter()
         .filter_map(|c| match c {
-            DeviceChange::Added(d) if d.driver.is_some() => Some(d),
+            DeviceChange::Added(d) if d.driver.is_some() => {
+                Some((d, "vfiod (a driver bound to it)"))
+            }
             DeviceChange::Changed { old, new } if old.driver.is_none() && new.driver.is_some() => {
-                Some(new)
+                Some((new, "vfiod (a driver bound to it)"))
+            }
+            DeviceChange::Changed { old, new }
+                if old.state != State::Usable && new.state == State::Usable =>
+            {
+                Some((new, "vfiod (it became usable)"))
             }
             _ => None,
         })
-        .filter(|d| d.role != Role::Vf)
-        .map(|d| d.address)
+        .filter(|(d, _)| d.role != Role::Vf)
+        .map(|(d, why)| (d.address, why))
         .collect()
 }
 
@@ -305,24 +315,34 @@ mod tests {
     }
 
     #[test]
-    fn a_pass_reconciles_the_functions_whose_driver_bound() {
+    fn a_pass_reconciles_the_functions_that_became_ready_for_the_policy() {
         let pf = |d| dev("0000:01:00.0", Role::Pf, d);
         let vf = |d| dev("0000:01:00.1", Role::Vf, d);
+        let held = |d| Device {
+            state: State::Protected,
+            ..pf(d)
+        };
+        let bound = Some("vfiod (a driver bound to it)");
+        let usable = Some("vfiod (it became usable)");
         #[rustfmt::skip]
-        let table: Vec<(DeviceChange, bool)> = vec![
-            (DeviceChange::Changed { old: pf(None), new: pf(Some("nvme")) }, true),
-            (DeviceChange::Changed { old: pf(Some("nvme")), new: pf(Some("vfio-pci")) }, false),
-            (DeviceChange::Changed { old: pf(Some("nvme")), new: pf(None) }, false),
-            (DeviceChange::Changed { old: pf(None), new: pf(None) }, false),
-            (DeviceChange::Added(pf(Some("nvme"))), true),
-            (DeviceChange::Added(pf(None)), false),
-            (DeviceChange::Removed(pf(Some("nvme"))), false),
-            (DeviceChange::Changed { old: vf(None), new: vf(Some("vfio-pci")) }, false),
-            (DeviceChange::Added(vf(Some("nvme"))), false),
+        let table: Vec<(DeviceChange, Option<&str>)> = vec![
+            (DeviceChange::Changed { old: pf(None), new: pf(Some("nvme")) }, bound),
+            (DeviceChange::Changed { old: pf(Some("nvme")), new: pf(Some("vfio-pci")) }, None),
+            (DeviceChange::Changed { old: pf(Some("nvme")), new: pf(None) }, None),
+            (DeviceChange::Changed { old: pf(None), new: pf(None) }, None),
+            (DeviceChange::Added(pf(Some("nvme"))), bound),
+            (DeviceChange::Added(pf(None)), None),
+            (DeviceChange::Removed(pf(Some("nvme"))), None),
+            // udev's probe of the new namespace, then its end: ready one pass later.
+            (DeviceChange::Changed { old: pf(None), new: held(Some("nvme")) }, bound),
+            (DeviceChange::Changed { old: held(Some("nvme")), new: pf(Some("nvme")) }, usable),
+            (DeviceChange::Changed { old: pf(Some("nvme")), new: held(Some("nvme")) }, None),
+            (DeviceChange::Changed { old: vf(None), new: vf(Some("vfio-pci")) }, None),
+            (DeviceChange::Added(vf(Some("nvme"))), None),
         ];
         for (change, want) in table {
-            let got = drivers_bound(std::slice::from_ref(&change));
-            assert_eq!(!got.is_empty(), want, "{change:?}");
+            let got = ready_for_policy(std::slice::from_ref(&change));
+            assert_eq!(got.first().map(|(_, why)| *why), want, "{change:?}");
         }
     }
 }

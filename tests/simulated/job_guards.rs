@@ -6,7 +6,8 @@
 //! a_vf_a_running_domain_uses_is_not_taken_away, a_device_a_vm_holds_open_is_never_taken_down);
 //! the program job's claim in tests/simulated/fpga.rs.
 //! Here: the program job (which once lacked the VFIO check), the attach job and the migrate
-//! job. Every refusal is `InUse`, names the holder, and writes nothing.
+//! job. Every refusal is `InUse` (or `Protected`, once a pass has recorded the use), names the
+//! holder, and writes nothing.
 
 use crate::common;
 
@@ -53,6 +54,23 @@ fn qemu_holds(h: &Harness, function: &str) {
 
 fn no_qemu(h: &Harness) {
     std::fs::remove_dir_all(h.kernel.root().join("proc/4242")).unwrap();
+}
+
+/// A refusal for a use the host or a VM makes of the function, naming `cause`: `InUse` when the
+/// job's own look at the kernel found it, `Protected` when a pass (the holder index's refresh, a
+/// job's re-check) recorded it first; which one depends on the moment (a loaded machine sees the
+/// second), the cause named is the same.
+fn refused_for_use(r: zbus::Result<impl std::fmt::Debug>, what: &str, cause: &str) {
+    let (name, message) = refusal(r, what);
+    assert!(
+        [
+            "org.vfiod.Vfiod1.Error.InUse",
+            "org.vfiod.Vfiod1.Error.Protected"
+        ]
+        .contains(&name.as_str()),
+        "{what}: {name}: {message}"
+    );
+    assert!(message.contains(cause), "{what}: {message}");
 }
 
 fn in_use(r: zbus::Result<impl std::fmt::Debug>, what: &str, says: &str) {
@@ -395,10 +413,10 @@ async fn a_drive_the_host_holds_is_neither_claimed_nor_cleaned() {
         .spawn(process(813, "nvme", &["nvme"], &["/dev/nvme1"]))
         .unwrap();
     h.kernel.take_write_log();
-    in_use(
+    refused_for_use(
         d.clean(dict(&[])).await,
         "a clean of a drive a process holds",
-        "0000:d8:00.0 is used by the host: /dev/nvme1 is open by pid 813 (nvme)",
+        "used by the host: /dev/nvme1 is open by pid 813 (nvme)",
     );
     assert!(h.kernel.take_write_log().is_empty(), "nothing written");
     h.kernel.end(813).unwrap();
@@ -457,7 +475,11 @@ async fn a_vm_holding_a_vf_through_iommufd_refuses_a_restore_and_a_clean() {
         &says,
     );
     let d: DeviceProxy = client::device(&h.client, vf).await.unwrap();
-    in_use(d.clean(dict(&[])).await, "a clean of the VF", &says);
+    refused_for_use(
+        d.clean(dict(&[])).await,
+        "a clean of the VF",
+        &format!("used by VM byhand: {node} is open by pid 4343 (qemu-system-x86)"),
+    );
     assert!(h.kernel.take_write_log().is_empty(), "nothing written");
     assert_eq!(h.kernel.num_vfs(addr("0000:3b:00.0")), Some(4));
     h.kernel.end(4343).unwrap();

@@ -61,6 +61,16 @@ async fn a_pf_whose_driver_binds_after_the_start_is_split_then() {
     // Its driver's module loads (late, as at a slow boot) and binds it: vfiod splits the NIC.
     h.kernel.load_driver(i40e).expect("load i40e");
     assert_eq!(h.kernel.driver_of(addr(NIC)).as_deref(), Some("i40e"));
+    // The task's end is recorded after its inventory pass: wait for the end, then look.
+    eventually(HUNG, "the split task's end", || {
+        h.store()
+            .tasks(Some(addr(NIC)), 1)
+            .unwrap()
+            .first()
+            .filter(|t| t.state.is_final())
+            .map(|_| ())
+    })
+    .await;
     let vfs = eventually(HUNG, "the NIC split once its driver bound", || {
         let vfs = h
             .store()

@@ -200,8 +200,10 @@ def modes(tb: Testbed) -> None:
     tb.note("modprobe nvme to the split done", time.monotonic() - t)
     check_split(g)
     latest = tasks(g)[0]
+    # Usually "it became usable": when nvme binds, udev opens the new namespace to probe it, so the pass
+    # that sees the driver sees the PF used by the host (seen 2026-12-07), and the next pass sees it free.
     assert latest["kind"] == "split" and latest["state"] == "success" and \
-        latest["requested_by"] == "vfiod (a driver bound to it)", latest
+        latest["requested_by"] in ("vfiod (a driver bound to it)", "vfiod (it became usable)"), latest
 
     # Back to public; after a reboot the split is re-applied before libvirtd starts.
     set_scenario(g, PUBLIC)
